@@ -1,0 +1,44 @@
+"""System checks with stable IDs (``idempotent_orders.E0xx`` / ``W0xx``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Tags, register
+
+from idempotent_orders.conf import DEFAULTS
+
+
+@register(Tags.compatibility)
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """IDEMPOTENT_ORDERS must be a dict of known names with values of the right type."""
+    errors: list[CheckMessage] = []
+    user = getattr(settings, "IDEMPOTENT_ORDERS", {})
+    if not isinstance(user, dict):
+        return [
+            Error(
+                "settings.IDEMPOTENT_ORDERS must be a dict.",
+                id="idempotent_orders.E001",
+            )
+        ]
+    for name, value in user.items():
+        if name not in DEFAULTS:
+            errors.append(
+                Error(
+                    f"settings.IDEMPOTENT_ORDERS has an unknown key {name!r}.",
+                    hint=f"Known keys: {', '.join(sorted(DEFAULTS))}.",
+                    id="idempotent_orders.E002",
+                )
+            )
+            continue
+        expected = type(DEFAULTS[name])
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            errors.append(
+                Error(
+                    f"settings.IDEMPOTENT_ORDERS[{name!r}] must be {expected.__name__}, "
+                    f"got {type(value).__name__}.",
+                    id="idempotent_orders.E003",
+                )
+            )
+    return errors

@@ -1,0 +1,180 @@
+"""Orders, the processed-message inbox and parked (early) messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.db.models.functions import Now
+from django_fsm import FSMField, FSMModelMixin, transition
+
+
+class OrderStatus(models.TextChoices):
+    PENDING_PAYMENT = "pending_payment", "pending payment"
+    PAID = "paid", "paid"
+    PROCESSING = "processing", "processing"
+    SHIPPED = "shipped", "shipped"
+    COMPLETED = "completed", "completed"
+    CANCELLED = "cancelled", "cancelled"
+    EXPIRED = "expired", "expired"
+    REFUNDED = "refunded", "refunded"
+
+
+S = OrderStatus
+
+
+class Order(FSMModelMixin, models.Model):
+    """An order whose ``status`` only moves along the ``@transition`` methods below.
+
+    ``status`` is protected: it is never assigned directly. Every change is
+    committed by :func:`idempotent_orders.transitions.apply_transition`, one
+    conditional ``UPDATE`` that also bumps ``version``.
+    """
+
+    business_key = models.CharField(max_length=128, unique=True)
+    customer = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="idempotent_orders",
+    )
+    amount = models.DecimalField(max_digits=12, decimal_places=2)
+    currency = models.CharField(max_length=3)
+    status = FSMField(
+        choices=OrderStatus.choices, default=OrderStatus.PENDING_PAYMENT, protected=True
+    )
+    #: +1 on every committed transition; the optimistic lock and the fencing token.
+    version = models.PositiveIntegerField(default=0)
+    #: Highest per-order message sequence applied (0 when none).
+    last_seq = models.PositiveIntegerField(default=0)
+    payment_id = models.CharField(max_length=128, blank=True, default="")
+    tracking_number = models.CharField(max_length=128, blank=True, default="")
+    carrier = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["status", "updated_at"])]
+
+    def __str__(self) -> str:
+        return f"Order {self.pk} ({self.status}, v{self.version})"
+
+    # The transition graph. Bodies are empty on purpose: the state change is
+    # committed by apply_transition(), which reads sources and targets from here.
+    @transition(field=status, source=S.PENDING_PAYMENT, target=S.PAID)
+    def pay(self) -> None:
+        """Payment captured."""
+
+    @transition(field=status, source=S.PAID, target=S.PROCESSING)
+    def start_processing(self) -> None:
+        """Fulfilment started (warehouse notified)."""
+
+    @transition(field=status, source=[S.PAID, S.PROCESSING], target=S.SHIPPED)
+    def ship(self) -> None:
+        """Parcel dispatched; the warehouse may ship before ``processing`` is recorded."""
+
+    @transition(field=status, source=S.SHIPPED, target=S.COMPLETED)
+    def complete(self) -> None:
+        """Parcel delivered."""
+
+    @transition(field=status, source=S.PENDING_PAYMENT, target=S.CANCELLED)
+    def cancel(self) -> None:
+        """Cancelled before payment."""
+
+    @transition(field=status, source=S.PENDING_PAYMENT, target=S.EXPIRED)
+    def expire(self) -> None:
+        """Not paid in time."""
+
+    @transition(field=status, source=S.PAID, target=S.REFUNDED)
+    def refund(self) -> None:
+        """Payment returned before fulfilment started."""
+
+
+class InboxStatus(models.TextChoices):
+    PROCESSING = "processing", "processing"
+    DONE = "done", "done"
+    FAILED = "failed", "failed"
+    REJECTED = "rejected", "rejected"
+
+
+class Outcome(models.TextChoices):
+    """What consuming a message did. The values are part of the public contract."""
+
+    APPLIED = "applied", "applied"
+    DUPLICATE = "duplicate", "duplicate"
+    STALE = "stale", "stale"
+    PARKED = "parked", "parked"
+    REJECTED = "rejected", "rejected"
+
+
+class ProcessedMessage(models.Model):
+    """The inbox: one row per (consumer, message id), written in the order's transaction.
+
+    The unique constraint is the only authority on "seen before"; caches in
+    front of it are advisory.
+    """
+
+    consumer = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=255)
+    message_type = models.CharField(max_length=64, blank=True, default="")
+    status = models.CharField(max_length=16, choices=InboxStatus.choices, default=InboxStatus.DONE)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, blank=True, default="")
+    order = models.ForeignKey(
+        Order, null=True, blank=True, on_delete=models.SET_NULL, related_name="messages"
+    )
+    seq = models.PositiveIntegerField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=1)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    #: Fencing token for leased work: the order version the lease was taken at.
+    fencing_token = models.PositiveIntegerField(null=True, blank=True)
+    #: Human-readable reason for a rejection or failure.
+    error = models.TextField(blank=True, default="")
+    #: The raw envelope of rejected messages (escaped, truncated), for operators.
+    body = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"], name="idempotent_orders_inbox_unique"
+            )
+        ]
+        indexes = [
+            models.Index(fields=["status", "lease_expires_at"]),
+            models.Index(fields=["created_at"]),
+            models.Index(fields=["outcome"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer}:{self.message_id} ({self.outcome or self.status})"
+
+
+class ParkedMessage(models.Model):
+    """A message that arrived before it could apply: a sequence gap or a state not yet reached."""
+
+    consumer = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=255)
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="parked_messages")
+    seq = models.PositiveIntegerField(null=True, blank=True)
+    envelope: models.JSONField[Any] = models.JSONField()
+    reason = models.CharField(max_length=255)
+    parked_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["order_id", "seq", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["order", "seq"], name="idempotent_orders_parked_order_seq"
+            ),
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"], name="idempotent_orders_parked_message"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"parked {self.consumer}:{self.message_id} for order {self.order_id}"

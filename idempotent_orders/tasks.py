@@ -1,0 +1,105 @@
+"""Celery tasks: thin wrappers around :func:`~idempotent_orders.services.consume_message`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task, shared_task
+from django.db import InterfaceError, OperationalError
+
+from idempotent_orders.conf import conf
+from idempotent_orders.exceptions import ConcurrentUpdate
+from idempotent_orders.services import consume_message
+
+logger = logging.getLogger("idempotent_orders")
+
+try:  # redis is installed with django-redis; the tuple just grows when it is there
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    _REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError)
+except ImportError:  # pragma: no cover
+    _REDIS_ERRORS = ()
+
+#: Errors worth a retry: the message may apply once the connection or the race settles.
+#: Business rejections never raise, so they are never retried.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError,  # lost connection, serialization failure, deadlock, lock timeout
+    InterfaceError,
+    ConcurrentUpdate,
+    *_REDIS_ERRORS,
+)
+
+#: Options every consuming task carries: a message is acknowledged only after
+#: its transaction committed, and goes back to the queue if the worker dies.
+CONSUMER_TASK_OPTIONS: dict[str, Any] = {
+    "bind": True,
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+}
+
+#: Consumer name used for each task's inbox rows.
+CONSUMERS = {"payments", "shipping", "fulfilment"}
+
+
+def _consume(task: Task, message: Any, consumer: str) -> str:
+    try:
+        return consume_message(message, consumer=consumer).value
+    except TRANSIENT_ERRORS as exc:
+        retries = task.request.retries
+        countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**retries)
+        logger.warning(
+            "transient error consuming %s, retry %d in %ss: %r",
+            message.get("message_id") if isinstance(message, dict) else None,
+            retries + 1,
+            countdown,
+            exc,
+        )
+        raise task.retry(exc=exc, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
+
+
+@shared_task(name="idempotent_orders.consume_payment", **CONSUMER_TASK_OPTIONS)
+def consume_payment(self: Task, message: Any) -> str:
+    """Consume a ``payment.*`` (or ``order.cancelled``) message; returns the outcome value."""
+    return _consume(self, message, "payments")
+
+
+@shared_task(name="idempotent_orders.consume_shipping", **CONSUMER_TASK_OPTIONS)
+def consume_shipping(self: Task, message: Any) -> str:
+    """Consume a ``shipment.*`` message; returns the outcome value."""
+    return _consume(self, message, "shipping")
+
+
+@shared_task(name="idempotent_orders.fulfil_order", **CONSUMER_TASK_OPTIONS)
+def fulfil_order(self: Task, order_id: int) -> str:
+    """Move a paid order to ``processing``; the place where a warehouse call lives."""
+    return _consume(self, fulfilment_message(order_id), "fulfilment")
+
+
+def fulfilment_message(order_id: int) -> dict[str, Any]:
+    """The internal message of the fulfilment step; its id makes the step run once per order."""
+    return {
+        "message_id": f"fulfil-{order_id}",
+        "type": "order.fulfilment",
+        "order_id": order_id,
+        "payload": {},
+    }
+
+
+_TASKS = {"payments": consume_payment, "shipping": consume_shipping}
+
+
+def publish(message: dict[str, Any], *, consumer: str, **options: Any) -> None:
+    """Send a message to its consumer's task with ``task_id = message_id``.
+
+    The task id lets brokers and result backends recognise a re-publish of the
+    same message; the inbox still decides duplicates.
+    """
+    try:
+        task = _TASKS[consumer]
+    except KeyError:
+        raise ValueError(
+            f"unknown consumer {consumer!r}; expected one of {sorted(_TASKS)}"
+        ) from None
+    task.apply_async(args=[message], task_id=str(message["message_id"]), **options)

@@ -1,0 +1,112 @@
+"""Settings for the test suite, apart from the demo project.
+
+``IO_TEST_DATABASE`` picks the database: ``sqlite`` (default), ``postgres`` or
+``mariadb``. Service addresses come from ``IO_TEST_POSTGRES_URL``,
+``IO_TEST_MARIADB_URL``, ``IO_TEST_REDIS_URL`` and ``IO_TEST_RABBITMQ_URL``.
+A worker subprocess sets ``IO_WORKER_DB=1`` to open the test database itself.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from demo_project.databases import database_from_url, sqlite_database
+
+SECRET_KEY = "tests-only"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+BACKEND = os.environ.get("IO_TEST_DATABASE", "sqlite")
+#: Name of the database the tests run in; parallel runs pick different names.
+TEST_DB_NAME = os.environ.get("IO_TEST_DB_NAME", "test_idempotent_orders")
+WORKER = os.environ.get("IO_WORKER_DB") == "1"
+
+POSTGRES_URL = os.environ.get("IO_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
+MARIADB_URL = os.environ.get("IO_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test")
+REDIS_URL = os.environ.get("IO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ_URL = os.environ.get("IO_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def _database() -> dict[str, Any]:
+    if BACKEND == "sqlite":
+        path = os.path.join(tempfile.gettempdir(), f"{TEST_DB_NAME}.sqlite3")
+        db = sqlite_database(path)
+        db["TEST"] = {"NAME": path}
+        if WORKER:
+            db["NAME"] = path
+        return db
+    if BACKEND == "postgres":
+        db = database_from_url(POSTGRES_URL)
+    elif BACKEND == "mariadb":
+        db = database_from_url(MARIADB_URL)
+        # Case- and pad-sensitive comparisons, as message ids need (see README).
+        db["TEST"] = {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_nopad_bin"}
+    else:
+        raise ValueError(f"IO_TEST_DATABASE must be sqlite, postgres or mariadb, not {BACKEND!r}")
+    db["CONN_MAX_AGE"] = 0
+    db.setdefault("TEST", {})["NAME"] = TEST_DB_NAME
+    if WORKER:
+        db["NAME"] = TEST_DB_NAME
+        db["CONN_MAX_AGE"] = 60
+    return db
+
+
+DATABASES = {"default": _database()}
+
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": os.environ.get("IO_TEST_NAMESPACE", TEST_DB_NAME),
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 0.5},
+    }
+}
+
+CELERY_BROKER_URL = os.environ.get("IO_TEST_BROKER_URL", "memory://")
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("IO_TEST_QUEUE", f"{TEST_DB_NAME}-tasks")
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_RESULT_BACKEND = os.environ.get("IO_TEST_RESULT_BACKEND", "cache+memory://")
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "idempotent_orders",
+    "demo_project",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "demo_project.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# Unit tests run the consumer synchronously; worker tests turn fulfilment on.
+IDEMPOTENT_ORDERS: dict[str, Any] = {"FULFIL_AFTER_PAYMENT": False}

@@ -1,0 +1,200 @@
+"""consume_message: every outcome, sequencing, parking and release, follow-ups after commit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from idempotent_orders.models import (
+    InboxStatus,
+    Order,
+    OrderStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
+from idempotent_orders.services import consume_message
+from idempotent_orders.signals import message_consumed, order_transitioned
+from tests.conftest import payment, shipment
+
+pytestmark = pytest.mark.django_db
+S = OrderStatus
+
+
+def status(order: Order) -> tuple[str, int, int]:
+    row = Order.objects.get(pk=order.pk)
+    return row.status, row.version, row.last_seq
+
+
+def test_outcome_values_are_the_public_strings() -> None:
+    assert [o.value for o in Outcome] == ["applied", "duplicate", "stale", "parked", "rejected"]
+
+
+def test_applied_then_exact_duplicate(make_order) -> None:
+    order = make_order()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert status(order) == (S.PAID, 1, 0)
+    row = ProcessedMessage.objects.get(message_id=msg["message_id"])
+    assert (row.outcome, row.status, row.order_id) == (Outcome.APPLIED, InboxStatus.DONE, order.pk)
+    assert Order.objects.get(pk=order.pk).payment_id == f"pay-{order.pk}"
+
+
+def test_inbox_is_unique_per_consumer(make_order) -> None:
+    order = make_order()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    # Another consumer sees the same id as a new message; the order is already paid.
+    assert consume_message(msg, consumer="audit") is Outcome.DUPLICATE
+    assert ProcessedMessage.objects.filter(message_id=msg["message_id"]).count() == 2
+
+
+def test_same_effect_with_a_new_id_is_duplicate_and_past_is_stale(make_order) -> None:
+    order = make_order()
+    assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert consume_message(payment(order), consumer="payments") is Outcome.DUPLICATE
+    assert consume_message(shipment(order), consumer="shipping") is Outcome.APPLIED
+    assert consume_message(payment(order), consumer="payments") is Outcome.STALE
+    assert status(order) == (S.SHIPPED, 2, 0)
+
+
+def test_full_lifecycle_without_seq(make_order) -> None:
+    order = make_order()
+    for msg, consumer in [
+        (payment(order), "payments"),
+        ({"message_id": "f1", "type": "order.fulfilment", "order_id": order.pk}, "fulfilment"),
+        (shipment(order), "shipping"),
+        (shipment(order, "delivered"), "shipping"),
+    ]:
+        assert consume_message(msg, consumer=consumer) is Outcome.APPLIED
+    assert status(order) == (S.COMPLETED, 4, 0)
+
+
+def test_delivery_before_dispatch_is_parked_then_released(make_order) -> None:
+    order = make_order()
+    delivered = shipment(order, "delivered")
+    assert consume_message(delivered, consumer="shipping") is Outcome.PARKED
+    assert ParkedMessage.objects.filter(order=order).count() == 1
+    assert consume_message(delivered, consumer="shipping") is Outcome.DUPLICATE
+    assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert ParkedMessage.objects.filter(order=order).count() == 1  # still not shipped
+    assert consume_message(shipment(order), consumer="shipping") is Outcome.APPLIED
+    # The dispatch released the delivery before returning.
+    assert not ParkedMessage.objects.filter(order=order).exists()
+    assert status(order) == (S.COMPLETED, 3, 0)
+    row = ProcessedMessage.objects.get(message_id=delivered["message_id"])
+    assert row.outcome == Outcome.APPLIED
+
+
+def test_sequence_gap_parks_and_fills_in_order(make_order) -> None:
+    order = make_order()
+    pay = payment(order, seq=1)
+    ship = shipment(order, seq=2)
+    deliver = shipment(order, "delivered", seq=3)
+    assert consume_message(deliver, consumer="shipping") is Outcome.PARKED
+    assert consume_message(ship, consumer="shipping") is Outcome.PARKED
+    assert status(order) == (S.PENDING_PAYMENT, 0, 0)
+    assert consume_message(pay, consumer="payments") is Outcome.APPLIED
+    assert status(order) == (S.COMPLETED, 3, 3)
+    assert not ParkedMessage.objects.exists()
+    assert consume_message(ship, consumer="shipping") is Outcome.DUPLICATE
+
+
+def test_seq_at_or_below_last_is_stale(make_order) -> None:
+    order = make_order()
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.STALE
+    assert status(order) == (S.PAID, 1, 1)
+
+
+def test_in_sequence_message_without_effect_advances_last_seq(make_order) -> None:
+    order = make_order()
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    # A second payment notice in slot 2 changes nothing but must not block slot 3.
+    assert consume_message(shipment(order, seq=3), consumer="shipping") is Outcome.PARKED
+    assert consume_message(payment(order, seq=2), consumer="payments") is Outcome.DUPLICATE
+    assert status(order) == (S.SHIPPED, 2, 3)
+
+
+def test_payment_for_cancelled_order_is_rejected_with_reason(make_order) -> None:
+    order = make_order()
+    cancel = {"message_id": "c1", "type": "order.cancelled", "order_id": order.pk}
+    assert consume_message(cancel, consumer="payments") is Outcome.APPLIED
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is Outcome.REJECTED
+    row = ProcessedMessage.objects.get(message_id=msg["message_id"])
+    assert row.status == InboxStatus.REJECTED
+    assert "cancelled" in row.error
+    assert "never" in row.error
+    assert status(order) == (S.CANCELLED, 1, 0)
+
+
+def test_second_payment_with_a_different_payment_id_is_rejected(make_order) -> None:
+    order = make_order()
+    assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    other = payment(order, payment_id="someone-else")
+    assert consume_message(other, consumer="payments") is Outcome.REJECTED
+    assert "differs" in ProcessedMessage.objects.get(message_id=other["message_id"]).error
+
+
+def test_signals_are_sent_after_commit(make_order, django_capture_on_commit_callbacks) -> None:
+    order = make_order()
+    seen: list[dict[str, Any]] = []
+
+    def on_transition(**kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    order_transitioned.connect(on_transition)
+    try:
+        with django_capture_on_commit_callbacks(execute=False) as callbacks:
+            consume_message(payment(order), consumer="payments")
+        assert seen == []  # nothing announced before the commit
+        for callback in callbacks:
+            callback()
+    finally:
+        order_transitioned.disconnect(on_transition)
+    assert [(s["transition"], s["source"], s["target"]) for s in seen] == [
+        ("pay", S.PENDING_PAYMENT, S.PAID)
+    ]
+
+
+def test_message_consumed_signal_counts_every_outcome(make_order) -> None:
+    order = make_order()
+    outcomes: list[Outcome] = []
+
+    def on_consumed(outcome: Outcome, **kwargs: Any) -> None:
+        outcomes.append(outcome)
+
+    message_consumed.connect(on_consumed)
+    try:
+        msg = payment(order)
+        consume_message(msg, consumer="payments")
+        consume_message(msg, consumer="payments")
+        consume_message({"nonsense": True}, consumer="payments")
+    finally:
+        message_consumed.disconnect(on_consumed)
+    assert outcomes == [Outcome.APPLIED, Outcome.DUPLICATE, Outcome.REJECTED]
+
+
+def test_fulfilment_is_enqueued_only_after_payment_commits(
+    make_order, settings, monkeypatch, django_capture_on_commit_callbacks
+) -> None:
+    from idempotent_orders import tasks
+
+    sent: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        tasks.fulfil_order, "apply_async", lambda args, task_id: sent.append((args, task_id))
+    )
+    settings.IDEMPOTENT_ORDERS = {"FULFIL_AFTER_PAYMENT": True}
+    order = make_order()
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        consume_message(payment(order), consumer="payments")
+    assert sent == []  # not before the commit
+    for callback in callbacks:
+        callback()
+    assert sent == [([order.pk], f"fulfil-{order.pk}")]
+    with django_capture_on_commit_callbacks(execute=True):
+        consume_message(payment(order), consumer="payments")  # duplicate: no second follow-up
+    assert len(sent) == 1
