@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import F
 
 from idempotent_orders import dedup
@@ -138,7 +138,7 @@ def parse_envelope(message: Any) -> Envelope:
     if not isinstance(payload, dict):
         raise InvalidMessage(f"payload must be a JSON object, got {type(payload).__name__}")
     return Envelope(
-        message_id=message_id,
+        message_id=str(message_id),
         message_type=message_type,
         order_id=order_id,
         seq=seq,
@@ -255,6 +255,19 @@ def _announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) 
     )
 
 
+#: SQLSTATEs / MySQL error numbers after which the transaction was rolled back
+#: and may simply run again.
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}
+_RETRYABLE_MYSQL_ERRORS = {1213}
+
+
+def _is_deadlock(exc: OperationalError) -> bool:
+    cause = exc.__cause__
+    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
+        return True
+    return bool(exc.args) and exc.args[0] in _RETRYABLE_MYSQL_ERRORS
+
+
 def _decide(order: Order, envelope: Envelope) -> _Decision:
     """Where this message stands against the order as read: pure, no writes."""
     seq, last = envelope.seq, order.last_seq
@@ -316,6 +329,12 @@ def _consume(envelope: Envelope, consumer: str, parked: ParkedMessage | None = N
                 _announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
             return Outcome.DUPLICATE
         except _Conflict:
+            continue
+        except OperationalError as exc:
+            if not _is_deadlock(exc):
+                raise
+            # The database rolled the whole transaction back (on MariaDB the inbox
+            # row's foreign-key lock and the order UPDATE can cross); run it again.
             continue
         transaction.on_commit(lambda: dedup.remember(consumer, envelope.message_id))
         if parked is not None:

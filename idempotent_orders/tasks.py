@@ -18,13 +18,13 @@ try:  # redis is installed with django-redis; the tuple just grows when it is th
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    _REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError)
+    _REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
 except ImportError:  # pragma: no cover
     _REDIS_ERRORS = ()
 
 #: Errors worth a retry: the message may apply once the connection or the race settles.
 #: Business rejections never raise, so they are never retried.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     OperationalError,  # lost connection, serialization failure, deadlock, lock timeout
     InterfaceError,
     ConcurrentUpdate,

@@ -228,7 +228,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
         }
         current_app.conf.broker_url = url
         current_app.conf.task_default_queue = queue
-        current_app.pool.force_close_all()
+        _reset_connections(current_app)
         workers = Workers(url, queue, env)
         workers.start(processes, concurrency)
         started.append(workers)
@@ -244,7 +244,13 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
             pass
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
-    current_app.pool.force_close_all()
+    _reset_connections(current_app)
+
+
+def _reset_connections(app: Any) -> None:
+    """Drop pooled broker connections so the next publish uses the current broker_url."""
+    app._pool = None
+    app.amqp._producer_pool = None
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.2) -> bool:

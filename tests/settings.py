@@ -109,4 +109,6 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 # Unit tests run the consumer synchronously; worker tests turn fulfilment on.
-IDEMPOTENT_ORDERS: dict[str, Any] = {"FULFIL_AFTER_PAYMENT": False}
+IDEMPOTENT_ORDERS: dict[str, Any] = {
+    "FULFIL_AFTER_PAYMENT": os.environ.get("IO_TEST_FULFIL") == "1",
+}

@@ -1,0 +1,61 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each builds its
+# virtual environment from this project's own files first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The second leg of the matrix: Django 6 on Python 3.12+ (pyenv or system).
+PYTHON_DJ6 ?= $(shell command -v python3.13 || command -v python3.12 || ls -d $$HOME/.pyenv/versions/3.1[23]*/bin/python3 2>/dev/null | tail -n1)
+VENV_DJ6 ?= .venv-dj6
+
+# mysqlclient compiles against libmariadb; install it where the headers are.
+HAVE_MARIADB_HEADERS := $(shell pkg-config --exists libmariadb 2>/dev/null && echo yes || (command -v mariadb_config >/dev/null && echo yes))
+comma := ,
+EXTRAS := test,postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
+
+.PHONY: help venv demo test lint typecheck format clean
+
+help:
+	@echo "make demo   run the demo on the embedded default (SQLite + filesystem broker)"
+	@echo "make test   run the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x"
+	@echo "make lint   ruff + mypy"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(VENV_DJ6)/.installed: pyproject.toml
+	@test -n "$(PYTHON_DJ6)" || { echo "no Python >= 3.12 found for the Django 6 leg"; exit 1; }
+	test -x $(VENV_DJ6)/bin/python || $(PYTHON_DJ6) -m venv $(VENV_DJ6)
+	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" "Django>=6.0"
+	touch $@
+
+demo: venv
+	rm -rf .demo
+	$(PY) manage.py migrate -v0
+	$(PY) manage.py run_demo $(DEMO_ARGS)
+
+# The Django 6 leg needs Python >= 3.12; without one (and outside CI) it is
+# reported as not run. tests/matrix.py decides which database legs run.
+test: venv
+	@if [ -n "$(PYTHON_DJ6)" ]; then $(MAKE) --no-print-directory $(VENV_DJ6)/.installed; fi
+	$(PY) tests/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) $(MATRIX_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache
+
+-include make/*.mk

@@ -1,0 +1,46 @@
+"""The demo command runs end to end on the embedded default (SQLite + filesystem broker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.workers, pytest.mark.backends("sqlite")]
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_demo_reports_no_double_applied_and_no_lost(tmp_path) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}
+    }
+    env.update(DJANGO_SETTINGS_MODULE="demo_project.settings", DEMO_STATE_DIR=str(tmp_path))
+    migrate = run(["migrate", "-v0"], env)
+    assert migrate.returncode == 0, migrate.stderr
+    demo = run(["run_demo", "--orders", "20", "--workers", "2", "--seed", "1"], env)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "all invariants hold" in demo.stdout
+    lines = dict(
+        line.split(None, 1)
+        for line in demo.stdout.splitlines()
+        if line.startswith("  ") and len(line.split(None, 1)) == 2
+    )
+    assert lines["double-applied"].strip() == "0"
+    assert lines["lost"].strip() == "0"
+    assert lines["completed"].strip() == "20"
