@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The second leg of the matrix: Django 6 on Python 3.12+ (pyenv or system).
-PYTHON_DJ6 ?= $(shell command -v python3.13 || command -v python3.12 || ls -d $$HOME/.pyenv/versions/3.1[23]*/bin/python3 2>/dev/null | tail -n1)
+PYTHON_DJ6 ?= $(shell for p in $$HOME/.pyenv/versions/3.12*/bin/python3 $$HOME/.pyenv/versions/3.13*/bin/python3 python3.12 python3.13; do "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 VENV_DJ6 ?= .venv-dj6
 
 # mysqlclient compiles against libmariadb; install it where the headers are.
