@@ -228,7 +228,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
         }
         current_app.conf.broker_url = url
         current_app.conf.task_default_queue = queue
-        current_app.pool.force_close_all()
+        _reset_broker_pools(current_app)
         workers = Workers(url, queue, env)
         workers.start(processes, concurrency)
         started.append(workers)
@@ -244,7 +244,20 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
             pass
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
-    current_app.pool.force_close_all()
+    _reset_broker_pools(current_app)
+
+
+def _reset_broker_pools(app: Any) -> None:
+    """Close the app's broker connections so the next publish uses the current broker URL.
+
+    kombu keeps closed pools in global registries keyed by URL and never reopens
+    them, so the registries are cleared too, not only the app's references.
+    """
+    from kombu import pools
+
+    pools.reset()
+    app._pool = None
+    app.amqp._producer_pool = None
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.2) -> bool:
