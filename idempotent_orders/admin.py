@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
 
-from idempotent_orders.models import Order, ParkedMessage, ProcessedMessage
+from idempotent_orders.models import (
+    Order,
+    OutboxMessage,
+    OutboxStatus,
+    ParkedMessage,
+    ProcessedMessage,
+)
 
 
 @admin.register(Order)
@@ -37,3 +46,44 @@ class ParkedMessageAdmin(admin.ModelAdmin):
     list_display = ["message_id", "consumer", "order", "seq", "reason", "parked_at"]
     list_filter = ["consumer"]
     raw_id_fields = ["order"]
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(admin.ModelAdmin):
+    list_display = [
+        "message_id",
+        "task_name",
+        "status",
+        "attempts",
+        "created_at",
+        "sent_at",
+        "available_at",
+    ]
+    list_filter = ["status", "task_name"]
+    search_fields = ["message_id", "last_error"]
+    readonly_fields = [
+        "message_id",
+        "task_name",
+        "payload",
+        "options",
+        "status",
+        "attempts",
+        "available_at",
+        "claimed_until",
+        "last_error",
+        "created_at",
+        "sent_at",
+    ]
+    actions = ["publish_again", "purge_sent"]
+
+    @admin.action(description="Publish again (same message id; consumers dedup)")
+    def publish_again(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        count = queryset.update(
+            status=OutboxStatus.PENDING, available_at=timezone.now(), claimed_until=None
+        )
+        self.message_user(request, f"{count} outbox rows queued for the relay.", messages.SUCCESS)
+
+    @admin.action(description="Delete selected rows that were sent")
+    def purge_sent(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        deleted, _ = queryset.filter(status=OutboxStatus.SENT).delete()
+        self.message_user(request, f"{deleted} sent outbox rows deleted.", messages.SUCCESS)

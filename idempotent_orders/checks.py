@@ -42,3 +42,36 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
     return errors
+
+
+@register(Tags.compatibility, Tags.caches)
+def check_outbox_and_locks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The lock cache exists; outbox sizes and times are positive."""
+    user = getattr(settings, "IDEMPOTENT_ORDERS", {})
+    if not isinstance(user, dict):
+        return []  # E001 already reports it
+    errors: list[CheckMessage] = []
+    alias = user.get("LOCK_CACHE", DEFAULTS["LOCK_CACHE"])
+    if isinstance(alias, str) and alias not in getattr(settings, "CACHES", {}):
+        errors.append(
+            Error(
+                f"IDEMPOTENT_ORDERS['LOCK_CACHE'] is {alias!r}, which is not in settings.CACHES.",
+                hint="Point it at a django-redis cache alias.",
+                id="idempotent_orders.E080",
+            )
+        )
+    for name in (
+        "OUTBOX_BATCH_SIZE",
+        "OUTBOX_CLAIM_TIMEOUT",
+        "OUTBOX_RETENTION",
+        "OUTBOX_RETRY_BACKOFF_MAX",
+    ):
+        value = user.get(name, DEFAULTS[name])
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            errors.append(
+                Error(
+                    f"IDEMPOTENT_ORDERS[{name!r}] must be at least 1, got {value}.",
+                    id="idempotent_orders.E081",
+                )
+            )
+    return errors

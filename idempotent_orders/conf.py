@@ -21,6 +21,18 @@ DEFAULTS: dict[str, Any] = {
     # Celery retry budget for transient errors (lost connections, serialization failures).
     "TASK_MAX_RETRIES": 10,
     "TASK_RETRY_BACKOFF_MAX": 60,
+    # Cache alias (a django-redis cache) that holds distributed locks and their fencing counters.
+    "LOCK_CACHE": "default",
+    # Outbox: publish right after the writing transaction commits (the relay catches the rest).
+    "OUTBOX_PUBLISH_ON_COMMIT": True,
+    # Outbox rows the relay claims per transaction.
+    "OUTBOX_BATCH_SIZE": 100,
+    # Longest wait (seconds) between publish attempts of a row whose publish failed.
+    "OUTBOX_RETRY_BACKOFF_MAX": 300,
+    # Claim lease (seconds) on databases without SKIP LOCKED; longer than one batch's publish.
+    "OUTBOX_CLAIM_TIMEOUT": 60,
+    # Sent outbox rows older than this (seconds) are deleted by purge_outbox.
+    "OUTBOX_RETENTION": 7 * 24 * 3600,
 }
 
 
@@ -58,6 +70,30 @@ class Settings:
     @property
     def TASK_RETRY_BACKOFF_MAX(self) -> int:
         return int(self._get("TASK_RETRY_BACKOFF_MAX"))
+
+    @property
+    def LOCK_CACHE(self) -> str:
+        return str(self._get("LOCK_CACHE"))
+
+    @property
+    def OUTBOX_PUBLISH_ON_COMMIT(self) -> bool:
+        return bool(self._get("OUTBOX_PUBLISH_ON_COMMIT"))
+
+    @property
+    def OUTBOX_BATCH_SIZE(self) -> int:
+        return int(self._get("OUTBOX_BATCH_SIZE"))
+
+    @property
+    def OUTBOX_RETRY_BACKOFF_MAX(self) -> int:
+        return int(self._get("OUTBOX_RETRY_BACKOFF_MAX"))
+
+    @property
+    def OUTBOX_CLAIM_TIMEOUT(self) -> int:
+        return int(self._get("OUTBOX_CLAIM_TIMEOUT"))
+
+    @property
+    def OUTBOX_RETENTION(self) -> int:
+        return int(self._get("OUTBOX_RETENTION"))
 
 
 conf = Settings()

@@ -38,3 +38,30 @@ class ConcurrentUpdate(IdempotentOrdersError):
     """
 
     default_code = "concurrent_update"
+
+
+class LockError(IdempotentOrdersError):
+    """Base class of distributed-lock errors."""
+
+    default_code = "lock_error"
+
+
+class LockNotAcquired(LockError):
+    """Another holder kept the lock for the whole acquisition timeout."""
+
+    default_code = "lock_not_acquired"
+
+
+class LockUnavailable(LockError):
+    """The lock service (Redis) cannot be reached: the guarded work must not run unguarded."""
+
+    default_code = "lock_unavailable"
+
+
+class LockLost(LockError):
+    """The lock expired (or was taken over) before its holder released or extended it.
+
+    Writes fenced with the holder's token were rejected if a newer holder wrote first.
+    """
+
+    default_code = "lock_lost"

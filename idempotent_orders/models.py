@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models.functions import Now
 from django_fsm import FSMField, FSMModelMixin, transition
@@ -135,6 +136,10 @@ class ProcessedMessage(models.Model):
     error = models.TextField(blank=True, default="")
     #: The raw envelope of rejected messages (escaped, truncated), for operators.
     body = models.TextField(blank=True, default="")
+    #: JSON form of what an ``@idempotent`` function returned the first time; duplicates get it.
+    result: models.JSONField[Any] = models.JSONField(
+        null=True, blank=True, encoder=DjangoJSONEncoder
+    )
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -178,3 +183,45 @@ class ParkedMessage(models.Model):
 
     def __str__(self) -> str:
         return f"parked {self.consumer}:{self.message_id} for order {self.order_id}"
+
+
+class OutboxStatus(models.TextChoices):
+    PENDING = "pending", "pending"
+    SENT = "sent", "sent"
+
+
+class OutboxMessage(models.Model):
+    """A task message written in the producer's transaction and published by the relay.
+
+    ``message_id`` is fixed when the row is written and becomes the Celery
+    ``task_id``, so a re-publish after a relay crash carries the same id and
+    the consumer's inbox recognises it.
+    """
+
+    message_id = models.CharField(max_length=255, unique=True)
+    task_name = models.CharField(max_length=255)
+    payload: models.JSONField[Any] = models.JSONField(encoder=DjangoJSONEncoder)
+    #: Extra ``apply_async`` options (queue, routing_key, priority, ...).
+    options: models.JSONField[Any] = models.JSONField(default=dict, blank=True)
+    status = models.CharField(
+        max_length=16, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
+    )
+    #: Failed publish attempts so far (0 when the first one succeeded).
+    attempts = models.PositiveIntegerField(default=0)
+    #: Not published before this time (backoff after a failed publish).
+    available_at = models.DateTimeField(db_default=Now())
+    #: Claim lease on databases without ``SELECT ... FOR UPDATE SKIP LOCKED``.
+    claimed_until = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [
+            models.Index(fields=["status", "available_at"]),
+            models.Index(fields=["status", "sent_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"outbox {self.message_id} -> {self.task_name} ({self.status})"

@@ -14,3 +14,7 @@ message_consumed = Signal()
 #: Sent when a parked message is released and decided again.
 #: Arguments: ``consumer``, ``message_id``, ``order_id``, ``outcome``.
 message_released = Signal()
+
+#: Sent by relay_outbox() after a run that published or failed to publish rows.
+#: Arguments: ``published``, ``retried`` (failed publishes, to be tried again), ``pending``.
+outbox_relayed = Signal()

@@ -103,3 +103,21 @@ def publish(message: dict[str, Any], *, consumer: str, **options: Any) -> None:
             f"unknown consumer {consumer!r}; expected one of {sorted(_TASKS)}"
         ) from None
     task.apply_async(args=[message], task_id=str(message["message_id"]), **options)
+
+
+@shared_task(name="idempotent_orders.relay_outbox", ignore_result=True)
+def relay_outbox_task() -> dict[str, int]:
+    """Publish pending outbox rows; schedule it with Celery beat (every few seconds)."""
+    from dataclasses import asdict
+
+    from idempotent_orders.outbox import relay_outbox
+
+    return asdict(relay_outbox())
+
+
+@shared_task(name="idempotent_orders.purge_outbox", ignore_result=True)
+def purge_outbox_task() -> int:
+    """Delete sent outbox rows older than ``OUTBOX_RETENTION``; schedule it daily."""
+    from idempotent_orders.outbox import purge_outbox
+
+    return purge_outbox()

@@ -228,7 +228,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
         }
         current_app.conf.broker_url = url
         current_app.conf.task_default_queue = queue
-        _reset_connections(current_app)
+        _reset_broker_pools(current_app)
         workers = Workers(url, queue, env)
         workers.start(processes, concurrency)
         started.append(workers)
@@ -244,11 +244,18 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
             pass
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
-    _reset_connections(current_app)
+    _reset_broker_pools(current_app)
 
 
-def _reset_connections(app: Any) -> None:
-    """Drop pooled broker connections so the next publish uses the current broker_url."""
+def _reset_broker_pools(app: Any) -> None:
+    """Close the app's broker connections so the next publish uses the current broker URL.
+
+    kombu keeps closed pools in global registries keyed by URL and never reopens
+    them, so the registries are cleared too, not only the app's references.
+    """
+    from kombu import pools
+
+    pools.reset()
     app._pool = None
     app.amqp._producer_pool = None
 

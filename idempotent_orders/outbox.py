@@ -1,0 +1,215 @@
+"""Transactional outbox: task messages written with the producer's data, published by a relay."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from celery import Task, current_app
+from django.db import connections, router, transaction
+from django.db.models import Count, Min, Q
+from django.utils import timezone
+
+from idempotent_orders.conf import conf
+from idempotent_orders.models import OutboxMessage, OutboxStatus
+from idempotent_orders.signals import outbox_relayed
+
+__all__ = ["RelayResult", "outbox_stats", "publish_on_commit", "purge_outbox", "relay_outbox"]
+
+logger = logging.getLogger("idempotent_orders")
+
+
+@dataclass(frozen=True)
+class RelayResult:
+    """What one relay run did: rows published, rows whose publish failed, rows left pending."""
+
+    published: int = 0
+    retried: int = 0
+    pending: int = 0
+
+
+def publish_on_commit(
+    task: Task | str,
+    message: Any,
+    *,
+    message_id: str | None = None,
+    using: str | None = None,
+    **options: Any,
+) -> OutboxMessage:
+    """Queue ``task(message)`` to be sent if, and only if, the caller's transaction commits.
+
+    The outbox row is written in the current transaction. Its ``message_id``
+    (given, else ``message["message_id"]``, else a new UUID) is fixed now and
+    becomes the Celery ``task_id`` of every publish of it, so a consumer
+    (``@idempotent(key=...)`` or the inbox) recognises a re-publish.
+
+    After commit the row is published at once (``OUTBOX_PUBLISH_ON_COMMIT``);
+    if that fails or the process dies first, :func:`relay_outbox` publishes it.
+    ``options`` are passed to ``apply_async`` (queue, priority, countdown, ...).
+    """
+    name = task if isinstance(task, str) else task.name
+    if message_id is None and isinstance(message, Mapping):
+        message_id = message.get("message_id")
+    message_id = str(message_id) if message_id is not None else uuid.uuid4().hex
+    db = using or router.db_for_write(OutboxMessage)
+    row = OutboxMessage.objects.using(db).create(
+        message_id=message_id, task_name=name, payload=message, options=options
+    )
+    if conf.OUTBOX_PUBLISH_ON_COMMIT:
+        transaction.on_commit(lambda: _publish_after_commit(row.pk, db), using=db)
+    return row
+
+
+def _publish_after_commit(pk: int, db: str) -> None:
+    try:
+        relay_outbox(ids=[pk], using=db)
+    except Exception:
+        # The producer's transaction is committed; the relay will send the row.
+        logger.exception("outbox: immediate publish of row %s failed; the relay will retry", pk)
+
+
+def _send(row: OutboxMessage) -> None:
+    task = current_app.tasks.get(row.task_name)
+    options = {**row.options, "task_id": row.message_id}
+    if task is not None:  # keeps the task's own routing and options
+        task.apply_async(args=(row.payload,), **options)
+    else:
+        current_app.send_task(row.task_name, args=(row.payload,), **options)
+
+
+def _backoff(attempts: int) -> timedelta:
+    return timedelta(seconds=min(conf.OUTBOX_RETRY_BACKOFF_MAX, 2 ** min(attempts, 20)))
+
+
+def _due(db: str, ids: list[int] | None) -> Any:
+    rows = OutboxMessage.objects.using(db).filter(
+        status=OutboxStatus.PENDING, available_at__lte=timezone.now()
+    )
+    return rows.filter(pk__in=ids) if ids is not None else rows
+
+
+def relay_outbox(
+    *, batch_size: int | None = None, ids: list[int] | None = None, using: str | None = None
+) -> RelayResult:
+    """Publish every due pending outbox row, each with ``task_id = message_id``; mark it sent.
+
+    Safe to run in several processes at once. On databases with
+    ``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL, MySQL 8, MariaDB 10.6+)
+    a batch is locked while it is published and marked in one transaction: a
+    crash between publish and mark rolls the mark back, and the next run
+    publishes the row again with the same id (at least once; consumers dedup).
+    Elsewhere rows are claimed with a lease (``OUTBOX_CLAIM_TIMEOUT``).
+    """
+    db = using or router.db_for_write(OutboxMessage)
+    size = batch_size or conf.OUTBOX_BATCH_SIZE
+    features = connections[db].features
+    locking = features.has_select_for_update and features.has_select_for_update_skip_locked
+    published = retried = 0
+    while True:
+        if locking:
+            sent, failed = _relay_locked_batch(db, size, ids)
+        else:
+            sent, failed = _relay_leased_batch(db, size, ids)
+        published += sent
+        retried += failed
+        if sent + failed < size:
+            break
+    pending = OutboxMessage.objects.using(db).filter(status=OutboxStatus.PENDING).count()
+    result = RelayResult(published=published, retried=retried, pending=pending)
+    if published or retried:
+        outbox_relayed.send(sender=OutboxMessage, **vars(result))
+    return result
+
+
+def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int]:
+    with transaction.atomic(using=db):
+        rows = list(
+            _due(db, ids).select_for_update(skip_locked=True).order_by("available_at", "id")[:size]
+        )
+        return _publish_rows(db, rows)
+
+
+def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int]:
+    now = timezone.now()
+    until = now + timedelta(seconds=conf.OUTBOX_CLAIM_TIMEOUT)
+    candidates = list(
+        _due(db, ids)
+        .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+        .order_by("available_at", "id")
+        .values_list("pk", "claimed_until")[:size]
+    )
+    claimed = []
+    for pk, seen in candidates:
+        # Conditional on the lease we read: of two relays, one wins each row.
+        won = (
+            OutboxMessage.objects.using(db)
+            .filter(pk=pk, status=OutboxStatus.PENDING, claimed_until=seen)
+            .update(claimed_until=until)
+        )
+        if won:
+            claimed.append(pk)
+    rows = list(OutboxMessage.objects.using(db).filter(pk__in=claimed).order_by("id"))
+    return _publish_rows(db, rows)
+
+
+def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int]:
+    sent = failed = 0
+    for row in rows:
+        try:
+            _send(row)
+        except Exception as exc:
+            failed += 1
+            row.attempts += 1
+            row.available_at = timezone.now() + _backoff(row.attempts)
+            row.claimed_until = None
+            row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+            OutboxMessage.objects.using(db).filter(pk=row.pk).update(
+                attempts=row.attempts,
+                available_at=row.available_at,
+                claimed_until=None,
+                last_error=row.last_error,
+            )
+            logger.warning(
+                "outbox: publishing %s failed (attempt %d): %r",
+                row.message_id,
+                row.attempts,
+                exc,
+                extra={"message_id": row.message_id},
+            )
+        else:
+            sent += 1
+            OutboxMessage.objects.using(db).filter(pk=row.pk).update(
+                status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
+            )
+    return sent, failed
+
+
+def purge_outbox(*, older_than: int | None = None, using: str | None = None) -> int:
+    """Delete sent rows older than ``older_than`` seconds (default ``OUTBOX_RETENTION``)."""
+    age = conf.OUTBOX_RETENTION if older_than is None else older_than
+    cutoff = timezone.now() - timedelta(seconds=age)
+    db = using or router.db_for_write(OutboxMessage)
+    deleted, _ = (
+        OutboxMessage.objects.using(db)
+        .filter(status=OutboxStatus.SENT, sent_at__lt=cutoff)
+        .delete()
+    )
+    return deleted
+
+
+def outbox_stats(*, using: str | None = None) -> dict[str, Any]:
+    """Counters for dashboards: pending, sent, retried (rows that needed more than one try)."""
+    db = using or router.db_for_write(OutboxMessage)
+    rows = OutboxMessage.objects.using(db)
+    counts = dict(rows.values_list("status").annotate(n=Count("id")).order_by())
+    oldest = rows.filter(status=OutboxStatus.PENDING).aggregate(t=Min("created_at"))["t"]
+    return {
+        "pending": counts.get(OutboxStatus.PENDING, 0),
+        "sent": counts.get(OutboxStatus.SENT, 0),
+        "retried": rows.filter(attempts__gt=0).count(),
+        "oldest_pending_age": (timezone.now() - oldest).total_seconds() if oldest else None,
+    }

@@ -1,0 +1,35 @@
+"""A relay process that stalls after publishing N rows, before marking them; the test kills it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import django
+
+
+def main() -> None:
+    stop_after, marker = int(sys.argv[1]), Path(sys.argv[2])
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    from idempotent_orders import outbox
+
+    real_send = outbox._send
+    sent = 0
+
+    def send_then_stall(row: outbox.OutboxMessage) -> None:
+        nonlocal sent
+        real_send(row)
+        sent += 1
+        if sent == stop_after:
+            marker.write_text(str(sent))
+            time.sleep(3600)  # published, not marked: the window a crash can hit
+
+    outbox._send = send_then_stall  # type: ignore[assignment]
+    outbox.relay_outbox()
+
+
+if __name__ == "__main__":
+    main()
