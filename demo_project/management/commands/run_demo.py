@@ -19,6 +19,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q
 
+from idempotent_orders.conf import conf
 from idempotent_orders.models import (
     Order,
     OrderStatus,
@@ -107,8 +108,7 @@ class Command(BaseCommand):
 
         workers: list[subprocess.Popen[bytes]] = []
         if not opts["no_spawn"]:
-            with current_app.connection_for_write() as conn:
-                conn.default_channel.queue_purge(queue)  # leftovers of an aborted earlier run
+            self.purge(queue)
             workers = self.start_workers(opts["workers"], queue)
         started = time.monotonic()
         try:
@@ -133,6 +133,13 @@ class Command(BaseCommand):
         if problems:
             raise CommandError("invariants broken:\n  " + "\n  ".join(problems))
         self.stdout.write(self.style.SUCCESS("all invariants hold"))
+
+    def purge(self, queue: str) -> None:
+        """Drop leftovers of an aborted earlier run from the demo's own queue."""
+        with current_app.connection_for_write() as conn:
+            declared = current_app.amqp.queues.select_add(queue) or current_app.amqp.queues[queue]
+            declared.bind(conn.default_channel).declare()
+            conn.default_channel.queue_purge(queue)
 
     def start_workers(self, count: int, queue: str) -> list[subprocess.Popen[bytes]]:
         log_dir = Path(settings.STATE_DIR if hasattr(settings, "STATE_DIR") else ".")
@@ -174,6 +181,10 @@ class Command(BaseCommand):
         last = -1
         while True:
             done = Order.objects.filter(pk__in=ids, status=OrderStatus.COMPLETED).count()
+            if done == len(ids) and conf.FULFIL_AFTER_PAYMENT:
+                # The run is over when every order's fulfilment step was recorded too.
+                steps = ProcessedMessage.objects.filter(consumer="fulfilment", order_id__in=ids)
+                done -= len(ids) - steps.count()
             if done != last:
                 self.stdout.write(
                     f"  {time.monotonic() - started:5.1f}s  completed {done}/{len(ids)}"
@@ -225,6 +236,10 @@ class Command(BaseCommand):
         )
         if double:
             problems.append(f"{double} messages applied more than once")
+        if conf.FULFIL_AFTER_PAYMENT:
+            steps = rows.filter(consumer="fulfilment").count()
+            if steps != len(ids):
+                problems.append(f"{len(ids) - steps} orders' fulfilment step never ran")
         parked = ParkedMessage.objects.filter(order_id__in=ids).count()
         if parked:
             problems.append(f"{parked} messages still parked")
