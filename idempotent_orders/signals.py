@@ -14,3 +14,13 @@ message_consumed = Signal()
 #: Sent when a parked message is released and decided again.
 #: Arguments: ``consumer``, ``message_id``, ``order_id``, ``outcome``.
 message_released = Signal()
+
+#: Sent for every dedup decision, saying which layer answered.
+#: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
+#: redis-hit, redis-miss, redis-down, disabled, database-conflict), ``consumer``, ``message_id``.
+#: Sent synchronously in the consuming process (lookups happen before any transaction).
+dedup_answered = Signal()
+
+#: Sent once per parked message that waited longer than ``PARKED_TIMEOUT`` and
+#: was marked overdue. Arguments: ``parked`` (the ParkedMessage), ``waited`` (seconds).
+parked_overdue = Signal()

@@ -103,3 +103,11 @@ def publish(message: dict[str, Any], *, consumer: str, **options: Any) -> None:
             f"unknown consumer {consumer!r}; expected one of {sorted(_TASKS)}"
         ) from None
     task.apply_async(args=[message], task_id=str(message["message_id"]), **options)
+
+
+@shared_task(name="idempotent_orders.surface_overdue_parked")
+def surface_overdue_parked() -> int:
+    """Periodic: mark parked messages that waited too long (see ``PARKED_TIMEOUT``)."""
+    from idempotent_orders.services import surface_overdue_parked as surface
+
+    return len(surface())
