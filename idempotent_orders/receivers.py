@@ -35,6 +35,7 @@ def enqueue_fulfilment(sender: type[Order], order: Order, target: str, **kwargs:
 
 # -- counters and the per-process fast path (dedup layers, stats) --------------
 
+
 @receiver(message_consumed, dispatch_uid="idempotent_orders.count_outcome")
 def count_outcome(sender: Any, outcome: str, **kwargs: Any) -> None:
     stats.incr(f"outcome:{outcome}")

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('idempotent_orders', '0001_initial'),
+        ("idempotent_orders", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='parkedmessage',
-            name='overdue_at',
+            model_name="parkedmessage",
+            name="overdue_at",
             field=models.DateTimeField(blank=True, db_index=True, null=True),
         ),
     ]
