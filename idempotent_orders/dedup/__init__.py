@@ -9,6 +9,7 @@ stays the only authority. ``remember()`` is called once a message's work
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 
@@ -79,10 +80,9 @@ def remember(consumer: str, message_id: str) -> None:
     if conf.DEDUP_BLOOM:
         bloom.add(consumer, message_id)
     if redis.enabled:
-        try:
+        # On failure the next copy goes to the database, which still answers exactly.
+        with contextlib.suppress(RedisUnavailable):
             redis.add(consumer, message_id)
-        except RedisUnavailable:
-            pass  # the next copy goes to the database, which still answers exactly
 
 
 def reset() -> None:
