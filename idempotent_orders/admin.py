@@ -43,8 +43,8 @@ class ProcessedMessageAdmin(admin.ModelAdmin):
 
 @admin.register(ParkedMessage)
 class ParkedMessageAdmin(admin.ModelAdmin):
-    list_display = ["message_id", "consumer", "order", "seq", "reason", "parked_at"]
-    list_filter = ["consumer"]
+    list_display = ["message_id", "consumer", "order", "seq", "reason", "parked_at", "overdue_at"]
+    list_filter = ["consumer", ("overdue_at", admin.EmptyFieldListFilter)]
     raw_id_fields = ["order"]
 
 

@@ -75,3 +75,62 @@ def check_outbox_and_locks(app_configs: Any = None, **kwargs: Any) -> list[Check
                 )
             )
     return errors
+
+
+@register(Tags.compatibility, Tags.caches)
+def check_dedup(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The fast-path layers need a cache that exists and sane Bloom sizes and windows."""
+    from django.core.checks import Warning
+
+    from idempotent_orders.conf import conf
+
+    user = getattr(settings, "IDEMPOTENT_ORDERS", {})
+    if not isinstance(user, dict):
+        return []  # E001 already
+    try:
+        alias = conf.DEDUP_CACHE_ALIAS
+        numbers = {
+            "DEDUP_WINDOW": conf.DEDUP_WINDOW,
+            "DEDUP_BLOOM_CAPACITY": conf.DEDUP_BLOOM_CAPACITY,
+            "DEDUP_BLOOM_BUCKET_SECONDS": conf.DEDUP_BLOOM_BUCKET_SECONDS,
+            "PARKED_TIMEOUT": conf.PARKED_TIMEOUT,
+        }
+        error_rate = conf.DEDUP_BLOOM_ERROR_RATE
+    except (TypeError, ValueError):
+        return []  # E003 already
+    errors: list[CheckMessage] = []
+    caches = getattr(settings, "CACHES", {})
+    if alias and alias not in caches:
+        errors.append(
+            Error(
+                f"IDEMPOTENT_ORDERS['DEDUP_CACHE_ALIAS'] is {alias!r}, which is not in CACHES.",
+                hint='Name a django-redis cache, or set it to "" to switch the Redis layer off.',
+                id="idempotent_orders.E010",
+            )
+        )
+    elif alias and "django_redis" not in str(caches[alias].get("BACKEND", "")):
+        errors.append(
+            Warning(
+                f"The dedup cache {alias!r} is not a django-redis cache.",
+                hint="Other backends work but are usually per process or lossy, so most "
+                "duplicates reach the database; counters then stay per process.",
+                id="idempotent_orders.W010",
+            )
+        )
+    for name, value in numbers.items():
+        if value <= 0:
+            errors.append(
+                Error(
+                    f"IDEMPOTENT_ORDERS[{name!r}] must be positive, got {value}.",
+                    id="idempotent_orders.E011",
+                )
+            )
+    if not 0 < error_rate < 1:
+        errors.append(
+            Error(
+                "IDEMPOTENT_ORDERS['DEDUP_BLOOM_ERROR_RATE'] must be between 0 and 1 "
+                f"(exclusive), got {error_rate}.",
+                id="idempotent_orders.E012",
+            )
+        )
+    return errors

@@ -33,6 +33,27 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_CLAIM_TIMEOUT": 60,
     # Sent outbox rows older than this (seconds) are deleted by purge_outbox.
     "OUTBOX_RETENTION": 7 * 24 * 3600,
+    # Fast-path dedup (advisory; the inbox's unique index stays the authority).
+    # Seconds a processed id stays in the Bloom filters and Redis (plus the margin).
+    "DEDUP_WINDOW": 24 * 3600,
+    # Cache alias (django-redis) holding the `processed:` keys; "" switches Redis off.
+    "DEDUP_CACHE_ALIAS": "default",
+    "DEDUP_REDIS_TTL_MARGIN": 3600,
+    # After a Redis error, go straight to the database for this many seconds.
+    "DEDUP_REDIS_RETRY_AFTER": 5,
+    # Process-local Bloom filter: one per bucket, each sized for CAPACITY ids.
+    "DEDUP_BLOOM": True,
+    "DEDUP_BLOOM_CAPACITY": 1_000_000,
+    "DEDUP_BLOOM_ERROR_RATE": 0.001,
+    "DEDUP_BLOOM_BUCKET_SECONDS": 3600,
+    # Read ids other processes recorded at most this often (seconds), overlapping
+    # the previous read by OVERLAP seconds for rows that committed late.
+    "DEDUP_BLOOM_REFRESH": 5,
+    "DEDUP_BLOOM_REFRESH_OVERLAP": 30,
+    # Counters are kept per process and added to a Redis hash at most this often.
+    "STATS_FLUSH_INTERVAL": 1,
+    # Seconds a parked message may wait for its predecessor before it is surfaced.
+    "PARKED_TIMEOUT": 3600,
 }
 
 
@@ -94,6 +115,54 @@ class Settings:
     @property
     def OUTBOX_RETENTION(self) -> int:
         return int(self._get("OUTBOX_RETENTION"))
+
+    @property
+    def DEDUP_WINDOW(self) -> int:
+        return int(self._get("DEDUP_WINDOW"))
+
+    @property
+    def DEDUP_CACHE_ALIAS(self) -> str:
+        return str(self._get("DEDUP_CACHE_ALIAS"))
+
+    @property
+    def DEDUP_REDIS_TTL_MARGIN(self) -> int:
+        return int(self._get("DEDUP_REDIS_TTL_MARGIN"))
+
+    @property
+    def DEDUP_REDIS_RETRY_AFTER(self) -> int:
+        return int(self._get("DEDUP_REDIS_RETRY_AFTER"))
+
+    @property
+    def DEDUP_BLOOM(self) -> bool:
+        return bool(self._get("DEDUP_BLOOM"))
+
+    @property
+    def DEDUP_BLOOM_CAPACITY(self) -> int:
+        return int(self._get("DEDUP_BLOOM_CAPACITY"))
+
+    @property
+    def DEDUP_BLOOM_ERROR_RATE(self) -> float:
+        return float(self._get("DEDUP_BLOOM_ERROR_RATE"))
+
+    @property
+    def DEDUP_BLOOM_BUCKET_SECONDS(self) -> int:
+        return int(self._get("DEDUP_BLOOM_BUCKET_SECONDS"))
+
+    @property
+    def DEDUP_BLOOM_REFRESH(self) -> int:
+        return int(self._get("DEDUP_BLOOM_REFRESH"))
+
+    @property
+    def DEDUP_BLOOM_REFRESH_OVERLAP(self) -> int:
+        return int(self._get("DEDUP_BLOOM_REFRESH_OVERLAP"))
+
+    @property
+    def STATS_FLUSH_INTERVAL(self) -> int:
+        return int(self._get("STATS_FLUSH_INTERVAL"))
+
+    @property
+    def PARKED_TIMEOUT(self) -> int:
+        return int(self._get("PARKED_TIMEOUT"))
 
 
 conf = Settings()

@@ -169,6 +169,8 @@ class ParkedMessage(models.Model):
     envelope: models.JSONField[Any] = models.JSONField()
     reason = models.CharField(max_length=255)
     parked_at = models.DateTimeField(db_default=Now())
+    #: Set once the message waited longer than PARKED_TIMEOUT (operators look here).
+    overdue_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
     class Meta:
         ordering = ["order_id", "seq", "id"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.signals import worker_process_init, worker_process_shutdown
 from django.dispatch import receiver
 
+from idempotent_orders import stats
 from idempotent_orders.conf import conf
 from idempotent_orders.models import Order, OrderStatus
-from idempotent_orders.signals import order_transitioned
+from idempotent_orders.signals import dedup_answered, message_consumed, order_transitioned
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -29,3 +31,34 @@ def enqueue_fulfilment(sender: type[Order], order: Order, target: str, **kwargs:
         logger.exception(
             "could not enqueue fulfilment of order %s", order.pk, extra={"order_id": order.pk}
         )
+
+
+# -- counters and the per-process fast path (dedup layers, stats) --------------
+
+
+@receiver(message_consumed, dispatch_uid="idempotent_orders.count_outcome")
+def count_outcome(sender: Any, outcome: str, **kwargs: Any) -> None:
+    stats.incr(f"outcome:{outcome}")
+
+
+@receiver(dedup_answered, dispatch_uid="idempotent_orders.count_layer")
+def count_layer(sender: Any, layer: str, **kwargs: Any) -> None:
+    stats.incr(f"layer:{layer}")
+
+
+@worker_process_init.connect(dispatch_uid="idempotent_orders.dedup_worker_init")
+def reset_fast_path(**kwargs: Any) -> None:
+    """A new worker process starts with empty filters; its first lookup loads the inbox.
+
+    Loading here directly would use the database connection inherited from the
+    parent before Celery's Django fix-up replaces it, so the rebuild is lazy.
+    """
+    from idempotent_orders import dedup
+
+    dedup.reset()
+    stats.reset()
+
+
+@worker_process_shutdown.connect(dispatch_uid="idempotent_orders.stats_worker_shutdown")
+def flush_counters(**kwargs: Any) -> None:
+    stats.flush()

@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, transaction
@@ -23,10 +24,22 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.signals import message_consumed, message_released
+from idempotent_orders.signals import (
+    dedup_answered,
+    message_consumed,
+    message_released,
+    parked_overdue,
+)
 from idempotent_orders.transitions import TransitionStatus, apply_transition, classify
 
-__all__ = ["Envelope", "Outcome", "consume_message", "parse_envelope", "release_parked"]
+__all__ = [
+    "Envelope",
+    "Outcome",
+    "consume_message",
+    "parse_envelope",
+    "release_parked",
+    "surface_overdue_parked",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -166,17 +179,22 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     except InvalidMessage as exc:
         raw_id = message.get("message_id") if isinstance(message, Mapping) else None
         message_id = raw_id if _valid_message_id(raw_id) and not _has_nul(raw_id) else None
-        return _reject(
+        message_id = message_id or _synthetic_id(message)
+        outcome = _reject(
             consumer=consumer,
-            message_id=message_id or _synthetic_id(message),
+            message_id=message_id,
             message_type=_excerpt(message.get("type")) if isinstance(message, Mapping) else "",
             order=None,
             seq=None,
             reason=exc.message,
             body=_serialise(message)[:_BODY_EXCERPT],
         )
+        _remember(consumer, message_id)
+        return outcome
 
-    if dedup.seen(consumer, envelope.message_id):
+    if dedup.lookup(consumer, envelope.message_id) is dedup.Layer.REDIS_HIT:
+        # Only a Redis key written after the whole message was handled (its
+        # transaction and the releases below) answers without the database.
         _announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
         return Outcome.DUPLICATE
 
@@ -189,7 +207,23 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         # releasing, and a parked one re-checks because its predecessor may
         # have committed while it was parking (the lost wake-up).
         release_parked(envelope.order_id)
+    # Remembered last: a worker that dies before this point leaves no fast-path
+    # key, so the redelivery reaches the database and releases successors itself.
+    _remember(consumer, envelope.message_id)
     return outcome
+
+
+def _remember(consumer: str, message_id: str) -> None:
+    transaction.on_commit(lambda: dedup.remember(consumer, message_id))
+
+
+def _database_conflict(consumer: str, message_id: str) -> None:
+    dedup_answered.send(
+        sender=dedup.Layer,
+        layer=dedup.Layer.DATABASE_CONFLICT,
+        consumer=consumer,
+        message_id=message_id,
+    )
 
 
 def _excerpt(value: Any) -> str:
@@ -221,6 +255,7 @@ def _reject(
             )
     except IntegrityError:
         outcome, reason = Outcome.DUPLICATE, "already recorded"
+        _database_conflict(consumer, message_id)
     else:
         outcome = Outcome.REJECTED
         logger.warning(
@@ -230,7 +265,6 @@ def _reject(
             reason,
             extra={"message_id": message_id, "order_id": order.pk if order else None},
         )
-    transaction.on_commit(lambda: dedup.remember(consumer, message_id))
     message_consumed.send(
         sender=ProcessedMessage,
         consumer=consumer,
@@ -316,8 +350,12 @@ def _consume(envelope: Envelope, consumer: str, parked: ParkedMessage | None = N
         try:
             fields = envelope.handler.validate(order, envelope.payload)
         except InvalidMessage as exc:
-            decision = _Decision(Outcome.REJECTED, exc.message)
             fields = {}
+            if envelope.seq is not None and envelope.seq > order.last_seq + 1:
+                # Rejected in its turn, so that it still fills its sequence slot.
+                decision = _decide(order, envelope)
+            else:
+                decision = _Decision(Outcome.REJECTED, exc.message)
         else:
             decision = _decide(order, envelope)
         if parked is not None and decision.outcome is Outcome.PARKED:
@@ -326,6 +364,7 @@ def _consume(envelope: Envelope, consumer: str, parked: ParkedMessage | None = N
             outcome = _write(envelope, consumer, order, decision, fields, parked)
         except _Duplicate:
             if parked is None:
+                _database_conflict(consumer, envelope.message_id)
                 _announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
             return Outcome.DUPLICATE
         except _Conflict:
@@ -336,7 +375,6 @@ def _consume(envelope: Envelope, consumer: str, parked: ParkedMessage | None = N
             # The database rolled the whole transaction back (on MariaDB the inbox
             # row's foreign-key lock and the order UPDATE can cross); run it again.
             continue
-        transaction.on_commit(lambda: dedup.remember(consumer, envelope.message_id))
         if parked is not None:
             message_released.send(
                 sender=ParkedMessage,
@@ -477,3 +515,39 @@ def release_parked(order_id: int) -> list[Outcome]:
                 progressed = True
                 break  # the order changed: read the waiting list again, in order
     return outcomes
+
+
+def surface_overdue_parked(*, timeout: int | None = None) -> list[ParkedMessage]:
+    """Release what can go ahead, then mark parked messages older than ``timeout`` overdue.
+
+    The release pass is a backstop for a worker that died between parking a
+    message and re-checking it. Each message is marked once (a conditional
+    UPDATE), and ``parked_overdue`` is sent for it; operators find the rows in
+    the admin under "overdue". Returns the newly marked rows.
+    """
+    from django.utils import timezone
+
+    timeout = conf.PARKED_TIMEOUT if timeout is None else timeout
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=timeout)
+    old = ParkedMessage.objects.filter(parked_at__lte=cutoff, overdue_at__isnull=True)
+    for order_id in old.values_list("order_id", flat=True).distinct().order_by("order_id"):
+        release_parked(order_id)
+    marked: list[ParkedMessage] = []
+    for parked in old.order_by("order_id", "seq", "id"):
+        if ParkedMessage.objects.filter(pk=parked.pk, overdue_at__isnull=True).update(
+            overdue_at=now
+        ):
+            parked.overdue_at = now
+            marked.append(parked)
+            waited = (now - parked.parked_at).total_seconds()
+            logger.error(
+                "parked message %s of order %s waited %.0fs for its predecessor: %s",
+                parked.message_id,
+                parked.order_id,
+                waited,
+                parked.reason,
+                extra={"message_id": parked.message_id, "order_id": parked.order_id},
+            )
+            parked_overdue.send(sender=ParkedMessage, parked=parked, waited=waited)
+    return marked

@@ -18,3 +18,12 @@ message_released = Signal()
 #: Sent by relay_outbox() after a run that published or failed to publish rows.
 #: Arguments: ``published``, ``retried`` (failed publishes, to be tried again), ``pending``.
 outbox_relayed = Signal()
+#: Sent for every dedup decision, saying which layer answered.
+#: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
+#: redis-hit, redis-miss, redis-down, disabled, database-conflict), ``consumer``, ``message_id``.
+#: Sent synchronously in the consuming process (lookups happen before any transaction).
+dedup_answered = Signal()
+
+#: Sent once per parked message that waited longer than ``PARKED_TIMEOUT`` and
+#: was marked overdue. Arguments: ``parked`` (the ParkedMessage), ``waited`` (seconds).
+parked_overdue = Signal()

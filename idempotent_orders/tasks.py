@@ -121,3 +121,11 @@ def purge_outbox_task() -> int:
     from idempotent_orders.outbox import purge_outbox
 
     return purge_outbox()
+
+
+@shared_task(name="idempotent_orders.surface_overdue_parked")
+def surface_overdue_parked() -> int:
+    """Periodic: mark parked messages that waited too long (see ``PARKED_TIMEOUT``)."""
+    from idempotent_orders.services import surface_overdue_parked as surface
+
+    return len(surface())

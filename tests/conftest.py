@@ -267,3 +267,30 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: flo
             return True
         time.sleep(interval)
     return predicate()
+
+
+_dedup_cache_ok = True
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fast_path() -> Iterator[None]:
+    """Each test starts with empty Bloom filters and none of this namespace's Redis keys.
+
+    The database is reset between tests but Redis is not: a ``processed:`` key
+    left by an earlier test would answer "duplicate" for a reused message id.
+    Only keys under this run's KEY_PREFIX are deleted (never FLUSHDB).
+    """
+    global _dedup_cache_ok
+    from idempotent_orders import dedup, stats
+
+    dedup.reset()
+    stats.reset()
+    if _dedup_cache_ok:
+        try:
+            from django.core.cache import cache
+
+            cache.delete_pattern("processed:*")  # type: ignore[attr-defined]
+        except Exception:
+            _dedup_cache_ok = False  # Redis is not running here; tests needing it say so
+    yield
+    dedup.reset()

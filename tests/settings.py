@@ -66,6 +66,15 @@ CACHES = {
     }
 }
 
+# A private Redis for the dedup layer (tests that flush or kill it start their own).
+if os.environ.get("IO_TEST_DEDUP_REDIS_URL"):
+    CACHES["dedup"] = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": os.environ["IO_TEST_DEDUP_REDIS_URL"],
+        "KEY_PREFIX": os.environ.get("IO_TEST_NAMESPACE", TEST_DB_NAME),
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 0.5},
+    }
+
 CELERY_BROKER_URL = os.environ.get("IO_TEST_BROKER_URL", "memory://")
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("IO_TEST_QUEUE", f"{TEST_DB_NAME}-tasks")
 CELERY_TASK_ACKS_LATE = True
@@ -111,4 +120,9 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # Unit tests run the consumer synchronously; worker tests turn fulfilment on.
 IDEMPOTENT_ORDERS: dict[str, Any] = {
     "FULFIL_AFTER_PAYMENT": os.environ.get("IO_TEST_FULFIL") == "1",
+    # Fast-path keys left in the shared Redis by a test run expire soon.
+    "DEDUP_WINDOW": 600,
+    "DEDUP_REDIS_TTL_MARGIN": 60,
 }
+if "dedup" in CACHES:
+    IDEMPOTENT_ORDERS["DEDUP_CACHE_ALIAS"] = "dedup"

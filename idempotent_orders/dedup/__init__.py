@@ -1,20 +1,91 @@
-"""Advisory fast path in front of the inbox's unique index.
+"""Advisory fast path in front of the inbox's unique index: Bloom filter, then Redis.
 
-``seen()`` may answer "duplicate" without a database query; ``remember()`` is
-called after a message's transaction commits. Neither is ever the authority:
-a wrong "not seen" only costs a database round trip.
-
-The Bloom filter and Redis layers are not wired in yet: until they are, every
-message goes to the database.
+``lookup()`` says which layer answered; only :attr:`Layer.REDIS_HIT` lets the
+caller skip the database. A Bloom positive alone never drops a message, and a
+Redis outage or flush only sends messages to the database, whose unique index
+stays the only authority. ``remember()`` is called once a message's work
+(its transaction and the release of the successors it unblocked) is done.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import logging
+
+from django.db import DatabaseError
+
+from idempotent_orders.conf import conf
+from idempotent_orders.dedup.bloom import BloomLayer
+from idempotent_orders.dedup.redis import RedisLayer, RedisUnavailable
+from idempotent_orders.signals import dedup_answered
+
+__all__ = ["Layer", "bloom", "lookup", "redis", "remember", "reset", "seen"]
+
+logger = logging.getLogger("idempotent_orders")
+
+
+class Layer(enum.StrEnum):
+    """Which layer answered a lookup. The values are the counter names."""
+
+    #: The local Bloom filter has never seen the id: straight to the database.
+    BLOOM_NEGATIVE = "bloom-negative"
+    #: Bloom said "maybe" and Redis holds the ``processed:`` key: a duplicate, no query.
+    REDIS_HIT = "redis-hit"
+    #: Bloom said "maybe" (a false positive, or the key expired or was flushed).
+    REDIS_MISS = "redis-miss"
+    #: Bloom said "maybe" but Redis did not answer.
+    REDIS_DOWN = "redis-down"
+    #: The fast path is switched off (DEDUP_BLOOM false and no cache alias).
+    DISABLED = "disabled"
+    #: Sent by the consumer when the inbox's unique index found the duplicate.
+    DATABASE_CONFLICT = "database-conflict"
+
+
+#: This process's layers. Module-level so every consumer in the process shares them.
+bloom = BloomLayer()
+redis = RedisLayer()
+
+
+def _announce(layer: Layer, consumer: str, message_id: str) -> Layer:
+    dedup_answered.send(sender=Layer, layer=layer, consumer=consumer, message_id=message_id)
+    return layer
+
+
+def lookup(consumer: str, message_id: str) -> Layer:
+    """Ask the fast layers about a message; sends ``dedup_answered`` with the answer."""
+    if conf.DEDUP_BLOOM:
+        try:
+            bloom.refresh()
+        except DatabaseError:  # the consumer meets the same error and retries
+            logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
+        if not bloom.might_contain(consumer, message_id):
+            return _announce(Layer.BLOOM_NEGATIVE, consumer, message_id)
+    if not redis.enabled:
+        return _announce(Layer.DISABLED, consumer, message_id)
+    try:
+        hit = redis.contains(consumer, message_id)
+    except RedisUnavailable:
+        return _announce(Layer.REDIS_DOWN, consumer, message_id)
+    return _announce(Layer.REDIS_HIT if hit else Layer.REDIS_MISS, consumer, message_id)
+
 
 def seen(consumer: str, message_id: str) -> bool:
     """True only when a message is known, for certain, to have been processed."""
-    return False
+    return lookup(consumer, message_id) is Layer.REDIS_HIT
 
 
 def remember(consumer: str, message_id: str) -> None:
-    """Record a processed message in the fast layers (called after commit)."""
+    """Record a processed message in the fast layers (call after commit)."""
+    if conf.DEDUP_BLOOM:
+        bloom.add(consumer, message_id)
+    if redis.enabled:
+        # On failure the next copy goes to the database, which still answers exactly.
+        with contextlib.suppress(RedisUnavailable):
+            redis.add(consumer, message_id)
+
+
+def reset() -> None:
+    """Forget this process's Bloom filters and Redis back-off (tests, worker start)."""
+    bloom.clear()
+    redis.reset()

@@ -1,0 +1,268 @@
+"""The dedup fast path (Bloom, Redis), counters, checks and overdue parked messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from idempotent_orders import dedup, stats
+from idempotent_orders.checks import check_dedup
+from idempotent_orders.dedup import Layer
+from idempotent_orders.dedup.bloom import BloomLayer, stable_hash
+from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, ProcessedMessage
+from idempotent_orders.services import consume_message, surface_overdue_parked
+from idempotent_orders.signals import dedup_answered, parked_overdue
+from tests.conftest import ROOT, payment, shipment
+from tests.redis_server import RedisServer, private_redis_settings
+
+S = OrderStatus
+
+
+def settings_with(**values: Any) -> override_settings:
+    from django.conf import settings
+
+    return override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **values})
+
+
+@pytest.fixture
+def layers() -> Iterator[list[str]]:
+    answered: list[str] = []
+
+    def record(sender: Any, layer: Layer, **kwargs: Any) -> None:
+        answered.append(layer.value)
+
+    dedup_answered.connect(record)
+    yield answered
+    dedup_answered.disconnect(record)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    with private_redis_settings(server.url):
+        yield server
+    server.stop()
+
+
+# -- Bloom layer -------------------------------------------------------------------
+
+
+def test_stable_hash_is_the_same_in_another_process() -> None:
+    code = "from idempotent_orders.dedup.bloom import stable_hash; print(stable_hash('pay:m-1'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert int(out) == stable_hash("pay:m-1")
+    assert -(2**127) <= stable_hash("x") < 2**127
+
+
+def test_bloom_rotates_buckets_out_of_the_window() -> None:
+    bloom = BloomLayer()
+    with settings_with(DEDUP_WINDOW=7200, DEDUP_BLOOM_BUCKET_SECONDS=3600):
+        now = timezone.now().timestamp()
+        bloom.add("payments", "old", now - 4 * 3600)  # outside: never stored
+        bloom.add("payments", "edge", now - 2 * 3600)
+        bloom.add("payments", "new", now)
+        assert not bloom.might_contain("payments", "old")
+        assert bloom.might_contain("payments", "edge")
+        assert bloom.might_contain("payments", "new")
+        assert not bloom.might_contain("shipping", "new")
+        assert bloom.bucket_count() == 2
+    with settings_with(DEDUP_WINDOW=60, DEDUP_BLOOM_BUCKET_SECONDS=3600):
+        bloom._rotate(now + 3 * 3600)
+        assert bloom.bucket_count() == 0
+
+
+def test_bloom_is_sized_from_settings() -> None:
+    bloom = BloomLayer()
+    with settings_with(DEDUP_BLOOM_CAPACITY=1000, DEDUP_BLOOM_ERROR_RATE=0.01):
+        bloom.add("c", "m")
+        small = next(iter(bloom._buckets.values())).size_in_bits
+    with settings_with(DEDUP_BLOOM_CAPACITY=100_000, DEDUP_BLOOM_ERROR_RATE=0.01):
+        bloom.add("c", "m")  # new sizing: filters start over
+        big = next(iter(bloom._buckets.values())).size_in_bits
+        assert bloom.might_contain("c", "m")
+    assert big > 50 * small
+
+
+@pytest.mark.django_db
+def test_bloom_rebuilds_from_the_inbox_window(make_order) -> None:
+    order = make_order()
+    consume_message(payment(order, message_id="recent"), consumer="payments")
+    ProcessedMessage.objects.create(consumer="payments", message_id="ancient")
+    ProcessedMessage.objects.filter(message_id="ancient").update(
+        created_at=timezone.now() - timedelta(days=3)
+    )
+    bloom = BloomLayer()
+    with settings_with(DEDUP_WINDOW=24 * 3600):
+        assert bloom.rebuild() == 1
+    assert bloom.might_contain("payments", "recent")
+    assert not bloom.might_contain("payments", "ancient")
+
+
+@pytest.mark.django_db
+def test_a_bloom_positive_alone_never_drops_a_message(make_order, layers) -> None:
+    order = make_order()
+    msg = payment(order)
+    dedup.bloom.add("payments", msg["message_id"])  # e.g. a false positive
+    with settings_with(DEDUP_CACHE_ALIAS=""):
+        assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert layers[0] == "disabled"
+
+
+# -- Redis layer (private server) ----------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redis_hit_answers_without_the_database(make_order, redis_server, layers) -> None:
+    order = make_order()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert redis_server.keys("*processed:payments:*")
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert len(queries) == 0
+    assert layers == ["bloom-negative", "redis-hit"]
+    ttl = redis_server.ttl(redis_server.keys("*processed:payments:*")[0])
+    assert 600 < ttl <= 660  # DEDUP_WINDOW + DEDUP_REDIS_TTL_MARGIN in tests/settings
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redis_flushed_or_down_falls_back_to_the_database(make_order, redis_server, layers) -> None:
+    order = make_order()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    redis_server.flush()
+    assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert layers[-2:] == ["redis-miss", "database-conflict"]
+    redis_server.stop()
+    assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert consume_message(shipment(order), consumer="shipping") is Outcome.APPLIED
+    assert "redis-down" in layers
+    assert layers[-1] == "bloom-negative"
+    assert ProcessedMessage.objects.filter(message_id=msg["message_id"]).count() == 1
+
+
+@pytest.mark.django_db
+def test_nothing_is_remembered_before_commit(
+    make_order, django_capture_on_commit_callbacks
+) -> None:
+    order = make_order()
+    msg = payment(order)
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert not dedup.bloom.might_contain("payments", msg["message_id"])
+    for callback in callbacks:
+        callback()
+    assert dedup.bloom.might_contain("payments", msg["message_id"])
+
+
+# -- counters ----------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_stats_command_counts_outcomes_and_layers(make_order, redis_server, capsys) -> None:
+    stats.reset(shared=True)
+    order = make_order()
+    msg = payment(order)
+    consume_message(msg, consumer="payments")
+    consume_message(msg, consumer="payments")
+    consume_message(shipment(order, "delivered", seq=3), consumer="shipping")
+    call_command("stats", "--json")
+    import json
+
+    counts = json.loads(capsys.readouterr().out)
+    assert counts["outcome:applied"] == 1
+    assert counts["outcome:duplicate"] == 1
+    assert counts["outcome:parked"] == 1
+    assert counts["layer:bloom-negative"] == 2
+    assert counts["layer:redis-hit"] == 1
+    call_command("stats", "--reset")
+    assert stats.read() == {}
+
+
+# -- sequencing details ----------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_invalid_message_ahead_of_a_gap_waits_and_still_fills_its_slot(make_order) -> None:
+    order = make_order()
+    bad = payment(order, seq=2, amount="999.00")
+    assert consume_message(bad, consumer="payments") is Outcome.PARKED
+    later = shipment(order, seq=3)
+    assert consume_message(later, consumer="shipping") is Outcome.PARKED
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    row = ProcessedMessage.objects.get(message_id=bad["message_id"])
+    assert row.outcome == Outcome.REJECTED
+    assert "amount" in row.error
+    order.refresh_from_db()
+    assert (order.status, order.last_seq) == (S.SHIPPED, 3)
+    assert not ParkedMessage.objects.exists()
+
+
+@pytest.mark.django_db
+def test_overdue_parked_messages_are_surfaced_once(make_order) -> None:
+    order = make_order()
+    waiting = shipment(order, "delivered", seq=3)
+    assert consume_message(waiting, consumer="shipping") is Outcome.PARKED
+    sent: list[tuple[str, float]] = []
+
+    def record(sender: Any, parked: ParkedMessage, waited: float, **kwargs: Any) -> None:
+        sent.append((parked.message_id, waited))
+
+    parked_overdue.connect(record)
+    try:
+        assert surface_overdue_parked(timeout=3600) == []
+        ParkedMessage.objects.update(parked_at=timezone.now() - timedelta(hours=2))
+        call_command("surface_parked", "--timeout", "3600")
+        assert surface_overdue_parked(timeout=3600) == []  # once only
+    finally:
+        parked_overdue.disconnect(record)
+    assert [m for m, _ in sent] == [waiting["message_id"]]
+    assert sent[0][1] >= 7200
+    assert ParkedMessage.objects.get().overdue_at is not None
+
+
+@pytest.mark.django_db
+def test_overdue_pass_releases_what_can_go_ahead(make_order) -> None:
+    order = make_order()
+    early = shipment(order, seq=2)
+    assert consume_message(early, consumer="shipping") is Outcome.PARKED
+    # A predecessor committed by a worker that died before releasing its successors.
+    consume_message(payment(order, seq=1), consumer="payments")
+    ParkedMessage.objects.update(parked_at=timezone.now() - timedelta(hours=2))
+    assert surface_overdue_parked(timeout=3600) == []
+    assert not ParkedMessage.objects.exists()
+
+
+# -- checks ------------------------------------------------------------------------
+
+
+def test_checks_for_the_fast_path() -> None:
+    assert check_dedup() == []
+    with settings_with(DEDUP_CACHE_ALIAS="nope"):
+        assert [e.id for e in check_dedup()] == ["idempotent_orders.E010"]
+    with settings_with(DEDUP_BLOOM_CAPACITY=0, DEDUP_BLOOM_ERROR_RATE=1.5):
+        assert [e.id for e in check_dedup()] == [
+            "idempotent_orders.E011",
+            "idempotent_orders.E012",
+        ]
+    locmem = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    with override_settings(CACHES=locmem):
+        assert [e.id for e in check_dedup()] == ["idempotent_orders.W010"]
