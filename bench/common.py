@@ -97,8 +97,10 @@ def na(section: str, what: str, reason: str) -> Row:
 
 
 def print_table(rows: list[Row]) -> None:
-    widths = [max(len(getattr(r, f)) for r in [Row("section", "what", "value", "note"), *rows])
-              for f in ("section", "what", "value")]
+    widths = [
+        max(len(getattr(r, f)) for r in [Row("section", "what", "value", "note"), *rows])
+        for f in ("section", "what", "value")
+    ]
     head = Row("section", "what", "value", "note")
     for r in [head, Row(*("-" * w for w in widths), "----"), *rows]:
         print(

@@ -68,7 +68,11 @@ def run() -> list[Row]:
             )
         )
     raw, new, dup, batch = map(median, (raw_rates, new_rates, dup_rates, batch_rates))
-    fast = "fast path wired" if _fast_path_active(dedup) else "fast path not wired: every duplicate queries the DB"
+    fast = (
+        "fast path wired"
+        if _fast_path_active(dedup)
+        else "fast path not wired: every duplicate queries the DB"
+    )
     return [
         Row("1 consumer (PG, 1 proc)", "raw psycopg INSERT+UPDATE txn", fmt(raw), "the limit"),
         Row(
@@ -94,8 +98,10 @@ def run() -> list[Row]:
 
 def _fast_path_active(dedup: Any) -> bool:
     # The no-op placeholder module has only seen() and remember().
-    return any(not name.startswith("_") and name not in {"seen", "remember", "annotations"}
-               for name in vars(dedup))
+    return any(
+        not name.startswith("_") and name not in {"seen", "remember", "annotations"}
+        for name in vars(dedup)
+    )
 
 
 if __name__ == "__main__":

@@ -39,23 +39,36 @@ def child() -> None:
         reset_queries()
         samples.append(_rss_kib("VmRSS"))
     bloom = getattr(dedup, "bloom_size_bytes", None)
-    print(json.dumps({
-        "after_first": samples[0],
-        "end": samples[-1],
-        "peak": _rss_kib("VmHWM"),
-        "bloom": bloom() if callable(bloom) else None,
-    }))
+    print(
+        json.dumps(
+            {
+                "after_first": samples[0],
+                "end": samples[-1],
+                "peak": _rss_kib("VmHWM"),
+                "bloom": bloom() if callable(bloom) else None,
+            }
+        )
+    )
 
 
 def run() -> list[Row]:
     setup()
     out = subprocess.run(
         [sys.executable, "-m", "bench.memory", "--child"],
-        cwd=ROOT, env=os.environ, capture_output=True, text=True, check=True, timeout=900,
+        cwd=ROOT,
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     growth = r["end"] - r["after_first"]
-    bloom = "Bloom size n/a: fast path not wired yet" if r["bloom"] is None else f"Bloom {r['bloom'] / 1024:,.0f} KiB"
+    bloom = (
+        "Bloom size n/a: fast path not wired yet"
+        if r["bloom"] is None
+        else f"Bloom {r['bloom'] / 1024:,.0f} KiB"
+    )
     return [
         Row(
             "6 memory",

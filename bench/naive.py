@@ -17,11 +17,17 @@ def _naive(message: dict[str, Any]) -> None:
     from django.db import connection, transaction
 
     with transaction.atomic(), connection.cursor() as cur:
-        cur.execute("SELECT 1 FROM bench_naive_inbox WHERE message_id = %s", [message["message_id"]])
+        cur.execute(
+            "SELECT 1 FROM bench_naive_inbox WHERE message_id = %s", [message["message_id"]]
+        )
         if cur.fetchone():
             return
-        cur.execute("UPDATE bench_naive_effects SET n = n + 1 WHERE order_id = %s", [message["order_id"]])
-        cur.execute("INSERT INTO bench_naive_inbox (message_id) VALUES (%s)", [message["message_id"]])
+        cur.execute(
+            "UPDATE bench_naive_effects SET n = n + 1 WHERE order_id = %s", [message["order_id"]]
+        )
+        cur.execute(
+            "INSERT INTO bench_naive_inbox (message_id) VALUES (%s)", [message["message_id"]]
+        )
 
 
 def _storm(fn: Any, messages: list[dict[str, Any]]) -> None:
@@ -57,9 +63,7 @@ def run() -> list[Row]:
         cur.execute("CREATE TABLE bench_naive_effects (order_id bigint primary key, n int)")
     orders = make_orders(MESSAGES)
     with connection.cursor() as cur:
-        cur.executemany(
-            "INSERT INTO bench_naive_effects VALUES (%s, 0)", [(o.pk,) for o in orders]
-        )
+        cur.executemany("INSERT INTO bench_naive_effects VALUES (%s, 0)", [(o.pk,) for o in orders])
     messages = [payment(o, "naive-") for o in orders]
     _storm(_naive, messages)
     with connection.cursor() as cur:
@@ -69,12 +73,24 @@ def run() -> list[Row]:
     orders = make_orders(MESSAGES)
     messages = [payment(o, "ours-") for o in orders]
     _storm(lambda m: consume_message(m, consumer="payments"), messages)
-    ours = sum(Order.objects.filter(pk__in=[o.pk for o in orders]).values_list("version", flat=True))
+    ours = sum(
+        Order.objects.filter(pk__in=[o.pk for o in orders]).values_list("version", flat=True)
+    )
     ours_dups = ours - MESSAGES
     what = f"{MESSAGES} msgs x {THREADS} threads"
     return [
-        Row("4 peers: naive consumer", f"check-then-insert, {what}", f"{naive_dups} dup", "effects applied twice or more"),
-        Row("4 peers: naive consumer", f"consume_message, {what}", f"{ours_dups} dup", "inbox unique index + conditional UPDATE"),
+        Row(
+            "4 peers: naive consumer",
+            f"check-then-insert, {what}",
+            f"{naive_dups} dup",
+            "effects applied twice or more",
+        ),
+        Row(
+            "4 peers: naive consumer",
+            f"consume_message, {what}",
+            f"{ours_dups} dup",
+            "inbox unique index + conditional UPDATE",
+        ),
     ]
 
 

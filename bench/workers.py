@@ -6,7 +6,7 @@ import os
 import time
 import uuid
 
-from bench.common import ROOT, Row, fmt, make_orders, na, payment, setup
+from bench.common import Row, fmt, make_orders, na, payment, setup
 
 N = int(os.environ.get("BENCH_WORKER_MESSAGES", "300"))
 
@@ -91,8 +91,12 @@ def run() -> list[Row]:
                 rows.append(na("2 celery workers", what, repr(exc)[:80]))
                 continue
             rows.append(
-                Row("2 celery workers", f"{what}: consume_payment", fmt(consume),
-                    f"{consume / noop:.0%} of the no-op task ({fmt(noop)})")
+                Row(
+                    "2 celery workers",
+                    f"{what}: consume_payment",
+                    fmt(consume),
+                    f"{consume / noop:.0%} of the no-op task ({fmt(noop)})",
+                )
             )
     del settings
     return rows
