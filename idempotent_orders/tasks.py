@@ -129,3 +129,27 @@ def surface_overdue_parked() -> int:
     from idempotent_orders.services import surface_overdue_parked as surface
 
     return len(surface())
+
+
+@shared_task(name="idempotent_orders.consume_batch", **CONSUMER_TASK_OPTIONS)
+def consume_batch_task(self: Task, messages: list[Any], consumer: str) -> list[str]:
+    """Consume a list of messages for ``consumer`` in one transaction; returns the outcome values.
+
+    A transient error retries the whole batch: the inbox makes the retry see
+    the messages a previous attempt committed as duplicates.
+    """
+    from idempotent_orders.batch import consume_batch
+
+    try:
+        return [o.value for o in consume_batch(messages, consumer=consumer)]
+    except TRANSIENT_ERRORS as exc:
+        retries = self.request.retries
+        countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**retries)
+        logger.warning(
+            "transient error consuming a batch of %d, retry %d in %ss: %r",
+            len(messages),
+            retries + 1,
+            countdown,
+            exc,
+        )
+        raise self.retry(exc=exc, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc

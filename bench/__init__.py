@@ -1,0 +1,1 @@
+"""Benchmarks that print figures side by side; each section module runs alone too."""

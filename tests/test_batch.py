@@ -1,0 +1,312 @@
+"""consume_batch: one multi-row inbox insert per batch, exactly once like the single path."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+from django.db import OperationalError, connection
+
+from idempotent_orders import batch as batch_module
+from idempotent_orders.batch import consume_batch
+from idempotent_orders.models import (
+    InboxStatus,
+    Order,
+    OrderStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
+from idempotent_orders.services import consume_message
+from idempotent_orders.signals import order_transitioned
+from tests.conftest import payment, require_service, shipment, wait_until
+
+S = OrderStatus
+A, D, P, R, ST = (
+    Outcome.APPLIED,
+    Outcome.DUPLICATE,
+    Outcome.PARKED,
+    Outcome.REJECTED,
+    Outcome.STALE,
+)
+
+
+def state(order: Order) -> tuple[str, int, int]:
+    row = Order.objects.get(pk=order.pk)
+    return row.status, row.version, row.last_seq
+
+
+@pytest.mark.django_db
+def test_new_messages_apply_and_a_second_delivery_is_all_duplicates(make_order) -> None:
+    orders = [make_order() for _ in range(5)]
+    messages = [payment(o) for o in orders]
+    assert consume_batch(messages, consumer="payments") == [A] * 5
+    assert all(state(o) == (S.PAID, 1, 0) for o in orders)
+    rows = ProcessedMessage.objects.filter(consumer="payments")
+    assert sorted((r.message_id, r.order_id, r.status, r.outcome) for r in rows) == sorted(
+        (m["message_id"], m["order_id"], InboxStatus.DONE, Outcome.APPLIED) for m in messages
+    )
+    assert Order.objects.get(pk=orders[0].pk).payment_id == f"pay-{orders[0].pk}"
+    assert consume_batch(messages, consumer="payments") == [D] * 5
+    assert all(state(o) == (S.PAID, 1, 0) for o in orders)
+    assert ProcessedMessage.objects.count() == 5
+
+
+@pytest.mark.django_db
+def test_copies_within_one_batch_and_across_batches(make_order) -> None:
+    first, second = make_order(), make_order()
+    m1, m2 = payment(first), payment(second)
+    assert consume_batch([m1, m1, m1], consumer="payments") == [A, D, D]
+    assert consume_batch([m2, m1, m2], consumer="payments") == [A, D, D]
+    assert state(first) == state(second) == (S.PAID, 1, 0)
+    assert ProcessedMessage.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_several_steps_of_one_order_in_one_batch(make_order) -> None:
+    order = make_order()
+    messages = [payment(order), shipment(order), shipment(order, "delivered")]
+    assert consume_batch(messages, consumer="shipping") == [A, A, A]
+    assert state(order) == (S.COMPLETED, 3, 0)
+    assert Order.objects.get(pk=order.pk).tracking_number == f"TRK{order.pk}"
+
+
+@pytest.mark.django_db
+def test_early_messages_park_and_are_released_after_the_batch(make_order) -> None:
+    order = make_order()
+    deliver, ship, pay = shipment(order, "delivered"), shipment(order), payment(order)
+    assert consume_batch([deliver, ship], consumer="shipping") == [P, P]
+    assert ParkedMessage.objects.filter(order=order).count() == 2
+    assert consume_batch([pay], consumer="payments") == [A]
+    assert state(order) == (S.COMPLETED, 3, 0)
+    assert not ParkedMessage.objects.exists()
+    assert set(ProcessedMessage.objects.values_list("outcome", flat=True)) == {Outcome.APPLIED}
+
+
+@pytest.mark.django_db
+def test_sequence_gap_within_a_batch(make_order) -> None:
+    order = make_order()
+    messages = [shipment(order, seq=2), payment(order, seq=1), payment(order, seq=1)]
+    assert consume_batch(messages, consumer="orders") == [P, A, ST]
+    # The parked dispatch was released once the batch committed.
+    assert state(order) == (S.SHIPPED, 2, 2)
+    assert not ParkedMessage.objects.exists()
+
+
+@pytest.mark.django_db
+def test_in_sequence_message_without_effect_advances_last_seq(make_order) -> None:
+    order = make_order()
+    assert consume_batch([payment(order, seq=1)], consumer="payments") == [A]
+    messages = [shipment(order, seq=3), payment(order, seq=2)]
+    assert consume_batch(messages, consumer="payments") == [P, D]
+    assert state(order) == (S.SHIPPED, 2, 3)
+
+
+@pytest.mark.django_db
+def test_rejections_keep_their_reasons(make_order) -> None:
+    order, cancelled = make_order(), make_order()
+    consume_message(
+        {"message_id": "c1", "type": "order.cancelled", "order_id": cancelled.pk},
+        consumer="payments",
+    )
+    wrong_amount = payment(order, amount="99.00")
+    too_late = payment(cancelled)
+    unknown = {**payment(order), "message_id": "u1", "order_id": 10**9}
+    garbage = {"message_id": "g1", "type": "nonsense"}
+    good = payment(order)
+    outcomes = consume_batch(
+        [wrong_amount, too_late, unknown, garbage, good, unknown], consumer="payments"
+    )
+    assert outcomes == [R, R, R, R, A, D]
+    errors = dict(
+        ProcessedMessage.objects.filter(status=InboxStatus.REJECTED).values_list(
+            "message_id", "error"
+        )
+    )
+    assert "does not match" in errors[wrong_amount["message_id"]]
+    assert "never" in errors[too_late["message_id"]]
+    assert errors["u1"] == f"unknown order {10**9}"
+    assert "unknown message type" in errors["g1"]
+    assert ProcessedMessage.objects.get(message_id="u1").order_id is None
+    assert '"order_id"' in ProcessedMessage.objects.get(message_id="u1").body
+    assert state(order) == (S.PAID, 1, 0)
+    assert state(cancelled) == (S.CANCELLED, 1, 0)
+
+
+@pytest.mark.django_db
+def test_long_batches_are_split_into_chunks(make_order, monkeypatch) -> None:
+    monkeypatch.setattr(batch_module, "CHUNK", 3)
+    orders = [make_order() for _ in range(7)]
+    messages = [payment(o) for o in orders] + [payment(orders[0])]
+    assert consume_batch(messages, consumer="payments") == [A] * 7 + [D]
+    assert all(state(o) == (S.PAID, 1, 0) for o in orders)
+
+
+@pytest.mark.django_db
+def test_transition_signals_are_sent_after_commit(
+    make_order, django_capture_on_commit_callbacks
+) -> None:
+    order = make_order()
+    seen: list[tuple[str, str, str, int]] = []
+
+    def on_transition(**kwargs: Any) -> None:
+        seen.append((kwargs["transition"], kwargs["source"], kwargs["target"], kwargs["version"]))
+
+    order_transitioned.connect(on_transition)
+    try:
+        with django_capture_on_commit_callbacks(execute=False) as callbacks:
+            consume_batch([payment(order), shipment(order)], consumer="payments")
+        assert seen == []
+        for callback in callbacks:
+            callback()
+    finally:
+        order_transitioned.disconnect(on_transition)
+    assert seen == [("pay", S.PENDING_PAYMENT, S.PAID, 1), ("ship", S.PAID, S.SHIPPED, 2)]
+
+
+def _script(rng: random.Random, order: Order) -> list[dict[str, Any]]:
+    """A random mix of one order's messages: copies, new ids for old steps, gaps, cancels."""
+    steps = [
+        payment(order, message_id=f"p-{order.pk}"),
+        shipment(order, message_id=f"s-{order.pk}"),
+        shipment(order, "delivered", message_id=f"d-{order.pk}"),
+    ]
+    pool = [*steps, payment(order), shipment(order)]
+    if rng.random() < 0.2:
+        pool.append(
+            {"message_id": f"c-{order.pk}", "type": "order.cancelled", "order_id": order.pk}
+        )
+    script = [rng.choice(pool) for _ in range(rng.randint(1, 6))]
+    if rng.random() < 0.5:
+        script = steps + script  # usually the whole path happens somewhere
+    return script
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("seed", range(5))
+def test_batch_ends_where_one_at_a_time_ends(make_order, seed: int) -> None:
+    rng = random.Random(seed)
+    pairs = [(make_order(), make_order()) for _ in range(8)]
+    single: list[dict[str, Any]] = []
+    batched: list[dict[str, Any]] = []
+    for one, other in pairs:
+        script = _script(rng, one)
+        single += script
+        # The same script for the twin order; the inbox is per consumer, ids may repeat.
+        batched += [
+            {**m, "order_id": other.pk, "payload": {**m.get("payload", {})}} for m in script
+        ]
+    for m, twin in zip(single, batched, strict=True):
+        if m["type"].startswith("payment"):
+            twin["payload"]["payment_id"] = m["payload"]["payment_id"]
+    rng.shuffle(order := list(range(len(single))))
+    single = [single[i] for i in order]
+    batched = [batched[i] for i in order]
+    for m in single:
+        consume_message(m, consumer="single")
+    outcomes = consume_batch(batched, consumer="batch")
+    for one, other in pairs:
+        assert state(one) == state(other)
+    assert outcomes.count(A) <= sum(state(other)[1] for _, other in pairs)
+    # Every transition was applied by exactly one message on either side.
+    applied = ProcessedMessage.objects.filter(outcome=Outcome.APPLIED)
+    versions = sum(state(one)[1] for one, _ in pairs)
+    assert applied.filter(consumer="single").count() == versions
+    assert applied.filter(consumer="batch").count() == versions
+    still_parked = ParkedMessage.objects.filter
+    assert still_parked(consumer="single").count() == still_parked(consumer="batch").count()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.backends("postgresql", "mysql")
+def test_concurrent_overlapping_batches_apply_each_step_once(make_order) -> None:
+    orders = [make_order() for _ in range(30)]
+    messages = [payment(o) for o in orders] + [shipment(o) for o in orders]
+    transitions: list[int] = []
+    lock = threading.Lock()
+
+    def on_transition(order: Order, **kwargs: Any) -> None:
+        with lock:
+            transitions.append(order.pk)
+
+    order_transitioned.connect(on_transition)
+    errors: list[BaseException] = []
+    results: list[list[Outcome]] = []
+
+    def run(seed: int) -> None:
+        rng = random.Random(seed)
+        mine = rng.sample(messages, k=len(messages) * 2 // 3)
+        try:
+            for attempt in range(5):
+                try:
+                    results.append(consume_batch(mine, consumer="payments"))
+                    break
+                except OperationalError:
+                    # What the Celery task does: the single path's release of a
+                    # parked message can be a MariaDB deadlock victim; a retry
+                    # finds the batch's messages as duplicates and releases again.
+                    if attempt == 4:
+                        raise
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        order_transitioned.disconnect(on_transition)
+    assert errors == []
+    assert ProcessedMessage.objects.count() <= len(messages)
+    assert len(results) == 4
+    # Whatever interleaving happened, each order moved at most once per step.
+    for order in orders:
+        status, version, _ = state(order)
+        assert version == {S.PENDING_PAYMENT: 0, S.PAID: 1, S.SHIPPED: 2}[status]
+    assert len(transitions) == sum(state(o)[1] for o in orders)
+    # Consuming everything once more finishes every order, still once per step.
+    consume_batch(messages, consumer="payments")
+    assert all(state(o) == (S.SHIPPED, 2, 0) for o in orders)
+    assert ProcessedMessage.objects.count() == len(messages)
+    assert not ParkedMessage.objects.exists()
+    assert ProcessedMessage.objects.filter(outcome=Outcome.APPLIED).count() == 2 * len(orders)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.workers
+@pytest.mark.backends("postgresql", "mysql")
+def test_batch_task_on_real_workers_redelivered_batches(make_order, celery_workers) -> None:
+    from django.conf import settings
+
+    from idempotent_orders.tasks import consume_batch_task
+
+    require_service("redis", settings.REDIS_URL)
+    orders = [make_order() for _ in range(40)]
+    pays = [payment(o) for o in orders]
+    ships = [shipment(o) for o in orders]
+    workers = celery_workers("redis", processes=2)
+    # Overlapping batches, each sent twice: the workers race on the same ids.
+    batches = [pays[:30], pays[10:], pays + ships[:20], ships, ships[5:25]]
+    from celery import current_app
+
+    # An explicit connection: the fixture closed the app's pool when it switched brokers.
+    with current_app.connection_for_write() as conn:
+        for chunk in batches * 2:
+            consume_batch_task.apply_async(args=[chunk, "payments"], connection=conn)
+    done = wait_until(
+        lambda: (
+            ProcessedMessage.objects.count() == 80
+            and Order.objects.filter(status=S.SHIPPED).count() == 40
+        ),
+        timeout=90,
+    )
+    assert done, workers.log_tail()
+    assert all(state(o) == (S.SHIPPED, 2, 0) for o in orders)
+    assert ProcessedMessage.objects.filter(outcome=Outcome.APPLIED).count() == 80
+    assert not ParkedMessage.objects.exists()
