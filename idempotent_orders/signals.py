@@ -14,3 +14,14 @@ message_consumed = Signal()
 #: Sent when a parked message is released and decided again.
 #: Arguments: ``consumer``, ``message_id``, ``order_id``, ``outcome``.
 message_released = Signal()
+
+#: Sent when leased work (see leases.py) ends an attempt.
+#: Arguments: ``consumer``, ``message_id``, ``order_id`` (or None), ``result``
+#: (a StepResult value: completed, retry, failed, skipped), ``via`` (worker,
+#: reconciler or admin), ``stalls`` (expired claims before this one).
+lease_finished = Signal()
+
+#: Sent by the reconciler for every expired row it looked at.
+#: Arguments: ``consumer``, ``message_id``, ``order_id``, ``action`` (completed,
+#: retry, failed, skipped).
+message_reconciled = Signal()

@@ -109,4 +109,11 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 # Unit tests run the consumer synchronously; worker tests turn fulfilment on.
-IDEMPOTENT_ORDERS: dict[str, Any] = {"FULFIL_AFTER_PAYMENT": False}
+IDEMPOTENT_ORDERS: dict[str, Any] = {
+    "FULFIL_AFTER_PAYMENT": False,
+    "FULFILMENT_CLIENT": "demo_project.warehouse.FakeWarehouse",
+}
+# Worker tests shorten leases so a killed worker's row expires within the test.
+if os.environ.get("IO_TEST_LEASE_SECONDS"):
+    IDEMPOTENT_ORDERS["LEASE_SECONDS"] = int(os.environ["IO_TEST_LEASE_SECONDS"])
+    IDEMPOTENT_ORDERS["HEARTBEAT_SECONDS"] = 1

@@ -1,0 +1,35 @@
+"""Tables of the demo's fake warehouse: the requests it received and the script it follows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+from django.db.models.functions import Now
+
+
+class WarehouseRequest(models.Model):
+    """One call the fake warehouse received; ``effect`` when it actually reserved stock.
+
+    Deliberately not unique on the key: a second effect for one order must be
+    visible to the tests, not hidden by the fake.
+    """
+
+    idempotency_key = models.CharField(max_length=128, db_index=True)
+    order_id = models.BigIntegerField()
+    mode = models.CharField(max_length=32)
+    effect = models.BooleanField(default=False)
+    created_at = models.DateTimeField(db_default=Now())
+
+    def __str__(self) -> str:
+        return f"{self.mode} for order {self.order_id}"
+
+
+class WarehouseScript(models.Model):
+    """How the fake warehouse answers the next calls for one order (a list of modes)."""
+
+    order_id = models.BigIntegerField(unique=True)
+    modes: models.JSONField[Any] = models.JSONField(default=list)
+
+    def __str__(self) -> str:
+        return f"order {self.order_id}: {self.modes}"
