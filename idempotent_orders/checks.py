@@ -159,7 +159,7 @@ def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     if not all(_well_typed(n) for n in (*names, "TASK_RETRY_BACKOFF_MAX")):
         return []
     horizon = redelivery_horizon()
-    if conf.DEDUP_RETENTION <= horizon:
+    if horizon >= conf.DEDUP_RETENTION:
         return [
             Error(
                 f"DEDUP_RETENTION ({conf.DEDUP_RETENTION}s) is not longer than the longest "

@@ -105,7 +105,7 @@ class FulfilmentStep(LeasedStep):
     consumer = CONSUMER
 
     def perform(self, lease: Lease) -> None:
-        order = Order.objects.get(pk=lease.order_id)
+        order = Order.objects.get(pk=_order_id(lease))
         get_client().reserve(order, idempotency_key=lease.idempotency_key)
 
     def verify(self, lease: Lease) -> Verdict:
@@ -114,7 +114,7 @@ class FulfilmentStep(LeasedStep):
     def finish(self, lease: Lease) -> StepResult:
         """Record the warehouse's effect: the transition at the fencing token's version."""
         for _attempt in range(conf.CONFLICT_RETRIES):
-            order = Order.objects.filter(pk=lease.order_id).first()
+            order = Order.objects.filter(pk=_order_id(lease)).first()
             if order is None:
                 return self._fail(lease, "the order was deleted after the warehouse call")
             status = classify(Order, TRANSITION, order.status)
@@ -162,6 +162,12 @@ class FulfilmentStep(LeasedStep):
             outcome=outcome,
             reason=reason,
         )
+
+
+def _order_id(lease: Lease) -> int:
+    if lease.order_id is None:  # only a row claimed without an order, never by this step
+        raise ValueError(f"inbox row {lease.pk} has no order")
+    return lease.order_id
 
 
 def _held(lease: Lease) -> bool:

@@ -128,7 +128,8 @@ class Claim:
 
 
 def _lease_for(row: ProcessedMessage, *, resumed: bool) -> Lease:
-    assert row.lease_expires_at is not None and row.fencing_token is not None
+    assert row.lease_expires_at is not None
+    assert row.fencing_token is not None
     return Lease(
         pk=row.pk,
         consumer=row.consumer,
@@ -192,10 +193,10 @@ def claim(
         return Claim(ClaimState.DONE, row=row)
     if not allow_takeover:
         return Claim(ClaimState.BUSY, row=row)
-    lease = takeover(row, ttl=ttl)
-    if lease is None:
+    taken = takeover(row, ttl=ttl)
+    if taken is None:
         return Claim(ClaimState.BUSY, row=row)
-    return Claim(ClaimState.CLAIMED, lease, row)
+    return Claim(ClaimState.CLAIMED, taken, row)
 
 
 def takeover(

@@ -158,7 +158,7 @@ def connect() -> bool:
     _counter(
         "idempotent_orders_reconciled", "Reconciler actions, by action.", ["consumer", "action"]
     )
-    prometheus_client.REGISTRY.register(DatabaseCollector())  # type: ignore[arg-type]
+    prometheus_client.REGISTRY.register(DatabaseCollector())
     signals.message_consumed.connect(_on_consumed, dispatch_uid="io_metrics_consumed")
     signals.lease_finished.connect(_on_lease, dispatch_uid="io_metrics_lease")
     signals.message_reconciled.connect(_on_reconciled, dispatch_uid="io_metrics_reconciled")

@@ -82,9 +82,13 @@ def _give_up_parked(cutoff: datetime, batch_size: int) -> int:
                 )
 
 
+#: Keys are purged when the HTTP part of the app, which defines this model, is installed.
+_KEY_MODEL: str = "IdempotencyKey"
+
+
 def _key_model() -> type[Model] | None:
     try:
-        return apps.get_model("idempotent_orders", "IdempotencyKey")
+        return apps.get_model("idempotent_orders", _KEY_MODEL)
     except LookupError:
         return None
 

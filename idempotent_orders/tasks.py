@@ -86,7 +86,8 @@ def fulfil_order(self: Task, order_id: int) -> str:
         return fulfil(order_id).value
     except TRANSIENT_ERRORS as exc:
         countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**self.request.retries)
-        raise self.retry(exc=exc, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
+        error = exc if isinstance(exc, Exception) else None
+        raise self.retry(exc=error, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
 
 
 @shared_task(name="idempotent_orders.reconcile", acks_late=True, reject_on_worker_lost=True)
