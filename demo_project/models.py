@@ -19,6 +19,8 @@ class WarehouseRequest(models.Model):
     order_id = models.BigIntegerField()
     mode = models.CharField(max_length=32)
     effect = models.BooleanField(default=False)
+    #: The process that handled the call (tests find the worker to kill by it).
+    pid = models.IntegerField(default=0)
     created_at = models.DateTimeField(db_default=Now())
 
     def __str__(self) -> str:

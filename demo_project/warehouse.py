@@ -7,6 +7,7 @@ Name it in ``IDEMPOTENT_ORDERS["FULFILMENT_CLIENT"]``.
 
 from __future__ import annotations
 
+import os
 import time
 
 from django.conf import settings
@@ -18,8 +19,9 @@ from idempotent_orders.models import Order
 
 #: What a call can do: ``ok``; ``fail`` (refused, no effect); ``hang`` (no
 #: effect, blocks, then times out); ``lose_reply`` (effect, then the reply is
-#: lost); ``effect_then_hang`` (effect, then blocks before replying).
-MODES = ("ok", "fail", "hang", "lose_reply", "effect_then_hang")
+#: lost); ``effect_then_hang`` (effect, then blocks before replying); ``slow``
+#: (ok after a short pause, to make concurrent callers overlap).
+MODES = ("ok", "fail", "hang", "lose_reply", "effect_then_hang", "slow")
 
 
 def script(order_id: int, *modes: str) -> None:
@@ -52,11 +54,17 @@ def _next_mode(order_id: int) -> str:
 class FakeWarehouse(WarehouseClient):
     def reserve(self, order: Order, *, idempotency_key: str) -> None:
         mode = _next_mode(order.pk)
-        effect = mode in {"ok", "lose_reply", "effect_then_hang"}
+        effect = mode in {"ok", "lose_reply", "effect_then_hang", "slow"}
+        if mode == "slow":
+            time.sleep(0.05)
         WarehouseRequest.objects.create(
-            idempotency_key=idempotency_key, order_id=order.pk, mode=mode, effect=effect
+            idempotency_key=idempotency_key,
+            order_id=order.pk,
+            mode=mode,
+            effect=effect,
+            pid=os.getpid(),
         )
-        if mode == "ok":
+        if mode in {"ok", "slow"}:
             return
         if mode in {"hang", "effect_then_hang"}:
             time.sleep(getattr(settings, "DEMO_WAREHOUSE_HANG_SECONDS", 300))

@@ -41,16 +41,6 @@ class ReconcileReport:
         return ", ".join(f"{k}={v}" for k, v in sorted(self.actions.items())) or "nothing to do"
 
 
-def _candidates(limit: int, now: datetime) -> list[int]:
-    query = leases.expired(now=now).values_list("pk", flat=True)[:limit]
-    if connection.features.has_select_for_update_skip_locked:
-        # Lock the candidates only while choosing them: a concurrent run skips
-        # these and picks others. The takeover below stays the authority.
-        with transaction.atomic():
-            return list(query.select_for_update(skip_locked=True))
-    return list(query)
-
-
 def _announce(row: ProcessedMessage, action: str) -> None:
     message_reconciled.send(
         sender=ProcessedMessage,
@@ -61,55 +51,80 @@ def _announce(row: ProcessedMessage, action: str) -> None:
     )
 
 
+def _give_up(row: ProcessedMessage) -> StepResult:
+    reason = f"stalled {row.attempts} times; last error: {row.error or 'none'}"
+    if not leases.fail(row.pk, reason=reason, attempt=row.attempts):
+        return StepResult.SKIPPED
+    logger.error(
+        "gave up on %s (%s): %s",
+        row.message_id,
+        row.consumer,
+        reason,
+        extra={"message_id": row.message_id, "order_id": row.order_id},
+    )
+    return StepResult.FAILED
+
+
+def _act(row: ProcessedMessage, lease: Lease, via: str) -> StepResult:
+    step = leases.get_step(row.consumer)
+    if step is None:
+        leases.release(lease, error=f"no leased step is registered for {row.consumer!r}")
+        return StepResult.RETRY
+    return leases.run_step(step, lease, via=via)
+
+
 def reconcile_row(
     row: ProcessedMessage, *, via: str = "reconciler", force: bool = False
 ) -> StepResult:
     """Handle one ``processing`` row whose lease expired (``force``: even a live one).
 
-    After ``RECONCILE_MAX_STALLS`` expired claims the row is marked ``failed``;
-    otherwise the lease is taken over and the consumer's step verifies, then
-    completes or performs again. Rows of a consumer without a registered step
-    are failed after the same number of stalls, since nothing can verify them.
+    After ``RECONCILE_MAX_STALLS`` expired claims the row is marked ``failed``
+    (unless ``force``, an operator's retry); otherwise the lease is taken over
+    and the consumer's step verifies, then completes or performs again. Rows of
+    a consumer without a registered step are released and, after the same
+    number of stalls, failed, since nothing can verify them.
     """
-    step = leases.get_step(row.consumer)
-    stalls = row.attempts  # this takeover would be stall number `attempts`
-    if not force and stalls > conf.RECONCILE_MAX_STALLS:
-        reason = f"stalled {row.attempts} times; last error: {row.error or 'none'}"
-        done = leases.fail(row.pk, reason=reason, attempt=row.attempts)
-        action = StepResult.FAILED if done else StepResult.SKIPPED
-        if done:
-            logger.error(
-                "gave up on %s (%s): %s",
-                row.message_id,
-                row.consumer,
-                reason,
-                extra={"message_id": row.message_id, "order_id": row.order_id},
-            )
-        _announce(row, action.value)
-        return action
-    lease: Lease | None = leases.takeover(row, force=force)
-    if lease is None:
-        _announce(row, StepResult.SKIPPED.value)
-        return StepResult.SKIPPED
-    if step is None:
-        leases.release(lease, error=f"no leased step is registered for {row.consumer!r}")
-        _announce(row, StepResult.RETRY.value)
-        return StepResult.RETRY
-    result = leases.run_step(step, lease, via=via)
+    if not force and row.attempts > conf.RECONCILE_MAX_STALLS:
+        result = _give_up(row)
+    else:
+        lease = leases.takeover(row, force=force)
+        result = StepResult.SKIPPED if lease is None else _act(row, lease, via)
     _announce(row, result.value)
     return result
 
 
 def reconcile(*, limit: int | None = None, now: datetime | None = None) -> ReconcileReport:
-    """One pass over expired leases, at most ``limit`` rows (``RECONCILE_BATCH_SIZE``)."""
+    """One pass over at most ``limit`` (``RECONCILE_BATCH_SIZE``) expired leases.
+
+    The batch is chosen and taken over in one short transaction, with ``SELECT
+    ... FOR UPDATE SKIP LOCKED`` where the database has it, so a concurrent run
+    chooses other rows; the conditional takeover is what guarantees a row is
+    acted on once. Keep batches small enough to finish within ``LEASE_SECONDS``:
+    a lease that expires while its row waits in the batch is taken over by the
+    next run, and this run's completion is then refused (safe, but wasted).
+    """
     report = ReconcileReport()
     now = now or timezone.now()
-    for pk in _candidates(limit or conf.RECONCILE_BATCH_SIZE, now):
-        row = ProcessedMessage.objects.filter(pk=pk, status=InboxStatus.PROCESSING).first()
-        if row is None or row.lease_expires_at is None or row.lease_expires_at >= now:
-            report.actions[StepResult.SKIPPED.value] += 1
-            continue
-        report.actions[reconcile_row(row).value] += 1
+    rows = leases.expired(now=now)[: limit or conf.RECONCILE_BATCH_SIZE]
+    work: list[tuple[ProcessedMessage, Lease]] = []
+    with transaction.atomic():
+        if connection.features.has_select_for_update_skip_locked:
+            rows = rows.select_for_update(skip_locked=True)
+        for row in rows:
+            if row.attempts > conf.RECONCILE_MAX_STALLS:
+                result = _give_up(row)
+            else:
+                lease = leases.takeover(row)
+                if lease is not None:
+                    work.append((row, lease))
+                    continue
+                result = StepResult.SKIPPED
+            report.actions[result.value] += 1
+            transaction.on_commit(lambda row=row, v=result.value: _announce(row, v))  # type: ignore[misc]
+    for row, lease in work:
+        result = _act(row, lease, "reconciler")
+        _announce(row, result.value)
+        report.actions[result.value] += 1
     if report.actions:
         logger.info("reconciled: %s", report)
     return report
