@@ -195,6 +195,17 @@ class Workers:
         )
 
 
+def _reset_pool(app: Any) -> None:
+    """Drop the producer pool so the next publish connects to the broker just configured.
+
+    ``force_close_all()`` alone leaves a closed pool in place, and publishing
+    then fails with "Acquire on closed pool".
+    """
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
+
+
 BROKERS = {
     "redis": lambda: settings.REDIS_URL.rsplit("/", 1)[0] + "/1",
     "rabbitmq": lambda: settings.RABBITMQ_URL,
@@ -228,7 +239,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
         }
         current_app.conf.broker_url = url
         current_app.conf.task_default_queue = queue
-        current_app.pool.force_close_all()
+        _reset_pool(current_app)
         workers = Workers(url, queue, env)
         workers.start(processes, concurrency)
         started.append(workers)
@@ -244,7 +255,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
             pass
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
-    current_app.pool.force_close_all()
+    _reset_pool(current_app)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.2) -> bool:
