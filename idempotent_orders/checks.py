@@ -249,8 +249,12 @@ def check_mysql_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckM
     returns the old snapshot, so a consumer that lost an optimistic race loops
     on conflicts instead of seeing the winner's state.
     """
+    return mysql_isolation_errors(getattr(settings, "DATABASES", {}))
+
+
+def mysql_isolation_errors(databases: dict[str, Any]) -> list[CheckMessage]:
     errors: list[CheckMessage] = []
-    for alias, db in getattr(settings, "DATABASES", {}).items():
+    for alias, db in databases.items():
         if not str(db.get("ENGINE", "")).endswith("mysql"):
             continue
         level = str((db.get("OPTIONS") or {}).get("isolation_level") or "repeatable read")

@@ -68,6 +68,8 @@ def _give_up_parked(cutoff: datetime, batch_size: int) -> int:
                     message_id=parked.message_id,
                     outcome=Outcome.PARKED,
                 ).update(
+                    # Touched now: the explained row is kept a full DEDUP_RETENTION.
+                    updated_at=timezone.now(),
                     status=InboxStatus.REJECTED,
                     outcome=Outcome.REJECTED,
                     error=f"gave up waiting since {parked.parked_at:%Y-%m-%d %H:%M}: "
@@ -99,9 +101,11 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
     size = batch_size or conf.PURGE_BATCH_SIZE
     report = PurgeReport()
     report.parked = _give_up_parked(now - timedelta(seconds=conf.PARKED_RETENTION), size)
+    inbox_cutoff = now - timedelta(seconds=conf.DEDUP_RETENTION)
     report.inbox = _delete_in_batches(
         ProcessedMessage,
-        Q(created_at__lt=now - timedelta(seconds=conf.DEDUP_RETENTION))
+        # Rows changed lately (given up, resolved by an operator) wait a full window too.
+        Q(created_at__lt=inbox_cutoff, updated_at__lt=inbox_cutoff)
         & Q(status__in=[InboxStatus.DONE, InboxStatus.REJECTED])
         # A message still parked keeps its inbox row until it is released.
         & ~Q(outcome=Outcome.PARKED),
