@@ -56,7 +56,7 @@ class FakeWarehouse(WarehouseClient):
         mode = _next_mode(order.pk)
         effect = mode in {"ok", "lose_reply", "effect_then_hang", "slow"}
         if mode == "slow":
-            time.sleep(0.05)
+            time.sleep(0.1)
         WarehouseRequest.objects.create(
             idempotency_key=idempotency_key,
             order_id=order.pk,

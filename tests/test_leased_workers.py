@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,6 +61,9 @@ def test_worker_killed_between_claim_and_completion(celery_workers, make_order) 
     assert wait_until(in_warehouse, timeout=90), workers.log_tail()
     for order in (done, lost):
         assert inbox(order).status == InboxStatus.PROCESSING
+    # While the calls hang, the workers' heartbeats keep the leases alive past LEASE.
+    time.sleep(LEASE + 1)
+    assert leases.expired().count() == 0, workers.log_tail()
     # Kill the worker process (group) that runs each hanging call.
     groups = {os.getpgid(r.pid) for r in WarehouseRequest.objects.all()}
     killed = [i for i, proc in enumerate(workers.procs) if proc.pid in groups]
