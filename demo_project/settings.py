@@ -106,11 +106,25 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-IDEMPOTENT_ORDERS: dict[str, Any] = {}
+IDEMPOTENT_ORDERS: dict[str, Any] = {
+    # The fake warehouse can be told to fail, hang or lose its reply (demo_project/warehouse.py).
+    "FULFILMENT_CLIENT": "demo_project.warehouse.FakeWarehouse",
+    # Without REDIS_URL the embedded default has no django-redis cache: Bloom filter only.
+    # The Redis layer needs django-redis; the embedded default has none.
+    "DEDUP_CACHE_ALIAS": "default" if REDIS_URL else "",
+}
+
+# The reconciler and the retention purge run on Celery beat (`celery -A demo_project beat`).
+CELERY_BEAT_SCHEDULE = {
+    "idempotent-orders-reconcile": {"task": "idempotent_orders.reconcile", "schedule": 30.0},
+    "idempotent-orders-purge": {"task": "idempotent_orders.purge", "schedule": 3600.0},
+}
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"idempotent_orders": {"handlers": ["console"], "level": "WARNING"}},
+    # One JSON object a line, carrying message_id and order_id where known.
+    "formatters": {"json": {"()": "idempotent_orders.observability.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "loggers": {"idempotent_orders": {"handlers": ["console"], "level": "INFO"}},
 }

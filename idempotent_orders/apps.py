@@ -10,3 +10,6 @@ class IdempotentOrdersConfig(AppConfig):
 
     def ready(self) -> None:
         from idempotent_orders import checks, receivers  # noqa: F401
+        from idempotent_orders.observability import connect
+
+        connect()  # Prometheus metrics, when prometheus-client is installed

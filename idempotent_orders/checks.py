@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from idempotent_orders.conf import DEFAULTS
 
@@ -80,8 +80,6 @@ def check_outbox_and_locks(app_configs: Any = None, **kwargs: Any) -> list[Check
 @register(Tags.compatibility, Tags.caches)
 def check_dedup(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The fast-path layers need a cache that exists and sane Bloom sizes and windows."""
-    from django.core.checks import Warning
-
     from idempotent_orders.conf import conf
 
     user = getattr(settings, "IDEMPOTENT_ORDERS", {})
@@ -108,15 +106,6 @@ def check_dedup(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                 id="idempotent_orders.E010",
             )
         )
-    elif alias and "django_redis" not in str(caches[alias].get("BACKEND", "")):
-        errors.append(
-            Warning(
-                f"The dedup cache {alias!r} is not a django-redis cache.",
-                hint="Other backends work but are usually per process or lossy, so most "
-                "duplicates reach the database; counters then stay per process.",
-                id="idempotent_orders.W010",
-            )
-        )
     for name, value in numbers.items():
         if value <= 0:
             errors.append(
@@ -133,4 +122,230 @@ def check_dedup(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                 id="idempotent_orders.E012",
             )
         )
+    return errors
+
+
+#: Settings holding a dotted path that must import (checked by E035).
+DOTTED_PATH_SETTINGS = ("FULFILMENT_CLIENT", "FULFILMENT_VERIFIER")
+#: Numeric settings that must be positive (checked by E036).
+POSITIVE_SETTINGS = (
+    "LEASE_SECONDS",
+    "HEARTBEAT_SECONDS",
+    "RECONCILE_MAX_STALLS",
+    "RECONCILE_BATCH_SIZE",
+    "PARKED_RETENTION",
+    "PURGE_BATCH_SIZE",
+    "DEDUP_RETENTION",
+)
+#: The app's tasks; each must acknowledge late and be rejected when its worker dies.
+TASK_NAMES = (
+    "idempotent_orders.consume_payment",
+    "idempotent_orders.consume_shipping",
+    "idempotent_orders.fulfil_order",
+)
+#: Transports whose unacknowledged messages come back after ``visibility_timeout``,
+#: with kombu's default of one hour.
+VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs", "sentinel")
+DEFAULT_VISIBILITY_TIMEOUT = 3600
+
+
+def _user_settings() -> dict[str, Any]:
+    user = getattr(settings, "IDEMPOTENT_ORDERS", {})
+    return user if isinstance(user, dict) else {}
+
+
+def _well_typed(name: str) -> bool:
+    user = _user_settings()
+    if name not in user:
+        return True
+    expected = type(DEFAULTS[name])
+    value = user[name]
+    return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+
+
+@register(Tags.compatibility)
+def check_setting_values(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Values of the right type must also make sense: paths import, numbers are positive."""
+    from django.utils.module_loading import import_string
+
+    from idempotent_orders.conf import conf
+
+    errors: list[CheckMessage] = []
+    for name in DOTTED_PATH_SETTINGS:
+        if not _well_typed(name):
+            continue  # E003 says so already
+        path = getattr(conf, name)
+        try:
+            import_string(path)
+        except ImportError as exc:
+            errors.append(
+                Error(
+                    f"settings.IDEMPOTENT_ORDERS[{name!r}] = {path!r} cannot be imported: {exc}",
+                    id="idempotent_orders.E035",
+                )
+            )
+    for name in POSITIVE_SETTINGS:
+        if _well_typed(name) and getattr(conf, name) <= 0:
+            errors.append(
+                Error(
+                    f"settings.IDEMPOTENT_ORDERS[{name!r}] must be positive.",
+                    id="idempotent_orders.E036",
+                )
+            )
+    if (
+        _well_typed("LEASE_SECONDS")
+        and _well_typed("HEARTBEAT_SECONDS")
+        and conf.HEARTBEAT_SECONDS * 2 > conf.LEASE_SECONDS
+    ):
+        errors.append(
+            Warning(
+                "HEARTBEAT_SECONDS is more than half of LEASE_SECONDS: one slow heartbeat "
+                "lets a live lease expire and the reconciler take the work over.",
+                hint="Make HEARTBEAT_SECONDS at most a third of LEASE_SECONDS.",
+                id="idempotent_orders.W030",
+            )
+        )
+    return errors
+
+
+def _celery_setting(name: str, default: Any = None) -> Any:
+    """A Celery setting as a Django project gives it (``CELERY_<NAME>``)."""
+    return getattr(settings, f"CELERY_{name.upper()}", default)
+
+
+def redelivery_horizon() -> int:
+    """Longest time (seconds) after which the broker or Celery may deliver a message again."""
+    from idempotent_orders.conf import conf
+
+    horizons = [conf.BROKER_REDELIVERY_HORIZON]
+    broker = str(_celery_setting("broker_url", "") or "")
+    scheme = broker.split("://", 1)[0].split("+", 1)[0].lower()
+    options = _celery_setting("broker_transport_options", {}) or {}
+    if scheme in VISIBILITY_TRANSPORTS:
+        horizons.append(int(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT)))
+    # The retry budget for transient errors: every backoff of every retry.
+    budget = sum(
+        min(conf.TASK_RETRY_BACKOFF_MAX, 2**attempt) for attempt in range(conf.TASK_MAX_RETRIES)
+    )
+    horizons.append(budget)
+    return max(horizons)
+
+
+@register(Tags.compatibility)
+def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Dedup rows must outlive every redelivery, or a late copy is applied again."""
+    from idempotent_orders.conf import conf
+
+    names = ("DEDUP_RETENTION", "BROKER_REDELIVERY_HORIZON", "TASK_MAX_RETRIES")
+    if not all(_well_typed(n) for n in (*names, "TASK_RETRY_BACKOFF_MAX")):
+        return []
+    horizon = redelivery_horizon()
+    if horizon >= conf.DEDUP_RETENTION:
+        return [
+            Error(
+                f"DEDUP_RETENTION ({conf.DEDUP_RETENTION}s) is not longer than the longest "
+                f"redelivery horizon ({horizon}s: broker visibility/consumer timeout and the "
+                "task retry budget). A message redelivered after its inbox row is purged "
+                "would be applied again.",
+                hint="Raise IDEMPOTENT_ORDERS['DEDUP_RETENTION'] well above it.",
+                id="idempotent_orders.E030",
+            )
+        ]
+    return []
+
+
+@register(Tags.compatibility)
+def check_celery_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The app's tasks must ack late and be rejected (redelivered) when their worker dies."""
+    from celery import current_app
+
+    from idempotent_orders import tasks  # noqa: F401  (registers them)
+
+    errors: list[CheckMessage] = []
+    registry = current_app.tasks
+    for name in TASK_NAMES:
+        task = registry.get(name)
+        if task is None:
+            continue
+        if not task.acks_late:
+            errors.append(
+                Error(
+                    f"Celery task {name} runs without acks_late: a worker that dies "
+                    "mid-message loses it.",
+                    hint="Do not override acks_late for the app's tasks "
+                    "(task_annotations, CELERY_TASK_ACKS_LATE=False with a custom task).",
+                    id="idempotent_orders.E031",
+                )
+            )
+        if not task.reject_on_worker_lost:
+            errors.append(
+                Error(
+                    f"Celery task {name} runs without reject_on_worker_lost: a killed "
+                    "worker's message is acknowledged instead of redelivered.",
+                    id="idempotent_orders.E032",
+                )
+            )
+    prefetch = _celery_setting("worker_prefetch_multiplier", None)
+    if isinstance(prefetch, int) and prefetch != 1:
+        errors.append(
+            Warning(
+                f"CELERY_WORKER_PREFETCH_MULTIPLIER is {prefetch}: with acks_late a busy "
+                "worker holds messages others could run, and a crash redelivers all of them.",
+                hint="Set CELERY_WORKER_PREFETCH_MULTIPLIER = 1.",
+                id="idempotent_orders.W031",
+            )
+        )
+    return errors
+
+
+@register(Tags.caches)
+def check_redis_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The Redis dedup layer and the locks need a django-redis cache."""
+    from idempotent_orders.conf import conf
+
+    if not _well_typed("DEDUP_CACHE_ALIAS"):
+        return []
+    alias = conf.DEDUP_CACHE_ALIAS
+    caches = getattr(settings, "CACHES", {})
+    if not alias or alias not in caches:
+        return []  # off, or E010 reports the missing alias
+    backend = str(caches[alias].get("BACKEND", ""))
+    if not backend.startswith("django_redis."):
+        return [
+            Error(
+                f"The Redis dedup layer is enabled but cache {alias!r} is {backend}, "
+                "not a django-redis cache.",
+                hint="Configure django_redis.cache.RedisCache, or set "
+                "IDEMPOTENT_ORDERS['DEDUP_CACHE_ALIAS'] to \"\" to switch the Redis layer off.",
+                id="idempotent_orders.E033",
+            )
+        ]
+    return []
+
+
+@register(Tags.database)
+def check_mysql_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """MySQL/MariaDB must run READ COMMITTED: a re-read after a lost race must see the winner.
+
+    Under REPEATABLE READ (their default) the re-read inside a retried decision
+    returns the old snapshot, so a consumer that lost an optimistic race loops
+    on conflicts instead of seeing the winner's state.
+    """
+    return mysql_isolation_errors(getattr(settings, "DATABASES", {}))
+
+
+def mysql_isolation_errors(databases: dict[str, Any]) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
+    for alias, db in databases.items():
+        if not str(db.get("ENGINE", "")).endswith("mysql"):
+            continue
+        level = str((db.get("OPTIONS") or {}).get("isolation_level") or "repeatable read")
+        if level.lower().replace("-", " ") != "read committed":
+            errors.append(
+                Error(
+                    f"Database {alias!r} is MySQL/MariaDB with isolation level {level!r}.",
+                    hint="Set DATABASES[...]['OPTIONS']['isolation_level'] = 'read committed'.",
+                    id="idempotent_orders.E034",
+                )
+            )
     return errors

@@ -54,6 +54,27 @@ DEFAULTS: dict[str, Any] = {
     "STATS_FLUSH_INTERVAL": 1,
     # Seconds a parked message may wait for its predecessor before it is surfaced.
     "PARKED_TIMEOUT": 3600,
+    # Leased work with an effect outside the database (see leases.py).
+    # A claim is valid this long (seconds) unless a heartbeat extends it.
+    "LEASE_SECONDS": 30,
+    # How often a running step extends its lease; well under LEASE_SECONDS.
+    "HEARTBEAT_SECONDS": 10,
+    # The fulfilment step's warehouse client and the reconciler's verifier (dotted paths).
+    "FULFILMENT_CLIENT": "idempotent_orders.fulfilment.NullWarehouse",
+    "FULFILMENT_VERIFIER": "idempotent_orders.fulfilment.ClientVerifier",
+    # Expired leases a row may have (stalls) before the reconciler marks it failed.
+    "RECONCILE_MAX_STALLS": 3,
+    # Rows the reconciler handles per run.
+    "RECONCILE_BATCH_SIZE": 100,
+    # Parked messages older than this (seconds) are given up: their inbox row is
+    # marked rejected with a reason, so they are kept and explained, not lost.
+    "PARKED_RETENTION": 30 * 24 * 3600,
+    # Rows deleted per statement by the retention purge.
+    "PURGE_BATCH_SIZE": 1000,
+    # Longest time (seconds) the broker may hold an unacknowledged message before
+    # redelivering it, when the check cannot read it from the transport options
+    # (RabbitMQ's consumer_timeout, for example). 0 means unknown.
+    "BROKER_REDELIVERY_HORIZON": 0,
 }
 
 
@@ -163,6 +184,42 @@ class Settings:
     @property
     def PARKED_TIMEOUT(self) -> int:
         return int(self._get("PARKED_TIMEOUT"))
+
+    @property
+    def LEASE_SECONDS(self) -> float:
+        return float(self._get("LEASE_SECONDS"))
+
+    @property
+    def HEARTBEAT_SECONDS(self) -> float:
+        return float(self._get("HEARTBEAT_SECONDS"))
+
+    @property
+    def FULFILMENT_CLIENT(self) -> str:
+        return str(self._get("FULFILMENT_CLIENT"))
+
+    @property
+    def FULFILMENT_VERIFIER(self) -> str:
+        return str(self._get("FULFILMENT_VERIFIER"))
+
+    @property
+    def RECONCILE_MAX_STALLS(self) -> int:
+        return int(self._get("RECONCILE_MAX_STALLS"))
+
+    @property
+    def RECONCILE_BATCH_SIZE(self) -> int:
+        return int(self._get("RECONCILE_BATCH_SIZE"))
+
+    @property
+    def PARKED_RETENTION(self) -> int:
+        return int(self._get("PARKED_RETENTION"))
+
+    @property
+    def PURGE_BATCH_SIZE(self) -> int:
+        return int(self._get("PURGE_BATCH_SIZE"))
+
+    @property
+    def BROKER_REDELIVERY_HORIZON(self) -> int:
+        return int(self._get("BROKER_REDELIVERY_HORIZON"))
 
 
 conf = Settings()

@@ -227,3 +227,31 @@ class OutboxMessage(models.Model):
 
     def __str__(self) -> str:
         return f"outbox {self.message_id} -> {self.task_name} ({self.status})"
+
+
+class AuditEntry(models.Model):
+    """One operator action taken in the admin: who, when, what, on which row, with what result."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="idempotent_orders_audit",
+    )
+    #: Kept as text too, so the record survives the user's deletion.
+    username = models.CharField(max_length=150)
+    action = models.CharField(max_length=64)
+    target = models.CharField(max_length=64)
+    object_id = models.CharField(max_length=64)
+    result = models.CharField(max_length=32)
+    detail = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["-id"]
+        verbose_name_plural = "audit entries"
+        indexes = [models.Index(fields=["target", "object_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.username} {self.action} {self.target} {self.object_id}: {self.result}"

@@ -27,3 +27,14 @@ dedup_answered = Signal()
 #: Sent once per parked message that waited longer than ``PARKED_TIMEOUT`` and
 #: was marked overdue. Arguments: ``parked`` (the ParkedMessage), ``waited`` (seconds).
 parked_overdue = Signal()
+
+#: Sent when leased work (see leases.py) ends an attempt.
+#: Arguments: ``consumer``, ``message_id``, ``order_id`` (or None), ``result``
+#: (a StepResult value: completed, retry, failed, skipped), ``via`` (worker,
+#: reconciler or admin), ``stalls`` (expired claims before this one).
+lease_finished = Signal()
+
+#: Sent by the reconciler for every expired row it looked at.
+#: Arguments: ``consumer``, ``message_id``, ``order_id``, ``action`` (completed,
+#: retry, failed, skipped).
+message_reconciled = Signal()

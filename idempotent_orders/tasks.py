@@ -73,8 +73,37 @@ def consume_shipping(self: Task, message: Any) -> str:
 
 @shared_task(name="idempotent_orders.fulfil_order", **CONSUMER_TASK_OPTIONS)
 def fulfil_order(self: Task, order_id: int) -> str:
-    """Move a paid order to ``processing``; the place where a warehouse call lives."""
-    return _consume(self, fulfilment_message(order_id), "fulfilment")
+    """Call the warehouse and move a paid order to ``processing``, in three leased phases.
+
+    Returns an outcome value, or ``retry``/``failed`` (see
+    :func:`idempotent_orders.fulfilment.fulfil`). A failed warehouse call is not
+    retried here: the row's lease is released and the reconciler verifies
+    before calling again.
+    """
+    from idempotent_orders.fulfilment import fulfil
+
+    try:
+        return fulfil(order_id).value
+    except TRANSIENT_ERRORS as exc:
+        countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**self.request.retries)
+        error = exc if isinstance(exc, Exception) else None
+        raise self.retry(exc=error, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
+
+
+@shared_task(name="idempotent_orders.reconcile", acks_late=True, reject_on_worker_lost=True)
+def reconcile() -> dict[str, int]:
+    """One reconciler pass over expired leases (run it on Celery beat)."""
+    from idempotent_orders.reconcile import reconcile as run
+
+    return dict(run().actions)
+
+
+@shared_task(name="idempotent_orders.purge", acks_late=True, reject_on_worker_lost=True)
+def purge() -> dict[str, int]:
+    """Delete rows older than their retention windows, in batches (run it on Celery beat)."""
+    from idempotent_orders.retention import purge as run
+
+    return run().as_dict()
 
 
 def fulfilment_message(order_id: int) -> dict[str, Any]:

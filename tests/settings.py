@@ -123,6 +123,11 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     # Fast-path keys left in the shared Redis by a test run expire soon.
     "DEDUP_WINDOW": 600,
     "DEDUP_REDIS_TTL_MARGIN": 60,
+    "FULFILMENT_CLIENT": "demo_project.warehouse.FakeWarehouse",
 }
 if "dedup" in CACHES:
     IDEMPOTENT_ORDERS["DEDUP_CACHE_ALIAS"] = "dedup"
+# Worker tests shorten leases so a killed worker's row expires within the test.
+if os.environ.get("IO_TEST_LEASE_SECONDS"):
+    IDEMPOTENT_ORDERS["LEASE_SECONDS"] = int(os.environ["IO_TEST_LEASE_SECONDS"])
+    IDEMPOTENT_ORDERS["HEARTBEAT_SECONDS"] = 1

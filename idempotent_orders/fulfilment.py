@@ -1,0 +1,249 @@
+"""The fulfilment step (paid -> processing): a leased warehouse call, then a fenced transition.
+
+The warehouse client and the reconciler's verifier are chosen by dotted path
+(``FULFILMENT_CLIENT``, ``FULFILMENT_VERIFIER``). The inbox row is
+``("fulfilment", "fulfil-<order id>")``, so the warehouse is asked once per order
+with the idempotency key :func:`idempotent_orders.leases.idempotency_key` of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+from django.db import IntegrityError, transaction
+from django.utils.module_loading import import_string
+
+from idempotent_orders import leases
+from idempotent_orders.conf import conf
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
+from idempotent_orders.models import InboxStatus, Order, Outcome, ProcessedMessage
+from idempotent_orders.signals import message_consumed
+from idempotent_orders.transitions import TransitionStatus, apply_transition, classify
+
+__all__ = [
+    "CONSUMER",
+    "ClientVerifier",
+    "FulfilmentStep",
+    "NullWarehouse",
+    "Verifier",
+    "WarehouseClient",
+    "WarehouseError",
+    "fulfil",
+    "fulfilment_message_id",
+    "get_client",
+    "get_verifier",
+]
+
+logger = logging.getLogger("idempotent_orders")
+
+CONSUMER = "fulfilment"
+TRANSITION = "start_processing"
+
+
+class WarehouseError(Exception):
+    """The warehouse refused or could not be reached; the effect is unknown."""
+
+
+class WarehouseClient(ABC):
+    """The other system of the fulfilment step. Subclass and name it in ``FULFILMENT_CLIENT``."""
+
+    @abstractmethod
+    def reserve(self, order: Order, *, idempotency_key: str) -> None:
+        """Ask the warehouse to fulfil ``order``; the same key must never fulfil twice.
+
+        Raise on any failure, including a timeout whose outcome is unknown.
+        """
+
+    @abstractmethod
+    def lookup(self, idempotency_key: str) -> bool | None:
+        """True if the warehouse has the request with this key, False if not, None if unknown."""
+
+
+class NullWarehouse(WarehouseClient):
+    """The default: no warehouse. Fulfilment only moves the order to ``processing``."""
+
+    def reserve(self, order: Order, *, idempotency_key: str) -> None:
+        return None
+
+    def lookup(self, idempotency_key: str) -> bool | None:
+        return False  # nothing can have happened; performing again is free
+
+
+class Verifier(ABC):
+    """Tells the reconciler whether a stalled fulfilment reached the warehouse."""
+
+    @abstractmethod
+    def verify(self, lease: Lease) -> Verdict: ...
+
+
+class ClientVerifier(Verifier):
+    """Asks the configured warehouse client's :meth:`~WarehouseClient.lookup`."""
+
+    def verify(self, lease: Lease) -> Verdict:
+        found = get_client().lookup(lease.idempotency_key)
+        if found is None:
+            return Verdict.UNKNOWN
+        return Verdict.DONE if found else Verdict.NOT_DONE
+
+
+def get_client() -> WarehouseClient:
+    client: WarehouseClient = import_string(conf.FULFILMENT_CLIENT)()
+    return client
+
+
+def get_verifier() -> Verifier:
+    verifier: Verifier = import_string(conf.FULFILMENT_VERIFIER)()
+    return verifier
+
+
+def fulfilment_message_id(order_id: int) -> str:
+    return f"fulfil-{order_id}"
+
+
+class FulfilmentStep(LeasedStep):
+    consumer = CONSUMER
+
+    def perform(self, lease: Lease) -> None:
+        order = Order.objects.get(pk=_order_id(lease))
+        get_client().reserve(order, idempotency_key=lease.idempotency_key)
+
+    def verify(self, lease: Lease) -> Verdict:
+        return get_verifier().verify(lease)
+
+    def finish(self, lease: Lease) -> StepResult:
+        """Record the warehouse's effect: the transition at the fencing token's version."""
+        for _attempt in range(conf.CONFLICT_RETRIES):
+            order = Order.objects.filter(pk=_order_id(lease)).first()
+            if order is None:
+                return self._fail(lease, "the order was deleted after the warehouse call")
+            status = classify(Order, TRANSITION, order.status)
+            if status is TransitionStatus.APPLIED and order.version == lease.token:
+                if leases.complete(
+                    lease,
+                    outcome=Outcome.APPLIED,
+                    apply=lambda order=order: apply_transition(order, TRANSITION).applied,  # type: ignore[misc]
+                ):
+                    self._announce(lease, Outcome.APPLIED, "")
+                    return StepResult.COMPLETED
+                if not _held(lease):
+                    return StepResult.SKIPPED
+                continue  # the order moved between our read and our write: decide again
+            if status in (TransitionStatus.AT_TARGET, TransitionStatus.PAST_TARGET):
+                # The warehouse may ship before we record `processing`; nothing left to do.
+                reason = f"order is already {order.status}"
+                if leases.complete(lease, outcome=Outcome.STALE, error=reason):
+                    self._announce(lease, Outcome.STALE, reason)
+                    return StepResult.COMPLETED
+                return StepResult.SKIPPED
+            return self._fail(
+                lease,
+                f"order is {order.status} (v{order.version}, claimed at v{lease.token}); "
+                "the warehouse was asked to fulfil it: check and undo by hand",
+            )
+        return StepResult.SKIPPED
+
+    def _fail(self, lease: Lease, reason: str) -> StepResult:
+        if not leases.complete(
+            lease, status=InboxStatus.FAILED, outcome=Outcome.REJECTED, error=reason
+        ):
+            return StepResult.SKIPPED
+        logger.error("fulfilment failed: %s", reason, extra=lease.log_extra())
+        self._announce(lease, Outcome.REJECTED, reason)
+        return StepResult.FAILED
+
+    def _announce(self, lease: Lease, outcome: Outcome, reason: str) -> None:
+        message_consumed.send(
+            sender=ProcessedMessage,
+            consumer=lease.consumer,
+            message_id=lease.message_id,
+            message_type="order.fulfilment",
+            order_id=lease.order_id,
+            outcome=outcome,
+            reason=reason,
+        )
+
+
+def _order_id(lease: Lease) -> int:
+    if lease.order_id is None:  # only a row claimed without an order, never by this step
+        raise ValueError(f"inbox row {lease.pk} has no order")
+    return lease.order_id
+
+
+def _held(lease: Lease) -> bool:
+    return ProcessedMessage.objects.filter(
+        pk=lease.pk, status=InboxStatus.PROCESSING, attempts=lease.attempt
+    ).exists()
+
+
+STEP = leases.register_step(FulfilmentStep())
+
+
+def _record(order: Order | None, order_id: int, outcome: Outcome, reason: str) -> Outcome:
+    """Record a fulfilment request that needs no warehouse call (already done, impossible)."""
+    message_id = fulfilment_message_id(order_id)
+    try:
+        with transaction.atomic():
+            ProcessedMessage.objects.create(
+                consumer=CONSUMER,
+                message_id=message_id,
+                message_type="order.fulfilment",
+                status=InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE,
+                outcome=outcome,
+                order=order,
+                error=reason,
+            )
+    except IntegrityError:
+        outcome, reason = Outcome.DUPLICATE, "already in the inbox"
+    message_consumed.send(
+        sender=ProcessedMessage,
+        consumer=CONSUMER,
+        message_id=message_id,
+        message_type="order.fulfilment",
+        order_id=order_id,
+        outcome=outcome,
+        reason=reason,
+    )
+    return outcome
+
+
+def fulfil(order_id: int) -> Outcome | StepResult:
+    """Run the fulfilment step of a paid order once: claim, call the warehouse, complete.
+
+    Returns ``Outcome.APPLIED`` when this call moved the order to ``processing``;
+    ``DUPLICATE``/``STALE``/``REJECTED`` when there was nothing to do (already
+    fulfilled, moved on, or not paid); ``StepResult.RETRY`` when the warehouse
+    call failed and the row waits for the reconciler; ``StepResult.FAILED``
+    when the order moved somewhere fulfilment can no longer apply, for an
+    operator. A row another worker holds is ``DUPLICATE``: that worker, or the
+    reconciler once its lease expires, finishes it.
+    """
+    order = Order.objects.filter(pk=order_id).first()
+    if order is None:
+        return _record(None, order_id, Outcome.REJECTED, f"unknown order {order_id}")
+    status = classify(Order, TRANSITION, order.status)
+    if status is TransitionStatus.AT_TARGET:
+        return _record(order, order_id, Outcome.DUPLICATE, f"order is already {order.status}")
+    if status is TransitionStatus.PAST_TARGET:
+        return _record(order, order_id, Outcome.STALE, f"order has moved on to {order.status}")
+    if status is not TransitionStatus.APPLIED:
+        return _record(
+            order, order_id, Outcome.REJECTED, f"order is {order.status}, not paid: not fulfilled"
+        )
+    claimed = leases.claim(
+        consumer=CONSUMER,
+        message_id=fulfilment_message_id(order_id),
+        token=order.version,
+        order=order,
+        message_type="order.fulfilment",
+        # Only the reconciler takes expired leases over: it verifies first, and
+        # a redelivered task arriving at the same time must not double-act.
+        allow_takeover=False,
+    )
+    if claimed.state is ClaimState.FAILED:
+        return StepResult.FAILED
+    if claimed.state is not ClaimState.CLAIMED:
+        return Outcome.DUPLICATE
+    assert claimed.lease is not None
+    result = leases.run_step(STEP, claimed.lease, via="worker")
+    return Outcome.APPLIED if result is StepResult.COMPLETED else result

@@ -1,0 +1,123 @@
+"""Retention: delete inbox rows, parked leftovers and idempotency keys past their windows.
+
+Run by the ``idempotent_orders.purge`` task (on beat) and ``manage.py purge_idempotent_orders``.
+Deletes in batches of ``PURGE_BATCH_SIZE`` so no statement holds locks for long.
+Never touches ``processing`` inbox rows (leased work in flight) or ``failed``
+ones (waiting for an operator), nor keys still ``in_flight``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.apps import apps
+from django.db import transaction
+from django.db.models import Model, Q
+from django.utils import timezone
+
+from idempotent_orders.conf import conf
+from idempotent_orders.models import InboxStatus, Outcome, ParkedMessage, ProcessedMessage
+
+__all__ = ["PurgeReport", "purge"]
+
+logger = logging.getLogger("idempotent_orders")
+
+
+@dataclass
+class PurgeReport:
+    inbox: int = 0
+    parked: int = 0
+    keys: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"inbox": self.inbox, "parked": self.parked, "keys": self.keys}
+
+
+def _delete_in_batches(model: type[Model], condition: Q, batch_size: int) -> int:
+    total = 0
+    while True:
+        pks = list(
+            model._default_manager.filter(condition)
+            .order_by("pk")
+            .values_list("pk", flat=True)[:batch_size]
+        )
+        if not pks:
+            return total
+        # The condition is repeated: a row that changed since it was read stays.
+        deleted, _ = model._default_manager.filter(condition, pk__in=pks).delete()
+        total += deleted
+
+
+def _give_up_parked(cutoff: datetime, batch_size: int) -> int:
+    """Parked messages that waited too long: keep them, explained, as rejected inbox rows."""
+    total = 0
+    while True:
+        batch = list(ParkedMessage.objects.filter(parked_at__lt=cutoff).order_by("pk")[:batch_size])
+        if not batch:
+            return total
+        for parked in batch:
+            with transaction.atomic():
+                # Claim by deleting, as release_parked() does: only one of them wins.
+                if not ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
+                    continue
+                ProcessedMessage.objects.filter(
+                    consumer=parked.consumer,
+                    message_id=parked.message_id,
+                    outcome=Outcome.PARKED,
+                ).update(
+                    # Touched now: the explained row is kept a full DEDUP_RETENTION.
+                    updated_at=timezone.now(),
+                    status=InboxStatus.REJECTED,
+                    outcome=Outcome.REJECTED,
+                    error=f"gave up waiting since {parked.parked_at:%Y-%m-%d %H:%M}: "
+                    f"{parked.reason}",
+                )
+                total += 1
+                logger.warning(
+                    "gave up parked message %s: %s",
+                    parked.message_id,
+                    parked.reason,
+                    extra={"message_id": parked.message_id, "order_id": parked.order_id},
+                )
+
+
+#: Keys are purged when the HTTP part of the app, which defines this model, is installed.
+_KEY_MODEL: str = "IdempotencyKey"
+
+
+def _key_model() -> type[Model] | None:
+    try:
+        return apps.get_model("idempotent_orders", _KEY_MODEL)
+    except LookupError:
+        return None
+
+
+def purge(*, now: datetime | None = None, batch_size: int | None = None) -> PurgeReport:
+    """Delete what is older than its window; returns how many rows of each kind went."""
+    now = now or timezone.now()
+    size = batch_size or conf.PURGE_BATCH_SIZE
+    report = PurgeReport()
+    report.parked = _give_up_parked(now - timedelta(seconds=conf.PARKED_RETENTION), size)
+    inbox_cutoff = now - timedelta(seconds=conf.DEDUP_RETENTION)
+    report.inbox = _delete_in_batches(
+        ProcessedMessage,
+        # Rows changed lately (given up, resolved by an operator) wait a full window too.
+        Q(created_at__lt=inbox_cutoff, updated_at__lt=inbox_cutoff)
+        & Q(status__in=[InboxStatus.DONE, InboxStatus.REJECTED])
+        # A message still parked keeps its inbox row until it is released.
+        & ~Q(outcome=Outcome.PARKED),
+        size,
+    )
+    key_model = _key_model()
+    if key_model is not None:
+        names = {f.name for f in key_model._meta.get_fields()}
+        condition: Any = Q(expires_at__lt=now)
+        if "state" in names:
+            condition &= ~Q(state="in_flight")
+        report.keys = _delete_in_batches(key_model, condition, size)
+    if report.inbox or report.parked or report.keys:
+        logger.info("purged %s", report.as_dict())
+    return report

@@ -1,0 +1,218 @@
+"""Django admin through its real URLs: changelists, filters, audited idempotent actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.db.models import F
+from django.test import Client
+from django.urls import reverse
+
+from demo_project import warehouse
+from idempotent_orders import admin as io_admin
+from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
+from idempotent_orders.models import (
+    AuditEntry,
+    InboxStatus,
+    Order,
+    OrderStatus,
+    ProcessedMessage,
+)
+from idempotent_orders.services import consume_message
+from idempotent_orders.transitions import apply_transition
+from tests.conftest import payment
+
+pytestmark = pytest.mark.django_db
+S = OrderStatus
+
+
+@pytest.fixture
+def staff() -> Client:
+    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def customer() -> Client:
+    user = get_user_model().objects.create_user("customer", "c@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def changelist(model: str) -> str:
+    return reverse(f"admin:idempotent_orders_{model}_changelist")
+
+
+def act(client: Client, model: str, action: str, *pks: Any, **query: str) -> Any:
+    url = changelist(model)
+    if query:
+        url += "?" + "&".join(f"{k}={v}" for k, v in query.items())
+    return client.post(
+        url, {"action": action, "_selected_action": [str(pk) for pk in pks]}, follow=True
+    )
+
+
+def shown(response: Any) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def stuck_fulfilment(order: Order, *modes: str) -> ProcessedMessage:
+    consume_message(payment(order), consumer="payments")
+    warehouse.script(order.pk, *modes)
+    fulfil(order.pk)
+    return ProcessedMessage.objects.get(message_id=fulfilment_message_id(order.pk))
+
+
+@pytest.mark.parametrize("model", ["order", "processedmessage", "parkedmessage", "auditentry"])
+def test_changelists_open_for_staff_and_refuse_others(staff, customer, model) -> None:
+    assert staff.get(changelist(model)).status_code == 200
+    response = customer.get(changelist(model))
+    assert response.status_code == 302
+    assert reverse("admin:login") in response["Location"]
+    assert Client().get(changelist(model)).status_code == 302
+
+
+def test_order_transition_action_goes_through_the_conditional_update(staff, make_order) -> None:
+    order = make_order()
+    response = act(staff, "order", "transition_cancel", order.pk)
+    assert response.status_code == 200
+    assert "1 applied" in " ".join(shown(response))
+    assert Order.objects.get(pk=order.pk).status == S.CANCELLED
+    # Idempotent: a second click finds the order at the target.
+    response = act(staff, "order", "transition_cancel", order.pk)
+    assert "1 at_target" in " ".join(shown(response))
+    assert Order.objects.get(pk=order.pk).version == 1
+    entries = list(AuditEntry.objects.order_by("id").values_list("username", "action", "result"))
+    assert entries == [
+        ("operator", "transition:cancel", "applied"),
+        ("operator", "transition:cancel", "at_target"),
+    ]
+
+
+def test_transition_not_allowed_is_a_message(staff, make_order) -> None:
+    order = make_order()
+    response = act(staff, "order", "transition_ship", order.pk)
+    assert response.status_code == 200
+    assert "not_allowed" in " ".join(shown(response)) or "later" in " ".join(shown(response))
+    assert Order.objects.get(pk=order.pk).status == S.PENDING_PAYMENT
+
+
+def test_conflict_is_a_message_not_an_error(staff, make_order, monkeypatch) -> None:
+    order = make_order()
+
+    def racing(instance: Order, name: str, **kwargs: Any):
+        # Another writer commits between the admin's read and its UPDATE.
+        Order.objects.filter(pk=instance.pk).update(version=F("version") + 1)
+        return apply_transition(instance, name, **kwargs)
+
+    monkeypatch.setattr(io_admin, "apply_transition", racing)
+    response = act(staff, "order", "transition_cancel", order.pk)
+    assert response.status_code == 200
+    assert any("changed while you looked" in m for m in shown(response))
+    assert Order.objects.get(pk=order.pk).status == S.PENDING_PAYMENT
+    assert AuditEntry.objects.get().result == "conflict"
+
+
+def test_non_staff_cannot_run_actions(customer, make_order) -> None:
+    order = make_order()
+    response = customer.post(
+        changelist("order"), {"action": "transition_cancel", "_selected_action": [order.pk]}
+    )
+    assert response.status_code == 302
+    assert Order.objects.get(pk=order.pk).status == S.PENDING_PAYMENT
+    assert not AuditEntry.objects.exists()
+
+
+def test_staff_without_change_permission_is_refused(make_order) -> None:
+    user = get_user_model().objects.create_user("viewer", password="pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_order"))
+    client = Client()
+    client.force_login(user)
+    assert client.get(changelist("order")).status_code == 200
+    order = make_order()
+    response = client.post(
+        changelist("order"), {"action": "transition_cancel", "_selected_action": [order.pk]}
+    )
+    assert Order.objects.get(pk=order.pk).status == S.PENDING_PAYMENT
+    assert response.status_code in {200, 302, 403}
+    assert not AuditEntry.objects.exists()
+
+
+def test_attention_filters(staff, make_order) -> None:
+    stuck = stuck_fulfilment(make_order(), "fail")
+    failed = stuck_fulfilment(make_order(), "fail")
+    ProcessedMessage.objects.filter(pk=failed.pk).update(status=InboxStatus.FAILED)
+    consume_message({"message_id": "bad-1", "type": "nope"}, consumer="payments")
+
+    def listed(value: str) -> set[str]:
+        response = staff.get(changelist("processedmessage") + f"?attention={value}")
+        assert response.status_code == 200
+        return {r.message_id for r in response.context["cl"].result_list}
+
+    assert listed("stuck") == {stuck.message_id}
+    assert listed("failed") == {failed.message_id}
+    assert listed("rejected") == {"bad-1"}
+    response = staff.get(changelist("processedmessage") + "?attention=rejected")
+    assert "unknown message type" in response.content.decode()
+
+
+def test_retry_action_verifies_then_completes_once(staff, make_order) -> None:
+    order = make_order()
+    row = stuck_fulfilment(order, "lose_reply")
+    response = act(staff, "processedmessage", "retry", row.pk)
+    assert "1 completed" in " ".join(shown(response))
+    assert Order.objects.get(pk=order.pk).status == S.PROCESSING
+    assert warehouse.effects(order.pk) == 1
+    response = act(staff, "processedmessage", "retry", row.pk)
+    assert "1 skipped" in " ".join(shown(response))
+    assert warehouse.effects(order.pk) == 1
+    assert list(AuditEntry.objects.order_by("id").values_list("action", "result")) == [
+        ("retry", "completed"),
+        ("retry", "skipped"),
+    ]
+
+
+def test_complete_action_refuses_an_unverified_effect(staff, make_order) -> None:
+    order = make_order()
+    row = stuck_fulfilment(order, "fail")
+    response = act(staff, "processedmessage", "complete_verified", row.pk)
+    assert "1 retry" in " ".join(shown(response))
+    assert Order.objects.get(pk=order.pk).status == S.PAID
+    assert ProcessedMessage.objects.get(pk=row.pk).status == InboxStatus.PROCESSING
+
+    verified = make_order()
+    row = stuck_fulfilment(verified, "lose_reply")
+    response = act(staff, "processedmessage", "complete_verified", row.pk)
+    assert "1 completed" in " ".join(shown(response))
+    assert Order.objects.get(pk=verified.pk).status == S.PROCESSING
+    assert warehouse.effects(verified.pk) == 1
+
+
+def test_fail_action_is_idempotent_and_audited(staff, make_order) -> None:
+    row = stuck_fulfilment(make_order(), "fail")
+    act(staff, "processedmessage", "fail", row.pk)
+    act(staff, "processedmessage", "fail", row.pk)
+    assert ProcessedMessage.objects.get(pk=row.pk).status == InboxStatus.FAILED
+    assert list(AuditEntry.objects.order_by("id").values_list("action", "result")) == [
+        ("fail", "failed"),
+        ("fail", "skipped"),
+    ]
+    entry = AuditEntry.objects.first()
+    assert entry is not None
+    assert entry.target == "idempotent_orders.processedmessage"
+    assert entry.object_id == str(row.pk)
+
+
+def test_parked_changelist_shows_waiting_time(staff, make_order) -> None:
+    order = make_order()
+    consume_message(payment(order, seq=2), consumer="payments")
+    response = staff.get(changelist("parkedmessage"))
+    assert response.status_code == 200
+    assert "waiting" in response.content.decode().lower()
+    assert "minute" in response.content.decode()

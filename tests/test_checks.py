@@ -1,0 +1,113 @@
+"""System checks: each ID fires on the misconfiguration it names and is silent on the demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from celery import current_app
+from django.conf import settings
+from django.core import checks
+from django.test import override_settings
+
+from idempotent_orders import checks as io_checks
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.django_db
+
+
+def ids(**io: Any) -> set[str]:
+    with override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **io}):
+        return {m.id for m in checks.run_checks() if (m.id or "").startswith("idempotent")}
+
+
+def test_silent_on_the_test_settings() -> None:
+    assert ids() == set()
+
+
+def test_silent_on_the_demo_settings(tmp_path) -> None:
+    for env in ({}, {"REDIS_URL": "redis://127.0.0.1:6379/15"}):
+        result = subprocess.run(
+            [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "CRITICAL"],
+            cwd=ROOT,
+            env={
+                "PATH": "/usr/bin:/bin",
+                "DJANGO_SETTINGS_MODULE": "demo_project.settings",
+                "DEMO_STATE_DIR": str(tmp_path),
+                **env,
+            },
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "idempotent_orders." not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("io", "expected"),
+    [
+        ({"LEASE_SECONDS": "30"}, "idempotent_orders.E003"),
+        ({"DEDUP_CACHE_ALIAS": 1}, "idempotent_orders.E003"),
+        ({"FULFILMENT_CLIENT": "no.such.Client"}, "idempotent_orders.E035"),
+        ({"FULFILMENT_VERIFIER": "idempotent_orders.fulfilment.Nope"}, "idempotent_orders.E035"),
+        ({"LEASE_SECONDS": 0}, "idempotent_orders.E036"),
+        ({"PURGE_BATCH_SIZE": -1}, "idempotent_orders.E036"),
+        ({"LEASE_SECONDS": 10, "HEARTBEAT_SECONDS": 8}, "idempotent_orders.W030"),
+        ({"DEDUP_RETENTION": 120}, "idempotent_orders.E030"),  # the retry budget is 303s
+        ({"BROKER_REDELIVERY_HORIZON": 8 * 24 * 3600}, "idempotent_orders.E030"),
+    ],
+)
+def test_setting_checks_fire(io, expected) -> None:
+    assert expected in ids(**io)
+
+
+def test_retention_shorter_than_the_visibility_timeout() -> None:
+    with override_settings(
+        CELERY_BROKER_URL="redis://127.0.0.1:6379/1",
+        CELERY_BROKER_TRANSPORT_OPTIONS={"visibility_timeout": 30 * 24 * 3600},
+    ):
+        assert "idempotent_orders.E030" in ids()
+    with override_settings(CELERY_BROKER_URL="redis://127.0.0.1:6379/1"):
+        assert io_checks.redelivery_horizon() == io_checks.DEFAULT_VISIBILITY_TIMEOUT
+        assert "idempotent_orders.E030" not in ids()
+        assert "idempotent_orders.E030" in ids(DEDUP_RETENTION=3000)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "expected"),
+    [("acks_late", "idempotent_orders.E031"), ("reject_on_worker_lost", "idempotent_orders.E032")],
+)
+def test_task_options(monkeypatch, attribute, expected) -> None:
+    task = current_app.tasks["idempotent_orders.fulfil_order"]
+    monkeypatch.setattr(task, attribute, False)
+    assert expected in ids()
+
+
+def test_prefetch_multiplier() -> None:
+    with override_settings(CELERY_WORKER_PREFETCH_MULTIPLIER=4):
+        assert "idempotent_orders.W031" in ids()
+
+
+def test_redis_layer_without_django_redis() -> None:
+    locmem = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    with override_settings(CACHES=locmem):
+        assert "idempotent_orders.E033" in ids()
+        assert "idempotent_orders.E033" not in ids(DEDUP_CACHE_ALIAS="")
+    assert "idempotent_orders.E010" in ids(DEDUP_CACHE_ALIAS="missing")
+
+
+def test_mysql_isolation() -> None:
+    mysql = {"ENGINE": "django.db.backends.mysql", "NAME": "x", "OPTIONS": {}}
+    fine = {**mysql, "OPTIONS": {"isolation_level": "read committed"}}
+    for databases, fires in (
+        ({"other": mysql}, True),
+        ({"other": {**mysql, "OPTIONS": {"isolation_level": "repeatable read"}}}, True),
+        ({"other": fine}, False),
+    ):
+        found = {m.id for m in io_checks.mysql_isolation_errors(databases)}
+        assert ("idempotent_orders.E034" in found) is fires
+    # The test database itself (READ COMMITTED on the MariaDB leg) passes.
+    assert io_checks.check_mysql_isolation() == []
