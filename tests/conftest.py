@@ -207,7 +207,11 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
     from celery import current_app
 
     started: list[Workers] = []
-    conf_before = dict(current_app.conf)
+    # Only the keys we change: iterating the whole conf touches every Django
+    # setting, deprecated ones included.
+    conf_before = {
+        key: current_app.conf.get(key) for key in ("broker_url", "task_default_queue")
+    }
 
     def start(
         broker: str,
