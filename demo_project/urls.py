@@ -1,8 +1,14 @@
-"""URLs of the demo project."""
+"""URLs of the demo project: admin, the app's API under /api/ and the shop under /shop/."""
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
+
+from demo_project import shop
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/", include("idempotent_orders.http.urls")),
+    path("shop/", shop.shop, name="shop"),
+    path("shop/checkout/", shop.checkout, name="shop-checkout"),
+    path("shop/orders/<int:pk>/", shop.order_page, name="shop-order"),
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from idempotent_orders.models import Order, ParkedMessage, ProcessedMessage
+from idempotent_orders.models import IdempotencyKey, Order, ParkedMessage, ProcessedMessage
 
 
 @admin.register(Order)
@@ -37,3 +37,21 @@ class ParkedMessageAdmin(admin.ModelAdmin):
     list_display = ["message_id", "consumer", "order", "seq", "reason", "parked_at"]
     list_filter = ["consumer"]
     raw_id_fields = ["order"]
+
+
+@admin.register(IdempotencyKey)
+class IdempotencyKeyAdmin(admin.ModelAdmin):
+    list_display = [
+        "key",
+        "principal",
+        "method",
+        "route",
+        "state",
+        "response_status",
+        "lease_expires_at",
+        "expires_at",
+    ]
+    list_filter = ["state", "is_token", "method"]
+    search_fields = ["key", "principal", "route"]
+    # Stored responses are evidence: operators read them, never edit them.
+    readonly_fields = [f.name for f in IdempotencyKey._meta.fields]

@@ -14,3 +14,9 @@ message_consumed = Signal()
 #: Sent when a parked message is released and decided again.
 #: Arguments: ``consumer``, ``message_id``, ``order_id``, ``outcome``.
 message_released = Signal()
+
+#: Sent by the idempotency decorator/mixins for every request that carries a key or token.
+#: Arguments: ``request``, ``key``, ``outcome`` (``"executed"``, ``"replayed"``,
+#: ``"redirected"`` (a form's second submit), ``"released"`` (5xx/exception/invalid form:
+#: the key can be retried) or an error code such as ``"key-in-flight"``).
+idempotent_request = Signal()
