@@ -15,10 +15,10 @@ from django.test import Client
 from django.utils import timezone
 
 from idempotent_orders.checks import check_http_settings
+from idempotent_orders.exceptions import KeyInvalid
 from idempotent_orders.http.forms import FORM_FIELD
 from idempotent_orders.http.keys import TOKEN_PREFIX, parse_key, scope_of
 from idempotent_orders.http.tokens import issue_token
-from idempotent_orders.exceptions import KeyInvalid
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from idempotent_orders.services import create_order
 from tests import http_urls
