@@ -15,6 +15,7 @@ from django.http import (
 )
 from django.urls import include, path
 from django.views import View
+from django.views.decorators.csrf import csrf_exempt
 
 from demo_project.urls import urlpatterns as demo_urlpatterns
 from idempotent_orders.http.keys import IdempotentMixin, idempotent
@@ -90,7 +91,7 @@ test_patterns = [
     path("raises/", raises),
     path("streaming/", streaming),
     path("large/", large),
-    path("slow/", slow),
+    path("slow/", csrf_exempt(slow)),
     path("cbv/", CounterView.as_view()),
 ]
 

@@ -110,3 +110,6 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 # Unit tests run the consumer synchronously; worker tests turn fulfilment on.
 IDEMPOTENT_ORDERS: dict[str, Any] = {"FULFIL_AFTER_PAYMENT": False}
+
+# The live server's static-files handler needs a STATIC_URL (HTTP live tests).
+STATIC_URL = "static/"
