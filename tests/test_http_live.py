@@ -96,6 +96,10 @@ def test_concurrent_identical_requests_create_one_order(
     originals = [r for r in results if r[0] == 201 and "Idempotent-Replayed" not in r[1]]
     replays = [r for r in results if r[0] == 201 and r[1].get("Idempotent-Replayed") == "true"]
     conflicts = [r for r in results if r[0] == 409]
+    print(
+        f"{THREADS} identical: {len(originals)} original, {len(replays)} replayed, "
+        f"{len(conflicts)} in flight (409)"
+    )
     assert len(originals) == 1
     assert len(originals) + len(replays) + len(conflicts) == THREADS, [r[0] for r in results]
     for _status, _headers, body in originals + replays:
@@ -145,7 +149,14 @@ def test_other_users_same_key_concurrently_neither_replay_nor_block(live_server:
     assert set(by_customer) == {"alice", "bob"}
 
 
-def test_heartbeat_keeps_a_slow_view_from_running_twice(live_server: Any, settings: Any) -> None:
+@pytest.mark.parametrize("atomic_requests", [False, True], ids=["autocommit", "atomic"])
+def test_heartbeat_keeps_a_slow_view_from_running_twice(
+    live_server: Any, settings: Any, monkeypatch: pytest.MonkeyPatch, atomic_requests: bool
+) -> None:
+    # Under ATOMIC_REQUESTS this also shows the claim committed on its own: a
+    # claim inside the request's transaction would block the second request
+    # until the first commits, and it would get a replay, not a 409.
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", atomic_requests)
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 1}
     http_urls.RUNS.clear()
     cookie = session_cookie("alice")
