@@ -1,14 +1,79 @@
-"""Demo order creation: the order and its follow-up messages commit together (outbox)."""
+"""The demo shop: a checkout form protected by a one-time token, and the order page."""
 
 from __future__ import annotations
 
+import time
 from decimal import Decimal
 
+from django.conf import settings
 from django.db import transaction
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.views.decorators.http import require_http_methods
 
 from demo_project.tasks import award_points
+from idempotent_orders.http.forms import idempotent_form
 from idempotent_orders.models import Order
 from idempotent_orders.outbox import publish_on_commit
+from idempotent_orders.services import create_order
+
+#: The demo's catalogue: sku -> (name, unit price in CNY).
+PRODUCTS = {
+    "tea-longjing": ("Longjing green tea, 250 g", Decimal("88.00")),
+    "cup-celadon": ("Celadon tea cup", Decimal("45.50")),
+    "pot-yixing": ("Yixing clay teapot", Decimal("320.00")),
+}
+_SESSION_ORDERS = "shop_orders"
+
+
+def shop(request: HttpRequest) -> HttpResponse:
+    return render(request, "shop/index.html", {"products": PRODUCTS.items()})
+
+
+@require_http_methods(["POST"])
+@idempotent_form
+def checkout(request: HttpRequest) -> HttpResponse:
+    items = []
+    for sku in PRODUCTS:
+        try:
+            quantity = int(request.POST.get(f"qty-{sku}") or 0)
+        except ValueError:
+            quantity = 0
+        if 0 < quantity <= 99:
+            items.append({"sku": sku, "quantity": quantity})
+    if not items:
+        # Re-render with an error: the token goes back, the page gets a fresh one.
+        context = {"products": PRODUCTS.items(), "error": "Choose at least one item."}
+        return render(request, "shop/index.html", context, status=400)
+    # Lets a test hold the first submit open so the second arrives while it runs.
+    time.sleep(float(getattr(settings, "DEMO_CHECKOUT_DELAY", 0)))
+    amount = sum((PRODUCTS[i["sku"]][1] * i["quantity"] for i in items), Decimal("0"))
+    user = request.user if request.user.is_authenticated else None
+    order, _created = create_order(
+        customer=user,
+        items=items,
+        amount=amount,
+        currency="CNY",
+        anonymous_id="" if user else (request.session.session_key or ""),
+    )
+    seen = set(request.session.get(_SESSION_ORDERS, []))
+    seen.add(order.pk)
+    request.session[_SESSION_ORDERS] = sorted(seen)
+    return HttpResponseRedirect(reverse("shop-order", args=[order.pk]), status=303)
+
+
+def order_page(request: HttpRequest, pk: int) -> HttpResponse:
+    order = Order.objects.filter(pk=pk).first()
+    user = request.user
+    mine = order is not None and (
+        pk in request.session.get(_SESSION_ORDERS, [])
+        or (user.is_authenticated and (user.is_staff or order.customer_id == user.pk))
+    )
+    if not mine:
+        raise Http404("No such order")
+    return render(request, "shop/order.html", {"order": order})
+
 
 #: Loyalty points per whole unit of the order's amount.
 POINTS_PER_UNIT = 1

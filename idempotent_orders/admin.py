@@ -22,6 +22,7 @@ from idempotent_orders import leases, reconcile
 from idempotent_orders.leases import StepResult
 from idempotent_orders.models import (
     AuditEntry,
+    IdempotencyKey,
     InboxStatus,
     Order,
     OutboxMessage,
@@ -242,3 +243,21 @@ class OutboxMessageAdmin(admin.ModelAdmin):
     def purge_sent(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         deleted, _ = queryset.filter(status=OutboxStatus.SENT).delete()
         self.message_user(request, f"{deleted} sent outbox rows deleted.", messages.SUCCESS)
+
+
+@admin.register(IdempotencyKey)
+class IdempotencyKeyAdmin(admin.ModelAdmin):
+    list_display = [
+        "key",
+        "principal",
+        "method",
+        "route",
+        "state",
+        "response_status",
+        "lease_expires_at",
+        "expires_at",
+    ]
+    list_filter = ["state", "is_token", "method"]
+    search_fields = ["key", "principal", "route"]
+    # Stored responses are evidence: operators read them, never edit them.
+    readonly_fields = [f.name for f in IdempotencyKey._meta.fields]

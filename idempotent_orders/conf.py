@@ -75,6 +75,34 @@ DEFAULTS: dict[str, Any] = {
     # redelivering it, when the check cannot read it from the transport options
     # (RabbitMQ's consumer_timeout, for example). 0 means unknown.
     "BROKER_REDELIVERY_HORIZON": 0,
+    # HTTP idempotency (Idempotency-Key header, one-time tokens, forms).
+    # Longest accepted key (at most 255, the column size).
+    "KEY_MAX_LENGTH": 255,
+    # Seconds a key and its stored response are kept (then purged).
+    "KEY_TTL": 24 * 3600,
+    # Seconds a claim is held without a heartbeat; a heartbeat renews it every third.
+    "KEY_LEASE": 30,
+    # Live keys (and tokens) one principal may hold; more gets 429.
+    "KEY_QUOTA": 1000,
+    # Seconds an issued, unused token stays valid.
+    "TOKEN_TTL": 3600,
+    # Unused tokens one principal may hold (the endpoint answers 429 past it,
+    # the template tag drops the principal's oldest unused tokens).
+    "TOKEN_QUOTA": 100,
+    # Largest request body an idempotent view accepts (413 above).
+    "MAX_REQUEST_BYTES": 1024 * 1024,
+    # Largest response body stored for replay; larger ones are stored without body.
+    "MAX_STORED_RESPONSE_BYTES": 1024 * 1024,
+    # Response headers stored and replayed (case-insensitive).
+    "REPLAY_HEADERS": ["Content-Type", "Content-Language", "Location", "Cache-Control"],
+    # Seconds a second form submit waits for the first one before answering 409.
+    "FORM_WAIT": 15,
+    # Retry-After (seconds) on 409 "still in flight" and 429 answers.
+    "RETRY_AFTER": 1,
+    # Dotted path of ``callable(request) -> str | None`` naming the request's principal.
+    "PRINCIPAL_RESOLVER": "idempotent_orders.http.keys.default_principal",
+    # Business-key time window (seconds) of create_order().
+    "ORDER_WINDOW": 300,
 }
 
 
@@ -220,6 +248,58 @@ class Settings:
     @property
     def BROKER_REDELIVERY_HORIZON(self) -> int:
         return int(self._get("BROKER_REDELIVERY_HORIZON"))
+
+    @property
+    def KEY_MAX_LENGTH(self) -> int:
+        return int(self._get("KEY_MAX_LENGTH"))
+
+    @property
+    def KEY_TTL(self) -> int:
+        return int(self._get("KEY_TTL"))
+
+    @property
+    def KEY_LEASE(self) -> int:
+        return int(self._get("KEY_LEASE"))
+
+    @property
+    def KEY_QUOTA(self) -> int:
+        return int(self._get("KEY_QUOTA"))
+
+    @property
+    def TOKEN_TTL(self) -> int:
+        return int(self._get("TOKEN_TTL"))
+
+    @property
+    def TOKEN_QUOTA(self) -> int:
+        return int(self._get("TOKEN_QUOTA"))
+
+    @property
+    def MAX_REQUEST_BYTES(self) -> int:
+        return int(self._get("MAX_REQUEST_BYTES"))
+
+    @property
+    def MAX_STORED_RESPONSE_BYTES(self) -> int:
+        return int(self._get("MAX_STORED_RESPONSE_BYTES"))
+
+    @property
+    def REPLAY_HEADERS(self) -> list[str]:
+        return [str(h) for h in self._get("REPLAY_HEADERS")]
+
+    @property
+    def FORM_WAIT(self) -> int:
+        return int(self._get("FORM_WAIT"))
+
+    @property
+    def RETRY_AFTER(self) -> int:
+        return int(self._get("RETRY_AFTER"))
+
+    @property
+    def PRINCIPAL_RESOLVER(self) -> str:
+        return str(self._get("PRINCIPAL_RESOLVER"))
+
+    @property
+    def ORDER_WINDOW(self) -> int:
+        return int(self._get("ORDER_WINDOW"))
 
 
 conf = Settings()

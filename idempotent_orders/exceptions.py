@@ -65,3 +65,69 @@ class LockLost(LockError):
     """
 
     default_code = "lock_lost"
+
+
+class IdempotencyError(IdempotentOrdersError):
+    """An HTTP request cannot run under its idempotency key; answered as problem+json.
+
+    ``status_code`` is the HTTP status, ``code`` the problem type's last segment,
+    ``retry_after`` (seconds) adds a ``Retry-After`` header when set.
+    """
+
+    status_code = 400
+    default_code = "idempotency-error"
+    title = "Idempotency error"
+
+    def __init__(
+        self, message: str = "", *, code: str | None = None, retry_after: int | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class KeyMissing(IdempotencyError):
+    status_code = 400
+    default_code = "key-missing"
+    title = "Idempotency-Key required"
+
+
+class KeyInvalid(IdempotencyError):
+    status_code = 400
+    default_code = "key-invalid"
+    title = "Malformed Idempotency-Key"
+
+
+class NotAuthenticated(IdempotencyError):
+    status_code = 401
+    default_code = "not-authenticated"
+    title = "Authentication required"
+
+
+class TokenInvalid(IdempotencyError):
+    status_code = 403
+    default_code = "token-invalid"
+    title = "Unknown, expired or foreign token"
+
+
+class KeyInFlight(IdempotencyError):
+    status_code = 409
+    default_code = "key-in-flight"
+    title = "A request with this key is still being processed"
+
+
+class BodyTooLarge(IdempotencyError):
+    status_code = 413
+    default_code = "body-too-large"
+    title = "Request body too large"
+
+
+class KeyMismatch(IdempotencyError):
+    status_code = 422
+    default_code = "key-mismatch"
+    title = "Idempotency-Key reused with a different request"
+
+
+class QuotaExceeded(IdempotencyError):
+    status_code = 429
+    default_code = "quota-exceeded"
+    title = "Too many idempotency keys or tokens"

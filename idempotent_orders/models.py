@@ -255,3 +255,57 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.username} {self.action} {self.target} {self.object_id}: {self.result}"
+
+
+class KeyState(models.TextChoices):
+    """Life of an :class:`IdempotencyKey`; the values are part of the public contract."""
+
+    ISSUED = "issued", "issued"  # a server-issued token, not used yet
+    IN_FLIGHT = "in_flight", "in flight"  # claimed by a request that is still running
+    COMPLETED = "completed", "completed"  # the response is stored and replayed
+
+
+class IdempotencyKey(models.Model):
+    """One ``Idempotency-Key`` (or one-time token) and the response it produced.
+
+    The unique ``(scope, key)`` constraint is the authority: ``scope`` is a hash
+    of principal, method and route, so one principal's key can never match
+    another's. Server-issued tokens start ``issued`` with an empty method and
+    route and are bound to their route when consumed.
+    """
+
+    scope = models.CharField(max_length=64)
+    key = models.CharField(max_length=255)
+    #: Who the key belongs to: ``user:<pk>``, ``client:<id>`` or ``session:<key>``.
+    principal = models.CharField(max_length=191)
+    method = models.CharField(max_length=16, blank=True, default="")
+    route = models.CharField(max_length=255, blank=True, default="")
+    #: SHA-256 over method, route, query and body of the first request.
+    fingerprint = models.CharField(max_length=64, blank=True, default="")
+    state = models.CharField(max_length=16, choices=KeyState.choices)
+    #: True for server-issued tokens (endpoint or form field).
+    is_token = models.BooleanField(default=False)
+    #: Random id of the request holding the lease; a stale holder cannot store.
+    lease_owner = models.CharField(max_length=32, blank=True, default="")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    response_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    #: Allow-listed response headers as ``[[name, value], ...]``.
+    response_headers: models.JSONField[Any] = models.JSONField(default=list, blank=True)
+    response_body = models.BinaryField(null=True, blank=True)
+    #: The body was not stored (streaming or over the size limit).
+    body_omitted = models.BooleanField(default=False)
+    created_at = models.DateTimeField(db_default=Now())
+    completed_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "key"], name="idempotent_orders_key_scope")
+        ]
+        indexes = [
+            models.Index(fields=["principal", "state", "expires_at"]),
+            models.Index(fields=["expires_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.method or 'token'} {self.route} {self.key[:16]} ({self.state})"

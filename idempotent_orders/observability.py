@@ -37,7 +37,7 @@ try:
     import prometheus_client
     from prometheus_client.core import GaugeMetricFamily
 except ImportError:  # pragma: no cover - the extra is optional
-    prometheus_client = None
+    prometheus_client = None  # type: ignore[assignment]
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 

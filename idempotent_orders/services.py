@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -551,3 +552,67 @@ def surface_overdue_parked(*, timeout: int | None = None) -> list[ParkedMessage]
             )
             parked_overdue.send(sender=ParkedMessage, parked=parked, waited=waited)
     return marked
+
+
+def order_business_key(
+    *,
+    customer: Any,
+    items: list[dict[str, Any]],
+    window: int,
+    at: float,
+    anonymous_id: str = "",
+) -> str:
+    """SHA-256 of customer, the normalised items and the time window ``at`` falls in.
+
+    Items are merged by SKU and sorted, so the same basket typed in another
+    order is the same business order. Two requests on either side of a window
+    boundary get different keys (the price of a stateless key; documented).
+    """
+    basket: dict[str, int] = {}
+    for item in items:
+        basket[str(item["sku"])] = basket.get(str(item["sku"]), 0) + int(item["quantity"])
+    owner = f"user:{customer.pk}" if customer is not None else f"anon:{anonymous_id}"
+    slot = int(at // window)
+    raw = json.dumps([owner, sorted(basket.items()), slot], separators=(",", ":"))
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def create_order(
+    *,
+    customer: Any,
+    items: list[dict[str, Any]],
+    amount: Any,
+    currency: str,
+    window: int | None = None,
+    anonymous_id: str = "",
+    at: float | None = None,
+) -> tuple[Order, bool]:
+    """The order for this customer's basket in the current time window: ``(order, created)``.
+
+    Concurrent callers race on the unique ``business_key`` index; the loser's
+    insert fails and it reads the winner's row, so every caller gets the one
+    order. ``anonymous_id`` (e.g. the session key) separates anonymous customers.
+    """
+    if not items:
+        raise ValueError("an order needs at least one item")
+    key = order_business_key(
+        customer=customer,
+        items=items,
+        window=window or conf.ORDER_WINDOW,
+        at=time.time() if at is None else at,
+        anonymous_id=anonymous_id,
+    )
+    existing = Order.objects.filter(business_key=key).first()
+    if existing is not None:
+        return existing, False
+    try:
+        with transaction.atomic():
+            order = Order.objects.create(
+                business_key=key, customer=customer, amount=amount, currency=currency
+            )
+    except IntegrityError:
+        # A concurrent caller won the insert. A locking read sees its committed
+        # row even inside a REPEATABLE READ snapshot taken before the race.
+        with transaction.atomic():
+            return Order.objects.select_for_update().get(business_key=key), False
+    return order, True

@@ -38,3 +38,9 @@ lease_finished = Signal()
 #: Arguments: ``consumer``, ``message_id``, ``order_id``, ``action`` (completed,
 #: retry, failed, skipped).
 message_reconciled = Signal()
+
+#: Sent by the idempotency decorator/mixins for every request that carries a key or token.
+#: Arguments: ``request``, ``key``, ``outcome`` (``"executed"``, ``"replayed"``,
+#: ``"redirected"`` (a form's second submit), ``"released"`` (5xx/exception/invalid form:
+#: the key can be retried) or an error code such as ``"key-in-flight"``).
+idempotent_request = Signal()

@@ -209,9 +209,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
     started: list[Workers] = []
     # Only the keys we change: iterating the whole conf touches every Django
     # setting, deprecated ones included.
-    conf_before = {
-        key: current_app.conf.get(key) for key in ("broker_url", "task_default_queue")
-    }
+    conf_before = {key: current_app.conf.get(key) for key in ("broker_url", "task_default_queue")}
 
     def start(
         broker: str,

@@ -131,3 +131,7 @@ if "dedup" in CACHES:
 if os.environ.get("IO_TEST_LEASE_SECONDS"):
     IDEMPOTENT_ORDERS["LEASE_SECONDS"] = int(os.environ["IO_TEST_LEASE_SECONDS"])
     IDEMPOTENT_ORDERS["HEARTBEAT_SECONDS"] = 1
+
+
+# The live server's static-files handler needs a STATIC_URL (HTTP live tests).
+STATIC_URL = "static/"

@@ -1,0 +1,1 @@
+"""HTTP idempotency: the ``Idempotency-Key`` header, one-time tokens, forms and the orders API."""

@@ -1,0 +1,70 @@
+"""One-time tokens: unguessable, bound to a principal, consumed atomically, quota-limited.
+
+A token is an :class:`~idempotent_orders.models.IdempotencyKey` row in state
+``issued``. Using it (as the ``Idempotency-Key`` header or the form field) is a
+conditional ``UPDATE ... WHERE state='issued' AND principal=...``: exactly one
+request wins it, and a token of another principal matches nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+
+from django.db import transaction
+from django.http import HttpRequest
+from django.utils import timezone
+
+from idempotent_orders.conf import conf
+from idempotent_orders.exceptions import NotAuthenticated, QuotaExceeded
+from idempotent_orders.http.keys import TOKEN_PREFIX, get_principal, scope_of
+from idempotent_orders.models import IdempotencyKey, KeyState
+
+__all__ = ["get_token", "issue_token"]
+
+
+def issue_token(principal: str, *, evict: bool = False) -> IdempotencyKey:
+    """A new token for ``principal``.
+
+    Past ``TOKEN_QUOTA`` unused tokens, raise :class:`QuotaExceeded`, or with
+    ``evict`` drop the principal's oldest unused tokens (a page that renders a
+    form must not fail because an old tab left tokens behind).
+    """
+    now = timezone.now()
+    unused = IdempotencyKey.objects.filter(
+        principal=principal, state=KeyState.ISSUED, expires_at__gt=now
+    )
+    count = unused.count()
+    if count >= conf.TOKEN_QUOTA:
+        if not evict:
+            raise QuotaExceeded(
+                f"you hold {count} unused tokens, the limit is {conf.TOKEN_QUOTA}",
+                retry_after=conf.RETRY_AFTER,
+            )
+        keep = max(conf.TOKEN_QUOTA - 1, 0)
+        oldest = list(unused.order_by("-created_at", "-id").values_list("pk", flat=True)[keep:])
+        IdempotencyKey.objects.filter(pk__in=oldest, state=KeyState.ISSUED).delete()
+    live = IdempotencyKey.objects.filter(principal=principal, expires_at__gt=now).count()
+    if live >= conf.KEY_QUOTA:
+        raise QuotaExceeded(
+            f"you hold {live} live keys and tokens, the limit is {conf.KEY_QUOTA}",
+            retry_after=conf.RETRY_AFTER,
+        )
+    with transaction.atomic():
+        return IdempotencyKey.objects.create(
+            scope=scope_of(principal, "", ""),
+            # 32 random bytes: unguessable, and unique without a retry loop.
+            key=TOKEN_PREFIX + secrets.token_urlsafe(32),
+            principal=principal,
+            state=KeyState.ISSUED,
+            is_token=True,
+            expires_at=now + timedelta(seconds=conf.TOKEN_TTL),
+        )
+
+
+def get_token(request: HttpRequest) -> str:
+    """A fresh token for the request's principal (the template tag calls this)."""
+    principal = get_principal(request)
+    if principal is None:
+        raise NotAuthenticated("tokens need an authenticated caller or a session")
+    return issue_token(principal, evict=True).key

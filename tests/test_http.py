@@ -1,0 +1,649 @@
+"""Idempotency-Key, tokens, forms, orders API and business keys through Django's test client."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from decimal import Decimal
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from idempotent_orders.checks import check_http_settings
+from idempotent_orders.exceptions import KeyInvalid
+from idempotent_orders.http.forms import FORM_FIELD
+from idempotent_orders.http.keys import TOKEN_PREFIX, parse_key, scope_of
+from idempotent_orders.http.tokens import issue_token
+from idempotent_orders.models import IdempotencyKey, KeyState, Order
+from idempotent_orders.services import create_order
+from tests import http_urls
+
+pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.http_urls")]
+
+ORDER = {"amount": "12.50", "currency": "CNY", "items": [{"sku": "tea", "quantity": 1}]}
+
+
+@pytest.fixture(autouse=True)
+def _reset_runs() -> None:
+    http_urls.RUNS.clear()
+
+
+@pytest.fixture
+def alice() -> Any:
+    return get_user_model().objects.create_user("alice", password="pw")
+
+
+@pytest.fixture
+def bob() -> Any:
+    return get_user_model().objects.create_user("bob", password="pw")
+
+
+def client_for(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def post(client: Client, url: str, body: Any = ORDER, key: str | None = None, **extra: Any):
+    headers = {} if key is None else {"Idempotency-Key": key}
+    return client.post(
+        url,
+        data=json.dumps(body) if not isinstance(body, bytes) else body,
+        content_type="application/json",
+        headers=headers,
+        **extra,
+    )
+
+
+def problem(response: Any, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == "application/problem+json"
+    data = json.loads(response.content)
+    assert data["status"] == status
+    assert data["code"] == code
+    assert data["type"] == f"urn:idempotent-orders:{code}"
+    assert data["title"]
+    return data
+
+
+# --- parsing ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ('"abc-123"', "abc-123"),
+        ("abc-123", "abc-123"),
+        ('"with space"', "with space"),
+        (r'"q\"uote\\d"', 'q"uote\\d'),
+        ("  padded  ", "padded"),
+    ],
+)
+def test_parse_key_accepts_sf_string_and_bare(raw: str, key: str) -> None:
+    assert parse_key(raw) == key
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '""',
+        "",
+        "   ",
+        '"open',
+        r'"bad\escape"',
+        '"in"side"',
+        "two words",
+        "ké",
+        '"ké"',
+        "a\x01b",
+        "k" * 256,
+        '"' + "k" * 256 + '"',
+    ],
+)
+def test_parse_key_rejects(raw: str) -> None:
+    with pytest.raises(KeyInvalid):
+        parse_key(raw)
+
+
+def test_key_length_limit_is_a_setting(settings: Any) -> None:
+    settings.IDEMPOTENT_ORDERS = {"KEY_MAX_LENGTH": 8}
+    assert parse_key("k" * 8) == "k" * 8
+    with pytest.raises(KeyInvalid):
+        parse_key("k" * 9)
+
+
+# --- the Idempotency-Key header ----------------------------------------------
+
+
+def test_first_request_runs_and_retry_replays(alice: Any) -> None:
+    client = client_for(alice)
+    first = post(client, "/t/counter/", key="k1")
+    assert first.status_code == 201
+    assert "Idempotent-Replayed" not in first
+    again = post(client, "/t/counter/", key='"k1"')  # the sf-string form is the same key
+    assert again.status_code == 201
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert again["Location"] == first["Location"]
+    assert again["Content-Type"] == "application/json"
+    # Only allow-listed headers are stored: never cookies or internal headers.
+    assert "X-Internal" not in again
+    assert "secret" not in again.cookies
+    assert http_urls.RUNS["counter"] == 1
+    row = IdempotencyKey.objects.get()
+    assert row.state == KeyState.COMPLETED
+    assert row.response_status == 201
+
+
+def test_missing_key_is_400_and_nothing_runs(alice: Any) -> None:
+    problem(post(client_for(alice), "/t/counter/"), 400, "key-missing")
+    assert "counter" not in http_urls.RUNS
+
+
+def test_optional_key_runs_keyless_requests(alice: Any) -> None:
+    client = client_for(alice)
+    assert post(client, "/t/optional/").status_code == 201
+    assert post(client, "/t/optional/").status_code == 201
+    assert http_urls.RUNS["optional"] == 2
+    assert not IdempotencyKey.objects.exists()
+
+
+def test_safe_methods_pass_through(alice: Any) -> None:
+    assert client_for(alice).get("/t/counter/").status_code == 201
+    assert not IdempotencyKey.objects.exists()
+
+
+@pytest.mark.parametrize("raw", ["", '""', "k" * 256, "schlüssel", "two words", '"unterminated'])
+def test_invalid_key_is_400_and_changes_nothing(alice: Any, raw: str) -> None:
+    response = post(client_for(alice), "/t/counter/", key=raw)
+    problem(response, 400, "key-invalid")
+    assert "counter" not in http_urls.RUNS
+    assert not IdempotencyKey.objects.exists()
+
+
+def test_different_payload_same_key_is_422(alice: Any) -> None:
+    client = client_for(alice)
+    assert post(client, "/t/counter/", key="k").status_code == 201
+    problem(post(client, "/t/counter/", {"other": 1}, key="k"), 422, "key-mismatch")
+    problem(post(client, "/t/counter/?x=1", key="k"), 422, "key-mismatch")
+    assert http_urls.RUNS["counter"] == 1
+
+
+def test_same_key_other_route_is_another_scope(alice: Any) -> None:
+    client = client_for(alice)
+    assert post(client, "/t/counter/", key="k").status_code == 201
+    assert post(client, "/t/optional/", key="k").status_code == 201
+    assert IdempotencyKey.objects.count() == 2
+
+
+def test_in_flight_is_409_with_retry_after(alice: Any) -> None:
+    IdempotencyKey.objects.create(
+        scope=scope_of(f"user:{alice.pk}", "POST", "/t/counter/"),
+        key="busy",
+        principal=f"user:{alice.pk}",
+        method="POST",
+        route="/t/counter/",
+        fingerprint=_fingerprint("/t/counter/", ORDER),
+        state=KeyState.IN_FLIGHT,
+        lease_owner="someone",
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    response = post(client_for(alice), "/t/counter/", key="busy")
+    problem(response, 409, "key-in-flight")
+    assert response["Retry-After"] == "1"
+    assert "counter" not in http_urls.RUNS
+
+
+def test_expired_lease_is_taken_over(alice: Any) -> None:
+    IdempotencyKey.objects.create(
+        scope=scope_of(f"user:{alice.pk}", "POST", "/t/counter/"),
+        key="crashed",
+        principal=f"user:{alice.pk}",
+        method="POST",
+        route="/t/counter/",
+        fingerprint=_fingerprint("/t/counter/", ORDER),
+        state=KeyState.IN_FLIGHT,
+        lease_owner="dead-worker",
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    assert post(client_for(alice), "/t/counter/", key="crashed").status_code == 201
+    assert http_urls.RUNS["counter"] == 1
+    assert IdempotencyKey.objects.get().state == KeyState.COMPLETED
+
+
+def _fingerprint(path: str, body: Any) -> str:
+    from django.test import RequestFactory
+
+    from idempotent_orders.http.keys import fingerprint
+
+    request = RequestFactory().post(path, json.dumps(body), content_type="application/json")
+    return fingerprint(request, request.body)
+
+
+def test_5xx_is_not_stored_and_the_key_can_be_retried(alice: Any) -> None:
+    client = client_for(alice)
+    assert post(client, "/t/fails/", key="k").status_code == 503
+    assert not IdempotencyKey.objects.exists()
+    assert post(client, "/t/fails/", key="k").status_code == 201
+    assert post(client, "/t/fails/", key="k")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS["fails"] == 2
+
+
+def test_exception_releases_the_key(alice: Any) -> None:
+    client = client_for(alice)
+    client.raise_request_exception = False
+    assert post(client, "/t/raises/", key="k").status_code == 500
+    assert not IdempotencyKey.objects.exists()
+    assert post(client, "/t/raises/", key="k").status_code == 201
+
+
+def test_streaming_response_is_stored_without_body(alice: Any) -> None:
+    client = client_for(alice)
+    first = post(client, "/t/streaming/", key="k")
+    assert b"".join(first.streaming_content) == b"chunk-1,chunk-2"
+    again = post(client, "/t/streaming/", key="k")
+    assert again.status_code == 200
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Idempotent-Body-Omitted"] == "true"
+    assert again.content == b""
+    assert http_urls.RUNS["streaming"] == 1
+
+
+def test_oversized_response_is_stored_without_body(alice: Any, settings: Any) -> None:
+    settings.IDEMPOTENT_ORDERS = {"MAX_STORED_RESPONSE_BYTES": 1000}
+    client = client_for(alice)
+    assert len(post(client, "/t/large/", key="k").content) == 5000
+    again = post(client, "/t/large/", key="k")
+    assert (again.status_code, again.content) == (201, b"")
+    assert again["Idempotent-Body-Omitted"] == "true"
+    assert http_urls.RUNS["large"] == 1
+
+
+def test_body_over_the_cap_is_413_and_changes_nothing(alice: Any, settings: Any) -> None:
+    settings.IDEMPOTENT_ORDERS = {"MAX_REQUEST_BYTES": 100}
+    response = post(client_for(alice), "/t/counter/", {"pad": "x" * 200}, key="k")
+    problem(response, 413, "body-too-large")
+    assert not IdempotencyKey.objects.exists()
+    assert "counter" not in http_urls.RUNS
+
+
+def test_key_flooding_past_the_quota_is_429(alice: Any, bob: Any, settings: Any) -> None:
+    settings.IDEMPOTENT_ORDERS = {"KEY_QUOTA": 3}
+    client = client_for(alice)
+    for i in range(3):
+        assert post(client, "/t/counter/", key=f"k{i}").status_code == 201
+    response = post(client, "/t/counter/", key="k3")
+    problem(response, 429, "quota-exceeded")
+    assert response["Retry-After"]
+    assert IdempotencyKey.objects.count() == 3
+    # Replays of keys already held still work, and other principals are not affected.
+    assert post(client, "/t/counter/", key="k0")["Idempotent-Replayed"] == "true"
+    assert post(client_for(bob), "/t/counter/", key="k3").status_code == 201
+
+
+def test_another_user_can_neither_replay_nor_block(alice: Any, bob: Any) -> None:
+    a, b = client_for(alice), client_for(bob)
+    first = post(a, "/t/counter/", key="shared")
+    theirs = post(b, "/t/counter/", key="shared")
+    assert theirs.status_code == 201
+    assert "Idempotent-Replayed" not in theirs  # bob's request ran: no replay of alice's
+    assert json.loads(theirs.content)["run"] == 2
+    assert post(a, "/t/counter/", key="shared").content == first.content
+    # An in-flight key of alice's does not block bob either.
+    IdempotencyKey.objects.filter(principal=f"user:{alice.pk}").update(
+        state=KeyState.IN_FLIGHT, lease_owner="x", lease_expires_at=timezone.now() + timedelta(1)
+    )
+    assert post(b, "/t/counter/", key="shared")["Idempotent-Replayed"] == "true"
+    assert post(b, "/t/counter/", key="other").status_code == 201
+
+
+def test_anonymous_keys_are_scoped_to_the_session() -> None:
+    one, two = Client(), Client()
+    assert post(one, "/t/counter/", key="k").status_code == 201
+    assert post(one, "/t/counter/", key="k")["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in post(two, "/t/counter/", key="k")
+    assert http_urls.RUNS["counter"] == 2
+
+
+def test_class_based_view_mixin(alice: Any) -> None:
+    client = client_for(alice)
+    problem(post(client, "/t/cbv/"), 400, "key-missing")
+    assert post(client, "/t/cbv/", key="k").status_code == 201
+    assert post(client, "/t/cbv/", key="k")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS["cbv"] == 1
+
+
+def test_drf_mixin(alice: Any) -> None:
+    client = client_for(alice)
+    first = post(client, "/t/drf/", {"a": 1}, key="k")
+    assert first.status_code == 201
+    assert json.loads(first.content) == {"run": 1, "echo": {"a": 1}}
+    again = post(client, "/t/drf/", {"a": 1}, key="k")
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    problem(post(client, "/t/drf/", {"a": 2}, key="k"), 422, "key-mismatch")
+    problem(post(client, "/t/drf/", {"a": 1}), 400, "key-missing")
+    assert http_urls.RUNS["drf"] == 1
+
+
+def test_keys_work_under_atomic_requests(alice: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    client = client_for(alice)
+    assert post(client, "/api/orders/", key="k").status_code == 201
+    assert post(client, "/api/orders/", key="k")["Idempotent-Replayed"] == "true"
+    assert Order.objects.count() == 1
+
+
+# --- tokens ------------------------------------------------------------------
+
+
+def token_for(client: Client) -> str:
+    response = client.post("/api/idempotency-tokens/", "{}", content_type="application/json")
+    assert response.status_code == 201, response.content
+    data = json.loads(response.content)
+    assert set(data) == {"token", "expires_at"}
+    assert data["token"].startswith(TOKEN_PREFIX)
+    return str(data["token"])
+
+
+def test_token_endpoint(alice: Any) -> None:
+    client = client_for(alice)
+    one, two = token_for(client), token_for(client)
+    assert one != two
+    assert len(one) > 40  # 32 random bytes
+    row = IdempotencyKey.objects.get(key=one)
+    assert (row.state, row.principal, row.is_token) == (KeyState.ISSUED, f"user:{alice.pk}", True)
+
+
+def test_token_endpoint_refuses_anonymous_wrong_method_and_media_type(alice: Any) -> None:
+    problem(
+        Client().post("/api/idempotency-tokens/", "{}", content_type="application/json"),
+        401,
+        "not-authenticated",
+    )
+    client = client_for(alice)
+    assert client.get("/api/idempotency-tokens/").status_code == 405
+    problem(client.post("/api/idempotency-tokens/", {"a": "b"}), 415, "unsupported-media-type")
+    assert not IdempotencyKey.objects.exists()
+
+
+def test_token_quota(alice: Any, settings: Any) -> None:
+    settings.IDEMPOTENT_ORDERS = {"TOKEN_QUOTA": 2}
+    client = client_for(alice)
+    token_for(client)
+    token_for(client)
+    response = client.post("/api/idempotency-tokens/", "{}", content_type="application/json")
+    problem(response, 429, "quota-exceeded")
+    assert IdempotencyKey.objects.count() == 2
+
+
+def test_token_as_key_is_single_use(alice: Any) -> None:
+    client = client_for(alice)
+    token = token_for(client)
+    first = post(client, "/api/orders/", key=token)
+    assert first.status_code == 201
+    row = IdempotencyKey.objects.get(key=token)
+    assert (row.state, row.route) == (KeyState.COMPLETED, "/api/orders/")
+    # Reuse with the same request replays; with another request it is refused.
+    assert post(client, "/api/orders/", key=token).content == first.content
+    other = {**ORDER, "amount": "99.00"}
+    problem(post(client, "/api/orders/", other, key=token), 422, "key-mismatch")
+    assert Order.objects.count() == 1
+
+
+def test_token_of_another_principal_is_403_and_changes_nothing(alice: Any, bob: Any) -> None:
+    token = token_for(client_for(alice))
+    problem(post(client_for(bob), "/api/orders/", key=token), 403, "token-invalid")
+    row = IdempotencyKey.objects.get(key=token)
+    assert (row.state, row.principal) == (KeyState.ISSUED, f"user:{alice.pk}")
+    assert not Order.objects.exists()
+    assert post(client_for(alice), "/api/orders/", key=token).status_code == 201
+
+
+def test_unknown_expired_or_rerouted_token_is_403(alice: Any) -> None:
+    client = client_for(alice)
+    problem(post(client, "/api/orders/", key=TOKEN_PREFIX + "made-up"), 403, "token-invalid")
+    expired = token_for(client)
+    IdempotencyKey.objects.filter(key=expired).update(expires_at=timezone.now())
+    problem(post(client, "/api/orders/", key=expired), 403, "token-invalid")
+    used = token_for(client)
+    assert post(client, "/t/counter/", key=used).status_code == 201
+    problem(post(client, "/api/orders/", key=used), 403, "token-invalid")
+    assert not Order.objects.exists()
+
+
+def test_5xx_gives_a_token_back(alice: Any) -> None:
+    client = client_for(alice)
+    token = token_for(client)
+    assert post(client, "/t/fails/", key=token).status_code == 503
+    row = IdempotencyKey.objects.get(key=token)
+    assert (row.state, row.route) == (KeyState.ISSUED, "")
+    assert post(client, "/t/fails/", key=token).status_code == 201
+
+
+# --- orders API ------------------------------------------------------------------
+
+
+def test_orders_api_create_and_read(alice: Any, bob: Any) -> None:
+    client = client_for(alice)
+    response = post(client, "/api/orders/", key="order-1")
+    assert response.status_code == 201
+    data = json.loads(response.content)
+    assert data == {
+        "id": data["id"],
+        "status": "pending_payment",
+        "amount": "12.50",
+        "currency": "CNY",
+        "version": 0,
+    }
+    order = Order.objects.get()
+    assert order.customer == alice
+    assert json.loads(client.get(f"/api/orders/{order.pk}/").content) == data
+    problem(client_for(bob).get(f"/api/orders/{order.pk}/"), 404, "not-found")
+    problem(Client().get(f"/api/orders/{order.pk}/"), 401, "not-authenticated")
+    staff = get_user_model().objects.create_user("staff", is_staff=True)
+    assert client_for(staff).get(f"/api/orders/{order.pk}/").status_code == 200
+
+
+def test_orders_api_same_basket_other_key_is_the_same_order(alice: Any) -> None:
+    client = client_for(alice)
+    first = json.loads(post(client, "/api/orders/", key="a").content)
+    again = post(client, "/api/orders/", key="b")
+    assert again.status_code == 200  # found by business key, not created
+    assert json.loads(again.content)["id"] == first["id"]
+    assert Order.objects.count() == 1
+
+
+def test_orders_api_requires_login_and_a_key(alice: Any) -> None:
+    problem(post(Client(), "/api/orders/", key="k"), 401, "not-authenticated")
+    problem(post(client_for(alice), "/api/orders/"), 400, "key-missing")
+    assert not Order.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        [],
+        {**ORDER, "amount": 12.5},
+        {**ORDER, "amount": "-1"},
+        {**ORDER, "amount": "1.234"},
+        {**ORDER, "amount": "NaN"},
+        {**ORDER, "amount": "1e12"},
+        {**ORDER, "currency": "cny"},
+        {**ORDER, "currency": "人民币"},
+        {**ORDER, "items": []},
+        {**ORDER, "items": [{"sku": "", "quantity": 1}]},
+        {**ORDER, "items": [{"sku": "tea", "quantity": 0}]},
+        {**ORDER, "items": [{"sku": "tea", "quantity": True}]},
+        {**ORDER, "items": ["tea"]},
+    ],
+)
+def test_orders_api_rejects_bad_input(alice: Any, body: Any) -> None:
+    problem(post(client_for(alice), "/api/orders/", body, key="k"), 400, "invalid-order")
+    assert not Order.objects.exists()
+
+
+def test_orders_api_needs_json(alice: Any) -> None:
+    response = client_for(alice).post(
+        "/api/orders/", {"amount": "1"}, headers={"Idempotency-Key": "k"}
+    )
+    problem(response, 415, "unsupported-media-type")
+
+
+# --- business keys ------------------------------------------------------------------
+
+
+def test_business_key_same_basket_same_window(alice: Any, bob: Any) -> None:
+    items = [{"sku": "a", "quantity": 1}, {"sku": "b", "quantity": 2}]
+    kwargs: dict[str, Any] = {"amount": Decimal("3"), "currency": "CNY", "window": 300}
+    order, created = create_order(customer=alice, items=items, at=1000.0, **kwargs)
+    assert created
+    shuffled = [
+        {"sku": "b", "quantity": 1},
+        {"sku": "a", "quantity": 1},
+        items[1] | {"quantity": 1},
+    ]
+    assert create_order(customer=alice, items=shuffled, at=1199.0, **kwargs) == (order, False)
+    assert create_order(customer=alice, items=items, at=1200.0, **kwargs)[1]  # next window
+    assert create_order(customer=bob, items=items, at=1000.0, **kwargs)[1]
+    assert create_order(customer=None, items=items, at=1000.0, anonymous_id="s1", **kwargs)[1]
+    assert create_order(customer=None, items=items, at=1000.0, anonymous_id="s2", **kwargs)[1]
+    with pytest.raises(ValueError, match="at least one item"):
+        create_order(customer=alice, items=[], at=1000.0, **kwargs)
+
+
+# --- forms ---------------------------------------------------------------------------
+
+
+def shop_token(client: Client) -> str:
+    page = client.get("/shop/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    marker = f'name="{FORM_FIELD}" value="'
+    start = html.index(marker) + len(marker)
+    return html[start : html.index('"', start)]
+
+
+def checkout(client: Client, token: str | None, **quantities: int) -> Any:
+    data = {f"qty-{sku}": str(n) for sku, n in quantities.items()}
+    if token is not None:
+        data[FORM_FIELD] = token
+    return client.post("/shop/checkout/", data)
+
+
+def test_form_double_submit_redirects_to_the_first_result() -> None:
+    client = Client()
+    token = shop_token(client)
+    assert token.startswith(TOKEN_PREFIX)
+    first = checkout(client, token, **{"tea-longjing": 2})
+    assert first.status_code == 303
+    order = Order.objects.get()
+    assert first["Location"] == f"/shop/orders/{order.pk}/"
+    second = checkout(client, token, **{"tea-longjing": 2})
+    assert (second.status_code, second["Location"]) == (303, first["Location"])
+    assert Order.objects.count() == 1
+    page = client.get(first["Location"])
+    assert page.status_code == 200
+    assert f'data-order-id="{order.pk}"' in page.content.decode()
+    assert order.amount == Decimal("176.00")
+
+
+def test_form_invalid_submit_gives_the_token_back() -> None:
+    client = Client()
+    token = shop_token(client)
+    assert checkout(client, token).status_code == 400
+    assert IdempotencyKey.objects.get(key=token).state == KeyState.ISSUED
+    assert checkout(client, token, **{"cup-celadon": 1}).status_code == 303
+    assert Order.objects.count() == 1
+
+
+def test_form_token_of_another_session_is_refused() -> None:
+    token = shop_token(Client())
+    other = Client()
+    other.get("/shop/")
+    problem(checkout(other, token, **{"cup-celadon": 1}), 403, "token-invalid")
+    assert not Order.objects.exists()
+    assert IdempotencyKey.objects.get(key=token).state == KeyState.ISSUED
+
+
+def test_form_needs_a_token_and_refuses_a_client_key() -> None:
+    client = Client()
+    shop_token(client)
+    problem(checkout(client, None, **{"cup-celadon": 1}), 400, "key-missing")
+    problem(checkout(client, "", **{"cup-celadon": 1}), 400, "key-invalid")
+    problem(checkout(client, "my-own-key", **{"cup-celadon": 1}), 403, "token-invalid")
+    assert not Order.objects.exists()
+
+
+def test_form_token_changed_basket_is_422() -> None:
+    client = Client()
+    token = shop_token(client)
+    assert checkout(client, token, **{"cup-celadon": 1}).status_code == 303
+    problem(checkout(client, token, **{"cup-celadon": 5}), 422, "key-mismatch")
+    assert Order.objects.count() == 1
+
+
+def test_template_tag_evicts_the_oldest_tokens_past_the_quota(settings: Any) -> None:
+    settings.IDEMPOTENT_ORDERS = {"TOKEN_QUOTA": 3}
+    client = Client()
+    tokens = [shop_token(client) for _ in range(5)]
+    kept = set(IdempotencyKey.objects.values_list("key", flat=True))
+    assert kept == set(tokens[-3:])
+
+
+# --- expiry, purge and checks ------------------------------------------------------------
+
+
+def test_expired_key_is_forgotten_and_purged(alice: Any) -> None:
+    client = client_for(alice)
+    assert post(client, "/t/counter/", key="old").status_code == 201
+    IdempotencyKey.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert "Idempotent-Replayed" not in post(client, "/t/counter/", key="old")
+    assert http_urls.RUNS["counter"] == 2
+    issue_token(f"user:{alice.pk}")
+    live_claim = IdempotencyKey.objects.create(
+        scope="s",
+        key="running",
+        principal="p",
+        state=KeyState.IN_FLIGHT,
+        lease_expires_at=timezone.now() + timedelta(minutes=1),
+        expires_at=timezone.now() - timedelta(seconds=1),
+    )
+    IdempotencyKey.objects.exclude(pk=live_claim.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    out = StringIO()
+    call_command("purge_idempotency_keys", stdout=out)
+    assert "purged 2 expired" in out.getvalue()
+    assert list(IdempotencyKey.objects.all()) == [live_claim]
+
+
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [
+        ({"KEY_LEASE": 0}, ["idempotent_orders.E020"]),
+        ({"KEY_MAX_LENGTH": 300}, ["idempotent_orders.E021"]),
+        ({"PRINCIPAL_RESOLVER": "nowhere.resolver"}, ["idempotent_orders.E022"]),
+        ({"KEY_TTL": 10, "KEY_LEASE": 30}, ["idempotent_orders.E023"]),
+        ({"REPLAY_HEADERS": ["Location", "Set-Cookie"]}, ["idempotent_orders.E024"]),
+        ({"KEY_TTL": 100}, []),
+    ],
+)
+def test_checks(settings: Any, value: dict[str, Any], ids: list[str]) -> None:
+    settings.IDEMPOTENT_ORDERS = value
+    assert [m.id for m in check_http_settings()] == ids
+
+
+def test_check_warns_without_sessions(settings: Any) -> None:
+    settings.MIDDLEWARE = [m for m in settings.MIDDLEWARE if "Session" not in m]
+    assert [m.id for m in check_http_settings()] == ["idempotent_orders.W020"]

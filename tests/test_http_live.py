@@ -1,0 +1,181 @@
+"""Concurrent identical requests against a live server on a real database."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test import Client
+
+from idempotent_orders.models import IdempotencyKey, KeyState, Order
+from tests import http_urls
+
+pytestmark = [
+    pytest.mark.backends("postgresql", "mysql"),
+    pytest.mark.urls("tests.http_urls"),
+    pytest.mark.services,
+]
+
+ORDER = {"amount": "12.50", "currency": "CNY", "items": [{"sku": "tea", "quantity": 1}]}
+THREADS = 30
+
+
+def session_cookie(username: str) -> str:
+    user = get_user_model().objects.create_user(username, password="pw")
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}"
+
+
+def request(
+    base: str, path: str, *, cookie: str, key: str | None, body: Any = ORDER
+) -> tuple[int, dict[str, str], bytes]:
+    """POST like a careful client: a connection dropped by the test server's small
+    listen backlog is retried with the same key, which is what keys are for."""
+    parts = urlsplit(base)
+    headers = {"Content-Type": "application/json", "Cookie": cookie}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    for attempt in range(10):
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        try:
+            conn.request("POST", path, body=json.dumps(body), headers=headers)
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        except ConnectionError:
+            if attempt == 9:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+        finally:
+            conn.close()
+    raise AssertionError("unreachable")
+
+
+def together(n: int, call: Callable[[int], Any]) -> list[Any]:
+    """Run ``call(i)`` in ``n`` threads released at the same instant."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = call(i)
+        except Exception as exc:  # reported by the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+@pytest.mark.parametrize("atomic_requests", [False, True], ids=["autocommit", "atomic"])
+def test_concurrent_identical_requests_create_one_order(
+    live_server: Any, monkeypatch: pytest.MonkeyPatch, atomic_requests: bool
+) -> None:
+    # The live server's thread opens its connections from these settings.
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", atomic_requests)
+    cookie = session_cookie("alice")
+    results = together(
+        THREADS,
+        lambda _i: request(live_server.url, "/api/orders/", cookie=cookie, key="same-key"),
+    )
+    assert not [r for r in results if isinstance(r, Exception)], results
+    assert Order.objects.count() == 1
+    order = Order.objects.get()
+    originals = [r for r in results if r[0] == 201 and "Idempotent-Replayed" not in r[1]]
+    replays = [r for r in results if r[0] == 201 and r[1].get("Idempotent-Replayed") == "true"]
+    conflicts = [r for r in results if r[0] == 409]
+    print(
+        f"{THREADS} identical: {len(originals)} original, {len(replays)} replayed, "
+        f"{len(conflicts)} in flight (409)"
+    )
+    assert len(originals) == 1
+    assert len(originals) + len(replays) + len(conflicts) == THREADS, [r[0] for r in results]
+    for _status, _headers, body in originals + replays:
+        assert json.loads(body)["id"] == order.pk
+    for _status, headers, body in conflicts:
+        assert headers["Content-Type"] == "application/problem+json"
+        assert headers["Retry-After"] == "1"
+        assert json.loads(body)["code"] == "key-in-flight"
+    row = IdempotencyKey.objects.get()
+    assert row.state == KeyState.COMPLETED
+    # A retry after the storm replays the original.
+    status, headers, body = request(live_server.url, "/api/orders/", cookie=cookie, key="same-key")
+    assert (status, headers["Idempotent-Replayed"]) == (201, "true")
+    assert body == originals[0][2]
+
+
+def test_concurrent_creates_with_different_keys_meet_on_the_business_key(
+    live_server: Any,
+) -> None:
+    cookie = session_cookie("alice")
+    results = together(
+        THREADS,
+        lambda i: request(live_server.url, "/api/orders/", cookie=cookie, key=f"key-{i}"),
+    )
+    assert not [r for r in results if isinstance(r, Exception)], results
+    assert sorted(r[0] for r in results) == [200] * (THREADS - 1) + [201]
+    order = Order.objects.get()
+    assert {json.loads(r[2])["id"] for r in results} == {order.pk}
+
+
+def test_other_users_same_key_concurrently_neither_replay_nor_block(live_server: Any) -> None:
+    alice, bob = session_cookie("alice"), session_cookie("bob")
+    results = together(
+        20,
+        lambda i: request(
+            live_server.url, "/api/orders/", cookie=alice if i % 2 else bob, key="shared"
+        ),
+    )
+    assert not [r for r in results if isinstance(r, Exception)], results
+    assert Order.objects.count() == 2
+    for cookie in (alice, bob):
+        mine = [r for r, c in zip(results, [bob, alice] * 10, strict=True) if c == cookie]
+        ids = {json.loads(r[2])["id"] for r in mine if r[0] == 201}
+        assert len(ids) == 1
+        assert all(r[0] in (201, 409) for r in mine)
+    by_customer = {o.customer.username: o.pk for o in Order.objects.all()}
+    assert set(by_customer) == {"alice", "bob"}
+
+
+@pytest.mark.parametrize("atomic_requests", [False, True], ids=["autocommit", "atomic"])
+def test_heartbeat_keeps_a_slow_view_from_running_twice(
+    live_server: Any, settings: Any, monkeypatch: pytest.MonkeyPatch, atomic_requests: bool
+) -> None:
+    # Under ATOMIC_REQUESTS this also shows the claim committed on its own: a
+    # claim inside the request's transaction would block the second request
+    # until the first commits, and it would get a replay, not a 409.
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", atomic_requests)
+    settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 1}
+    http_urls.RUNS.clear()
+    cookie = session_cookie("alice")
+    slow = threading.Thread(
+        target=request,
+        args=(live_server.url, "/t/slow/?sleep=3"),
+        kwargs={"cookie": cookie, "key": "slow", "body": {}},
+    )
+    slow.start()
+    # Ask again well after the 1 s lease would have expired without heartbeats.
+    threading.Event().wait(2)
+    status, headers, body = request(
+        live_server.url, "/t/slow/?sleep=3", cookie=cookie, key="slow", body={}
+    )
+    slow.join(30)
+    assert status == 409, body
+    assert http_urls.RUNS["slow"] == 1
+    status, headers, body = request(
+        live_server.url, "/t/slow/?sleep=3", cookie=cookie, key="slow", body={}
+    )
+    assert (status, headers["Idempotent-Replayed"]) == (201, "true")
+    assert http_urls.RUNS["slow"] == 1

@@ -1,0 +1,101 @@
+"""A double-clicked checkout in real headless Chromium creates one order (PRG)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from typing import Any
+
+import pytest
+
+from idempotent_orders.models import Order
+from idempotent_orders.signals import idempotent_request
+from tests.conftest import IN_CI
+
+CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
+LAUNCH_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
+
+
+def require_chromium() -> Any:
+    """Playwright's sync API, or skip (fail in CI) with the reason."""
+    missing = []
+    if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
+        missing.append(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        missing.append("Playwright is not installed (pip install -e '.[test]')")
+        sync_api = None
+    if missing:
+        reason = "; ".join(missing)
+        if IN_CI:
+            pytest.fail(f"{reason} (CI=true: the browser test is required)")
+        pytest.skip(reason)
+    return sync_api
+
+
+def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: Any) -> None:
+    sync_api = require_chromium()
+    # Hold the first submit open, so the second click's submit arrives while it runs.
+    settings.DEMO_CHECKOUT_DELAY = 1.5
+    outcomes: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def record(sender: Any, request: Any, key: str, outcome: str, **kwargs: Any) -> None:
+        with lock:
+            outcomes.append((key, outcome))
+
+    idempotent_request.connect(record, weak=False)
+    posts: list[str] = []
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+            try:
+                page = browser.new_page()
+                page.on(
+                    "request",
+                    lambda r: posts.append(r.url) if r.method == "POST" else None,
+                )
+                page.goto(f"{live_server.url}/shop/")
+                page.fill("#qty-tea-longjing", "2")
+                page.fill("#qty-cup-celadon", "1")
+                # A customer clicks "Place order", and clicks again while it loads.
+                # (A dblclick within one task is folded into one submission by
+                # Chromium itself; the second click must come once the first POST
+                # is on the wire, as an impatient customer's does.)
+                box = page.locator("#pay").bounding_box()
+                assert box is not None
+                x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+                with page.expect_request(lambda r: r.method == "POST"):
+                    page.mouse.click(x, y)
+                page.mouse.click(x, y)
+                # The second click aborts the first navigation (the browser drops the
+                # first response): wait for the page the second submit lands on.
+                page.locator("#order").wait_for(timeout=30_000)
+                landed = page.url
+                heading = page.text_content("#order")
+            finally:
+                browser.close()
+    finally:
+        idempotent_request.disconnect(record)
+
+    order = Order.objects.get()  # exactly one
+    assert landed == f"{live_server.url}/shop/orders/{order.pk}/"
+    assert heading == f"Order {order.pk}"
+    # Both submits reached the server with the same token: the first created the
+    # order, the second was sent to the same order page instead of a second order.
+    assert len(posts) == 2, posts
+    assert len({key for key, _ in outcomes}) == 1
+    assert sorted(outcome for _, outcome in outcomes) == ["executed", "redirected"], outcomes
+    assert str(order.amount) == "221.50"
