@@ -63,6 +63,9 @@ def _check_money(order: Order, payload: Mapping[str, Any]) -> None:
     raw = payload.get("amount")
     if not isinstance(raw, str):
         raise InvalidMessage("payload.amount must be a decimal string such as '12.50'")
+    if not raw.isascii():
+        # Decimal() reads any Unicode digit (fullwidth "12.50" too); amounts are ASCII.
+        raise InvalidMessage(f"payload.amount {raw[:40]!r} must use ASCII digits")
     try:
         amount = Decimal(raw)
     except InvalidOperation:

@@ -111,7 +111,11 @@ def _serialise(message: Any) -> str:
     try:
         return json.dumps(message, ensure_ascii=True, sort_keys=True, default=repr)
     except (TypeError, ValueError, RecursionError):
-        return json.dumps(repr(message)[:_BODY_EXCERPT], ensure_ascii=True)
+        try:
+            text = repr(message)[:_BODY_EXCERPT]
+        except RecursionError:  # absurd nesting defeats repr() too
+            text = f"<{type(message).__name__} nested too deeply to show>"
+        return json.dumps(text, ensure_ascii=True)
 
 
 def parse_envelope(message: Any) -> Envelope:
@@ -119,7 +123,10 @@ def parse_envelope(message: Any) -> Envelope:
     if not isinstance(message, Mapping):
         raise InvalidMessage(f"message must be a JSON object, got {type(message).__name__}")
     try:
-        size = len(json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        size = len(json.dumps(message, ensure_ascii=False).encode("utf-8"))
+    except UnicodeEncodeError:
+        # A lone surrogate (JSON allows "\ud800") cannot be stored in any database column.
+        raise InvalidMessage("message contains an unpaired UTF-16 surrogate") from None
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidMessage(f"message is not JSON-serialisable: {str(exc)[:120]}") from None
     if size > conf.MAX_MESSAGE_BYTES:
