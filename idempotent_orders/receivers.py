@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import task_postrun, task_prerun, worker_process_init, worker_process_shutdown
+from django.db import close_old_connections
 from django.dispatch import receiver
 
 from idempotent_orders import stats
@@ -62,3 +63,17 @@ def reset_fast_path(**kwargs: Any) -> None:
 @worker_process_shutdown.connect(dispatch_uid="idempotent_orders.stats_worker_shutdown")
 def flush_counters(**kwargs: Any) -> None:
     stats.flush()
+
+
+@task_prerun.connect(dispatch_uid="idempotent_orders.db_connections_prerun")
+@task_postrun.connect(dispatch_uid="idempotent_orders.db_connections_postrun")
+def recycle_db_connections(**kwargs: Any) -> None:
+    """Treat each task like a request: drop broken or over-age database connections.
+
+    Celery's Django fixup closes every connection around every task unless
+    ``CELERY_DB_REUSE_MAX`` is set; with it set (recommended: a reconnect per
+    message costs more than the message), this keeps ``CONN_MAX_AGE`` and
+    ``CONN_HEALTH_CHECKS`` meaningful and replaces a connection a failover or
+    ``pg_terminate_backend`` broke before the task's retry runs.
+    """
+    close_old_connections()

@@ -430,11 +430,22 @@ def _terminate_db(ctx: ChaosContext) -> None:
     if connection.vendor != "postgresql":
         ctx.log.append("pg_terminate_backend skipped (not PostgreSQL)")
         return
-    # Wait for the workers to hold connections, so the fault hits something.
-    deadline = time.monotonic() + 20
+    # Wait for the workers to hold connections, so the fault hits something. A
+    # worker that only met fast-path duplicates, or was just restarted, holds
+    # none: a probe (an unknown type, recorded as rejected outside the planned
+    # stream) makes one open a connection.
+    from idempotent_orders.tasks import consume_payment
+
+    deadline = time.monotonic() + 30
     killed = terminate_worker_connections()
+    probes = 0
     while not killed and time.monotonic() < deadline:
-        time.sleep(0.1)
+        if probes < 30:
+            probes += 1
+            consume_payment.apply_async(
+                args=[{"message_id": f"chaos-probe-{uuid.uuid4().hex}", "type": "chaos.probe"}]
+            )
+        time.sleep(0.2)
         killed = terminate_worker_connections()
     ctx.terminated += killed
     ctx.log.append(f"pg_terminate_backend on {killed} worker connections")
