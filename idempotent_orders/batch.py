@@ -101,7 +101,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     id_length = ProcessedMessage._meta.get_field("message_id").max_length or 255
     for index, message in enumerate(messages):
         try:
-            envelope = parse_envelope(message)
+            envelope = parse_envelope(message, consumer=consumer)
         except InvalidMessage:
             envelope = None
         if envelope is None or len(envelope.message_id) > id_length:

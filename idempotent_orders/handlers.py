@@ -23,18 +23,32 @@ class MessageHandler:
     #: Name of an ``@transition`` method on Order.
     transition: str
     validate: Validator
+    #: Consumers allowed to receive this type; empty means any.
+    consumers: frozenset[str] = frozenset()
 
 
 _registry: dict[str, MessageHandler] = {}
 
 
-def register(message_type: str, *, transition: str, validate: Validator | None = None) -> None:
-    """Make ``message_type`` drive ``Order.<transition>``; ``validate`` checks the payload."""
+def register(
+    message_type: str,
+    *,
+    transition: str,
+    validate: Validator | None = None,
+    consumers: frozenset[str] | set[str] | None = None,
+) -> None:
+    """Make ``message_type`` drive ``Order.<transition>``; ``validate`` checks the payload.
+
+    ``consumers`` restricts which consumers accept the type (others reject it).
+    """
     from idempotent_orders.transitions import edge
 
     edge(Order, transition)  # fails early on a name that is not a declared transition
     _registry[message_type] = MessageHandler(
-        message_type=message_type, transition=transition, validate=validate or _no_payload
+        message_type=message_type,
+        transition=transition,
+        validate=validate or _no_payload,
+        consumers=frozenset(consumers or ()),
     )
 
 
@@ -125,5 +139,7 @@ register("payment.refunded", transition="refund", validate=validate_refund)
 register("shipment.dispatched", transition="ship", validate=validate_shipment)
 register("shipment.delivered", transition="complete", validate=validate_delivery)
 register("order.cancelled", transition="cancel")
-#: Internal: sent by the fulfilment task after a payment is applied.
-register("order.fulfilment", transition="start_processing")
+#: Internal: the fulfilment step without a warehouse call. The leased path
+#: (idempotent_orders.fulfilment.fulfil) records the same inbox row; an outside
+#: producer cannot send this type to the payment or shipping consumers.
+register("order.fulfilment", transition="start_processing", consumers={"fulfilment"})

@@ -118,8 +118,11 @@ def _serialise(message: Any) -> str:
         return json.dumps(text, ensure_ascii=True)
 
 
-def parse_envelope(message: Any) -> Envelope:
-    """Validate a raw message; raise :class:`InvalidMessage` with a readable reason."""
+def parse_envelope(message: Any, *, consumer: str | None = None) -> Envelope:
+    """Validate a raw message; raise :class:`InvalidMessage` with a readable reason.
+
+    With ``consumer``, a type restricted to other consumers is rejected too.
+    """
     if not isinstance(message, Mapping):
         raise InvalidMessage(f"message must be a JSON object, got {type(message).__name__}")
     try:
@@ -145,6 +148,10 @@ def parse_envelope(message: Any) -> Envelope:
     handler = get_handler(message_type)
     if handler is None:
         raise InvalidMessage(f"unknown message type {message_type[:64]!r}")
+    if handler.consumers and consumer is not None and consumer not in handler.consumers:
+        raise InvalidMessage(
+            f"message type {message_type!r} is not accepted by the {consumer[:64]!r} consumer"
+        )
     order_id = message.get("order_id")
     if isinstance(order_id, str) and order_id.isdigit() and len(order_id) < 19:
         order_id = int(order_id)
@@ -183,7 +190,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     Parked successors that this message unblocks are released before returning.
     """
     try:
-        envelope = parse_envelope(message)
+        envelope = parse_envelope(message, consumer=consumer)
     except InvalidMessage as exc:
         raw_id = message.get("message_id") if isinstance(message, Mapping) else None
         message_id = raw_id if _valid_message_id(raw_id) and not _has_nul(raw_id) else None
@@ -504,7 +511,7 @@ def release_parked(order_id: int) -> list[Outcome]:
         waiting = list(ParkedMessage.objects.filter(order_id=order_id).order_by("seq", "id"))
         for parked in waiting:
             try:
-                envelope = parse_envelope(parked.envelope)
+                envelope = parse_envelope(parked.envelope, consumer=parked.consumer)
             except InvalidMessage as exc:  # a handler was unregistered meanwhile
                 envelope = None
                 reason = exc.message

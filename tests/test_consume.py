@@ -198,3 +198,12 @@ def test_fulfilment_is_enqueued_only_after_payment_commits(
     with django_capture_on_commit_callbacks(execute=True):
         consume_message(payment(order), consumer="payments")  # duplicate: no second follow-up
     assert len(sent) == 1
+
+
+def test_internal_type_is_rejected_on_other_consumers(make_order) -> None:
+    order = make_order()
+    consume_message(payment(order), consumer="payments")
+    msg = {"message_id": "sneaky", "type": "order.fulfilment", "order_id": order.pk}
+    assert consume_message(msg, consumer="payments") is Outcome.REJECTED
+    assert "not accepted" in ProcessedMessage.objects.get(message_id="sneaky").error
+    assert status(order) == (S.PAID, 1, 0)
