@@ -178,19 +178,22 @@ class Command(BaseCommand):
 
     def wait(self, orders: list[Order], timeout: float, started: float) -> None:
         ids = [o.pk for o in orders]
-        last = -1
+        last: tuple[int, int] = (-1, -1)
         while True:
             done = Order.objects.filter(pk__in=ids, status=OrderStatus.COMPLETED).count()
-            if done == len(ids) and conf.FULFIL_AFTER_PAYMENT:
-                # The run is over when every order's fulfilment step was recorded too.
-                steps = ProcessedMessage.objects.filter(consumer="fulfilment", order_id__in=ids)
-                done -= len(ids) - steps.count()
-            if done != last:
+            # The run is over when every order's fulfilment step was recorded too.
+            steps = (
+                ProcessedMessage.objects.filter(consumer="fulfilment", order_id__in=ids).count()
+                if conf.FULFIL_AFTER_PAYMENT
+                else len(ids)
+            )
+            if (done, steps) != last:
                 self.stdout.write(
-                    f"  {time.monotonic() - started:5.1f}s  completed {done}/{len(ids)}"
+                    f"  {time.monotonic() - started:5.1f}s  completed {done}/{len(ids)}, "
+                    f"fulfilment steps {steps}/{len(ids)}"
                 )
-                last = done
-            if done == len(ids):
+                last = (done, steps)
+            if done == steps == len(ids):
                 return
             if time.monotonic() - started > timeout:
                 self.stdout.write(self.style.WARNING(f"timed out after {timeout:.0f}s"))
