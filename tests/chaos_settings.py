@@ -8,7 +8,14 @@ from tests.settings import *  # noqa: F403
 from tests.settings import IDEMPOTENT_ORDERS
 
 # The chaos stream checks that fulfilment, a follow-up task, also happens at most once.
-IDEMPOTENT_ORDERS = {**IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
+# Short leases: a fulfilment step whose worker is SIGKILLed mid-call expires
+# quickly and the test's reconciler passes resolve it.
+IDEMPOTENT_ORDERS = {
+    **IDEMPOTENT_ORDERS,
+    "FULFIL_AFTER_PAYMENT": True,
+    "LEASE_SECONDS": 5,
+    "HEARTBEAT_SECONDS": 1,
+}
 
 # On the Redis broker a SIGKILLed worker's unacknowledged message comes back only
 # after the visibility timeout (an hour by default): shorten it for the test.
