@@ -38,7 +38,13 @@ def child() -> None:
         done += len(orders)
         reset_queries()
         samples.append(_rss_kib("VmRSS"))
-    bloom = getattr(dedup, "bloom_size_bytes", None)
+    # The live Bloom buckets' bit arrays: the only structure that grows with messages.
+    buckets = list(dedup.bloom._buckets.values())
+    size = sum(b.size_in_bits for b in buckets) // 8
+
+    def bloom() -> str:
+        return f"{size}:{len(buckets)}"
+
     print(
         json.dumps(
             {
@@ -67,7 +73,9 @@ def run() -> list[Row]:
     bloom = (
         "Bloom size n/a: fast path not wired yet"
         if r["bloom"] is None
-        else f"Bloom {r['bloom'] / 1024:,.0f} KiB"
+        else "Bloom {:,.0f} KiB in {} bucket(s), fixed by DEDUP_BLOOM_CAPACITY".format(
+            int(r["bloom"].split(":")[0]) / 1024, r["bloom"].split(":")[1]
+        )
     )
     return [
         Row(

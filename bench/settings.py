@@ -11,3 +11,23 @@ from tests.settings import INSTALLED_APPS
 
 INSTALLED_APPS = [*INSTALLED_APPS, "bench"]
 CELERY_TASK_IGNORE_RESULT = True
+
+# Section 3/4 (HTTP): the bench urlconf (the app's API plus the undecorated and peer
+# variants of the same view), the peers' settings, and a key quota that a run of
+# thousands of requests by one user does not reach. The peers are benchmark-only.
+ROOT_URLCONF = "bench.urls"
+INSTALLED_APPS = [*INSTALLED_APPS, "drf_idempotency"]
+IDEMPOTENT_ORDERS = {**IDEMPOTENT_ORDERS, "KEY_QUOTA": 10_000_000, "TOKEN_QUOTA": 10_000_000}  # noqa: F405
+# django-idempotency-key as its README recommends for several processes: responses in
+# the (Redis) cache, the check guarded by a Redis lock.
+IDEMPOTENCY_KEY = {
+    "STORAGE": {"CLASS": "idempotency_key.storage.CacheKeyStorage", "CACHE_NAME": "default"},
+    "LOCK": {
+        "CLASS": "idempotency_key.locks.redis.MultiProcessRedisLock",
+        "LOCATION": REDIS_URL,  # noqa: F405
+        "NAME": f"bench-idempotency-key-{TEST_DB_NAME}",  # noqa: F405
+        "TIMEOUT": 5,
+    },
+}
+# drf-idempotency's default: the database backend (its own table).
+IDEMPOTENCY = {"BACKEND": "drf_idempotency.backends.database.DatabaseBackend"}

@@ -345,6 +345,15 @@ def _decide_and_write(consumer: str, claimed: list[_Item], orders: dict[int, Ord
         _update_orders(changed, read_version)
     for item in parked:
         _park(consumer, item)
+    flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
+    flag = {pk for pk in flag if not orders[pk].has_parked}
+    if flag:
+        # The single path skips its look for parked successors on orders whose
+        # flag it read false; the orders are locked, so this lands before any
+        # such consumer's conditional write.
+        Order.objects.filter(pk__in=flag).update(has_parked=True)
+        for pk in flag:
+            orders[pk].has_parked = True
     _record_outcomes(claimed)
     for item in live:
         for name, source, target, version in item.transitions:

@@ -50,6 +50,10 @@ class Order(FSMModelMixin, models.Model):
     version = models.PositiveIntegerField(default=0)
     #: Highest per-order message sequence applied (0 when none).
     last_seq = models.PositiveIntegerField(default=0)
+    #: Set (and never cleared) in the transaction that parks a message for this
+    #: order. A consumer that read it false makes its UPDATE conditional on it
+    #: and then skips the after-commit look for parked successors.
+    has_parked = models.BooleanField(default=False, editable=False)
     payment_id = models.CharField(max_length=128, blank=True, default="")
     tracking_number = models.CharField(max_length=128, blank=True, default="")
     carrier = models.CharField(max_length=64, blank=True, default="")

@@ -213,14 +213,17 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         _announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
         return Outcome.DUPLICATE
 
-    outcome = _consume(envelope, consumer)
-    if not (
-        outcome is Outcome.REJECTED and not Order.objects.filter(pk=envelope.order_id).exists()
-    ):
+    waiting: list[bool] = []
+    outcome = _consume(envelope, consumer, waiting=waiting)
+    if outcome is Outcome.PARKED or any(waiting):
         # Every outcome may unblock a successor: an applied message fills a gap,
         # a duplicate may be the redelivery of one whose worker died before
         # releasing, and a parked one re-checks because its predecessor may
-        # have committed while it was parking (the lost wake-up).
+        # have committed while it was parking (the lost wake-up). Orders that
+        # never had a parked message are skipped: their ``has_parked`` was read
+        # false and the write was conditional on it (see _write), so a message
+        # parked concurrently either made our write conflict and re-read, or
+        # committed after us and re-checks itself.
         release_parked(envelope.order_id)
     # Remembered last: a worker that dies before this point leaves no fast-path
     # key, so the redelivery reaches the database and releases successors itself.
@@ -341,15 +344,24 @@ def _decide(order: Order, envelope: Envelope) -> _Decision:
     )
 
 
-def _consume(envelope: Envelope, consumer: str, parked: ParkedMessage | None = None) -> Outcome:
+def _consume(
+    envelope: Envelope,
+    consumer: str,
+    parked: ParkedMessage | None = None,
+    *,
+    waiting: list[bool] | None = None,
+) -> Outcome:
     """Decide and write in one transaction; loop while other writers win the race.
 
     With ``parked`` set, the message is being released: its inbox row exists
     and is updated rather than inserted, and the parked row is claimed by
-    deleting it first.
+    deleting it first. ``waiting`` receives the ``has_parked`` flag of the
+    order as last read (nothing when there is no order).
     """
     for _attempt in range(conf.CONFLICT_RETRIES):
         order = Order.objects.filter(pk=envelope.order_id).first()
+        if order is not None and waiting is not None:
+            waiting[:] = [order.has_parked]
         if order is None:
             if parked is not None:  # the order was deleted; its parked rows went with it
                 return Outcome.PARKED
@@ -415,6 +427,9 @@ def _write(
 ) -> Outcome:
     outcome = decision.outcome or Outcome.APPLIED
     in_sequence = envelope.seq is not None and envelope.seq == order.last_seq + 1
+    # A write that may unblock a successor is conditional on the has_parked
+    # flag as read, so a message parked since our read makes it conflict.
+    unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
     with transaction.atomic():
         # The first statement claims the message: the inbox insert (the unique
         # index decides duplicates), or for a release, deleting the parked row.
@@ -456,10 +471,10 @@ def _write(
             )
 
         if decision.outcome is None:
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = dict(unflagged)
             if envelope.seq is not None:
                 fields = {**fields, "last_seq": envelope.seq}
-                extra = {"last_seq": envelope.seq - 1}
+                extra["last_seq"] = envelope.seq - 1
             result = apply_transition(
                 order, envelope.handler.transition, fields=fields, extra_filters=extra
             )
@@ -486,12 +501,17 @@ def _write(
                     error=f"another message is already parked with seq {envelope.seq}",
                 )
                 outcome = Outcome.REJECTED
+            else:
+                if not order.has_parked:
+                    # In the parking transaction, so that a predecessor's
+                    # conditional write either sees it or commits before it.
+                    Order.objects.filter(pk=order.pk).update(has_parked=True)
         elif in_sequence:
             # The message used up its sequence slot without changing the state:
             # advance last_seq so its successors are not parked forever.
-            advanced = Order.objects.filter(pk=order.pk, last_seq=order.last_seq).update(
-                last_seq=envelope.seq
-            )
+            advanced = Order.objects.filter(
+                pk=order.pk, last_seq=order.last_seq, **unflagged
+            ).update(last_seq=envelope.seq)
             if advanced != 1:
                 raise _Conflict
     return outcome
