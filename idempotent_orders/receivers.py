@@ -75,5 +75,11 @@ def recycle_db_connections(**kwargs: Any) -> None:
     message costs more than the message), this keeps ``CONN_MAX_AGE`` and
     ``CONN_HEALTH_CHECKS`` meaningful and replaces a connection a failover or
     ``pg_terminate_backend`` broke before the task's retry runs.
+
+    An eager task (``apply()``, ``task_always_eager``) runs inside its caller,
+    maybe in the caller's transaction: its connection is not the task's to drop.
     """
+    task = kwargs.get("task")
+    if task is not None and getattr(task.request, "is_eager", False):
+        return
     close_old_connections()
