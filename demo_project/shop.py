@@ -98,6 +98,10 @@ def place_order(*, business_key: str, customer: str, amount: Decimal, currency: 
     return order
 
 
+def points_message_id(order_id: int) -> str:
+    return f"order-points-{order_id}"
+
+
 def queue_follow_ups(order: Order, *, customer: str) -> None:
     """Queue a new order's follow-up messages in the caller's transaction (the outbox).
 
@@ -107,7 +111,7 @@ def queue_follow_ups(order: Order, *, customer: str) -> None:
     publish_on_commit(
         award_points,
         {
-            "message_id": f"order-points-{order.pk}",
+            "message_id": points_message_id(order.pk),
             "customer": customer,
             "points": int(order.amount) * POINTS_PER_UNIT,
         },
