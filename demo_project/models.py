@@ -47,3 +47,30 @@ class WarehouseScript(models.Model):
 
     def __str__(self) -> str:
         return f"order {self.order_id}: {self.modes}"
+
+
+class WebhookDelivery(models.Model):
+    """One request the fake partner webhook received; ``effect`` when it acted on it.
+
+    Not unique on the key either: a second effect must show in the tests.
+    """
+
+    idempotency_key = models.CharField(max_length=128, db_index=True)
+    ref = models.CharField(max_length=255, db_index=True)
+    mode = models.CharField(max_length=32)
+    effect = models.BooleanField(default=False)
+    pid = models.IntegerField(default=0)
+    created_at = models.DateTimeField(db_default=Now())
+
+    def __str__(self) -> str:
+        return f"{self.mode} for {self.ref}"
+
+
+class WebhookScript(models.Model):
+    """How the fake webhook answers the next requests for one ``ref`` (a list of modes)."""
+
+    ref = models.CharField(max_length=255, unique=True)
+    modes: models.JSONField[Any] = models.JSONField(default=list)
+
+    def __str__(self) -> str:
+        return f"{self.ref}: {self.modes}"

@@ -50,13 +50,19 @@ def checkout(request: HttpRequest) -> HttpResponse:
     time.sleep(float(getattr(settings, "DEMO_CHECKOUT_DELAY", 0)))
     amount = sum((PRODUCTS[i["sku"]][1] * i["quantity"] for i in items), Decimal("0"))
     user = request.user if request.user.is_authenticated else None
-    order, _created = create_order(
-        customer=user,
-        items=items,
-        amount=amount,
-        currency="CNY",
-        anonymous_id="" if user else (request.session.session_key or ""),
-    )
+    session = request.session.session_key or ""
+    # The order and its follow-up commit together; a repeat of the same basket
+    # (another tab, a second token) finds the order and queues nothing more.
+    with transaction.atomic():
+        order, created = create_order(
+            customer=user,
+            items=items,
+            amount=amount,
+            currency="CNY",
+            anonymous_id="" if user else session,
+        )
+        if created:
+            queue_follow_ups(order, customer=f"user-{user.pk}" if user else f"session-{session}")
     seen = set(request.session.get(_SESSION_ORDERS, []))
     seen.add(order.pk)
     request.session[_SESSION_ORDERS] = sorted(seen)
@@ -88,12 +94,25 @@ def place_order(*, business_key: str, customer: str, amount: Decimal, currency: 
     """
     with transaction.atomic():
         order = Order.objects.create(business_key=business_key, amount=amount, currency=currency)
-        publish_on_commit(
-            award_points,
-            {
-                "message_id": f"order-points-{order.pk}",
-                "customer": customer,
-                "points": int(amount) * POINTS_PER_UNIT,
-            },
-        )
+        queue_follow_ups(order, customer=customer)
     return order
+
+
+def points_message_id(order_id: int) -> str:
+    return f"order-points-{order_id}"
+
+
+def queue_follow_ups(order: Order, *, customer: str) -> None:
+    """Queue a new order's follow-up messages in the caller's transaction (the outbox).
+
+    Call it only in the transaction that created ``order``; the message id
+    derives from the order, so even a second call would award the points once.
+    """
+    publish_on_commit(
+        award_points,
+        {
+            "message_id": points_message_id(order.pk),
+            "customer": customer,
+            "points": int(order.amount) * POINTS_PER_UNIT,
+        },
+    )

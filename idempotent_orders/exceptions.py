@@ -131,3 +131,19 @@ class QuotaExceeded(IdempotencyError):
     status_code = 429
     default_code = "quota-exceeded"
     title = "Too many idempotency keys or tokens"
+
+
+class CallInProgress(IdempotentOrdersError):
+    """An ``@idempotent(external=True)`` call with this key holds a lease, or waits for the
+    reconciler after its lease expired; it is finished there, not by this caller.
+
+    Transient: retry later (a Celery task can list it in ``autoretry_for``).
+    """
+
+    default_code = "call_in_progress"
+
+
+class CallFailed(IdempotentOrdersError):
+    """An ``@idempotent(external=True)`` call was marked failed for an operator."""
+
+    default_code = "call_failed"

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import json
+import logging
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar, overload
 
+from celery import Task, current_app
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, transaction
 
+from idempotent_orders import leases
 from idempotent_orders.conf import conf
-from idempotent_orders.exceptions import InvalidMessage
+from idempotent_orders.exceptions import CallFailed, CallInProgress, InvalidMessage
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import message_consumed
 
-__all__ = ["idempotent", "message_key"]
+__all__ = ["ExternalCall", "Verify", "idempotent", "load_step", "message_key"]
+
+logger = logging.getLogger("idempotent_orders")
+
+#: Asks the other system whether the effect sent with this idempotency key
+#: happened: True, False, or None when it cannot tell now.
+Verify = Callable[[str], "bool | None"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -61,18 +74,32 @@ def _recorded(value: Any) -> Any:
 
 @overload
 def idempotent(
-    func: Callable[P, R], *, key: KeySpec, consumer: str | None = ..., using: str | None = ...
-) -> Callable[P, Any]: ...
+    func: Callable[P, R],
+    *,
+    key: KeySpec,
+    consumer: str | None = ...,
+    using: str | None = ...,
+    external: bool = ...,
+    verify: Verify | None = ...,
+) -> Callable[..., Any]: ...
 @overload
 def idempotent(
-    func: None = ..., *, key: KeySpec, consumer: str | None = ..., using: str | None = ...
-) -> Callable[[Callable[P, R]], Callable[P, Any]]: ...
+    func: None = ...,
+    *,
+    key: KeySpec,
+    consumer: str | None = ...,
+    using: str | None = ...,
+    external: bool = ...,
+    verify: Verify | None = ...,
+) -> Callable[[Callable[P, R]], Callable[..., Any]]: ...
 def idempotent(
     func: Callable[P, R] | None = None,
     *,
     key: KeySpec,
     consumer: str | None = None,
     using: str | None = None,
+    external: bool = False,
+    verify: Verify | None = None,
 ) -> Any:
     """Run the decorated function at most once per key; a repeat returns the first result.
 
@@ -90,16 +117,26 @@ def idempotent(
 
     Only database effects are covered. Calling another system (e-mail,
     webhook, payment provider) from inside is at-least-once: a crash after the
-    call but before the commit repeats it.
+    call but before the commit repeats it. For such functions use
+    ``external=True`` (see :class:`ExternalCall`): the call runs under a lease,
+    gets an ``idempotency_key`` keyword argument to pass to the other system,
+    and an interrupted call is finished by the reconciler, which asks
+    ``verify(idempotency_key)`` before calling again.
 
     ``consumer`` names the inbox (default: the function's dotted path); keep it
     stable across deploys, or old keys stop matching.
     """
 
-    def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
+    def decorate(fn: Callable[P, R]) -> Callable[..., Any]:
         name = consumer or f"{fn.__module__}.{fn.__qualname__}"
         if len(name) > 64:
             raise ValueError(f"consumer name {name!r} is longer than 64 characters")
+        if external:
+            if using is not None:
+                raise ValueError("external=True calls keep their leases in the default database")
+            return _external(fn, key=key, name=name, verify=verify)
+        if verify is not None:
+            raise ValueError("verify= only applies to external=True")
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
@@ -149,3 +186,189 @@ def idempotent(
         return wrapper
 
     return decorate if func is None else decorate(func)
+
+
+class ExternalCall(LeasedStep):
+    """The leased step behind ``@idempotent(external=True)``, one per consumer.
+
+    Phases (see :mod:`idempotent_orders.leases`):
+
+    1. claim: the inbox row is inserted and committed as ``processing`` with a
+       lease, *before* the call, together with the call's JSON arguments (so the
+       reconciler can perform it again). The lease is fenced by its claim
+       generation: a takeover increments it and the old holder's completion is
+       refused.
+    2. perform: the function runs with ``idempotency_key=`` (derived from the
+       consumer and the key, the same for every attempt) while a heartbeat keeps
+       the lease alive.
+    3. complete: one fenced UPDATE marks the row ``done`` and records the result.
+
+    A worker killed between 1 and 3 leaves a ``processing`` row; once its lease
+    expires the reconciler takes it over and asks ``verify(idempotency_key)``:
+    True completes without calling again (the recorded result is then
+    ``None``), False calls again with the same key, None (or no verifier)
+    waits and, after ``RECONCILE_MAX_STALLS``, fails the row for an operator.
+    A call that raised is likewise left to the reconciler, verified first.
+    """
+
+    def __init__(self, consumer: str, fn: Callable[..., Any], verify: Verify | None) -> None:
+        self.consumer = consumer
+        self.fn = fn
+        self.verifier = verify
+        # perform() and finish() run in the same thread, one lease at a time.
+        self._local = threading.local()
+
+    def perform(self, lease: Lease) -> None:
+        body = ProcessedMessage.objects.values_list("body", flat=True).get(pk=lease.pk)
+        args, kwargs = _decode_call(body)
+        self._local.lease, self._local.error = (lease.pk, lease.attempt), None
+        self._local.__dict__.pop("result", None)
+        try:
+            result = self.fn(*args, idempotency_key=lease.idempotency_key, **kwargs)
+        except Exception as exc:
+            self._local.error = exc
+            raise
+        self._local.result = _recorded(result)
+
+    def verify(self, lease: Lease) -> Verdict:
+        if self.verifier is None:
+            return Verdict.UNKNOWN
+        found = self.verifier(lease.idempotency_key)
+        if found is None:
+            return Verdict.UNKNOWN
+        return Verdict.DONE if found else Verdict.NOT_DONE
+
+    def finish(self, lease: Lease) -> StepResult:
+        performed = getattr(self._local, "lease", None) == (lease.pk, lease.attempt)
+        # A verified effect (no call in this attempt) has no result to record.
+        result = self._local.__dict__.pop("result", None) if performed else None
+
+        def record() -> bool:
+            return ProcessedMessage.objects.filter(pk=lease.pk).update(result=result) == 1
+
+        if not leases.complete(lease, outcome=Outcome.APPLIED, apply=record):
+            return StepResult.SKIPPED
+        _consumed(self.consumer, lease.message_id, Outcome.APPLIED)
+        return StepResult.COMPLETED
+
+    def last_error(self, lease: Lease) -> BaseException | None:
+        """The exception the function raised in this thread for ``lease``, if any."""
+        if getattr(self._local, "lease", None) != (lease.pk, lease.attempt):
+            return None
+        error: BaseException | None = self._local.error
+        return error
+
+
+def _consumed(consumer: str, message_id: str, outcome: Outcome) -> None:
+    message_consumed.send(
+        sender=ProcessedMessage,
+        consumer=consumer,
+        message_id=message_id,
+        message_type="",
+        order_id=None,
+        outcome=outcome,
+        reason="already processed" if outcome is Outcome.DUPLICATE else "",
+    )
+
+
+def _encode_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    task = None
+    if args and isinstance(args[0], Task):
+        # A bound Celery task's ``self``: replayed as the registered task of that name.
+        task, args = args[0].name, args[1:]
+    try:
+        return json.dumps(
+            {"module": fn.__module__, "task": task, "args": list(args), "kwargs": dict(kwargs)},
+            cls=DjangoJSONEncoder,
+        )
+    except TypeError as exc:
+        raise TypeError(
+            f"the arguments of an external=True call must be JSON-serialisable: {exc}"
+        ) from exc
+
+
+def _decode_call(body: str) -> tuple[list[Any], dict[str, Any]]:
+    call = json.loads(body)
+    args = list(call["args"])
+    if call.get("task"):
+        args.insert(0, current_app.tasks[call["task"]])
+    return args, dict(call["kwargs"])
+
+
+def load_step(row: ProcessedMessage) -> LeasedStep | None:
+    """The step of ``row``'s consumer, importing the module that declared it if need be.
+
+    A reconciler process (``manage.py reconcile_orders``) may not have imported
+    the module of an ``external=True`` function; the call stored on the row
+    names it.
+    """
+    step = leases.get_step(row.consumer)
+    if step is not None or not row.body:
+        return step
+    try:
+        module = json.loads(row.body)["module"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(module, str):
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        logger.warning("cannot import %s for consumer %s", module, row.consumer)
+        return None
+    return leases.get_step(row.consumer)
+
+
+def _external(
+    fn: Callable[..., Any], *, key: KeySpec, name: str, verify: Verify | None
+) -> Callable[..., Any]:
+    step = ExternalCall(name, fn, verify)
+    leases.register_step(step)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        message_id = message_key(key, args, kwargs)
+        if transaction.get_connection().in_atomic_block:
+            # The claim must be committed before the other system is called, or
+            # a crash would leave an effect with no row for the reconciler.
+            raise RuntimeError(f"{name}: an external=True call cannot run inside a transaction")
+        claimed = leases.claim(
+            consumer=name,
+            message_id=message_id,
+            token=0,
+            message_type="call",
+            # Only the reconciler takes expired leases over: it verifies first.
+            allow_takeover=False,
+            body=_encode_call(fn, args, kwargs),
+        )
+        if claimed.state is ClaimState.DONE:
+            assert claimed.row is not None
+            _consumed(name, message_id, Outcome.DUPLICATE)
+            return claimed.row.result
+        if claimed.state is ClaimState.FAILED:
+            raise CallFailed(f"{name}: {message_id} was marked failed for an operator")
+        if claimed.state is ClaimState.BUSY:
+            raise CallInProgress(f"{name}: {message_id} is in progress or awaits the reconciler")
+        assert claimed.lease is not None
+        result = leases.run_step(step, claimed.lease, via="worker")
+        if result is StepResult.COMPLETED:
+            return (
+                ProcessedMessage.objects.values_list("result", flat=True)
+                .filter(pk=claimed.lease.pk)
+                .first()
+            )
+        error = step.last_error(claimed.lease)
+        if error is not None:
+            raise error  # the row waits for the reconciler, which verifies before retrying
+        if result is StepResult.FAILED:
+            raise CallFailed(f"{name}: {message_id} was marked failed for an operator")
+        raise CallInProgress(f"{name}: {message_id} lost its lease; the reconciler finishes it")
+
+    # Callers (and Celery's argument check) do not pass idempotency_key: the wrapper does.
+    signature = inspect.signature(fn)
+    wrapper.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for p in signature.parameters.values() if p.name != "idempotency_key"]
+    )
+    wrapper.consumer = name  # type: ignore[attr-defined]
+    wrapper.step = step  # type: ignore[attr-defined]
+    return wrapper

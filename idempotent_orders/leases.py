@@ -155,6 +155,7 @@ def claim(
     message_type: str = "",
     ttl: float | None = None,
     allow_takeover: bool = True,
+    body: str = "",
 ) -> Claim:
     """Claim ``(consumer, message_id)`` for leased work; never blocks.
 
@@ -163,6 +164,7 @@ def claim(
     expired lease is taken over (``allow_takeover``) with a conditional UPDATE,
     giving a ``CLAIMED`` lease with ``resumed=True``: the caller must verify
     whether the effect happened before doing it again (:func:`run_step` does).
+    ``body`` is stored on a new row: what a later attempt needs to perform again.
     """
     now = timezone.now()
     try:
@@ -178,6 +180,7 @@ def claim(
                 lease_expires_at=now + _ttl(ttl),
                 heartbeat_at=now,
                 fencing_token=token,
+                body=body,
             )
     except IntegrityError:
         pass

@@ -74,10 +74,12 @@ def recycle_db_connections(**kwargs: Any) -> None:
     ``CELERY_DB_REUSE_MAX`` is set; with it set (recommended: a reconnect per
     message costs more than the message), this keeps ``CONN_MAX_AGE`` and
     ``CONN_HEALTH_CHECKS`` meaningful and replaces a connection a failover or
-    ``pg_terminate_backend`` broke before the task's retry runs. Eager tasks
-    run inside the caller's request or transaction, so they are left alone.
+    ``pg_terminate_backend`` broke before the task's retry runs.
+
+    An eager task (``apply()``, ``task_always_eager``) runs inside its caller,
+    maybe in the caller's transaction: its connection is not the task's to drop.
     """
-    task = kwargs.get("task") or kwargs.get("sender")
-    if getattr(getattr(task, "request", None), "is_eager", False):
+    task = kwargs.get("task")
+    if task is not None and getattr(task.request, "is_eager", False):
         return
     close_old_connections()

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from idempotent_orders import fulfilment, leases
 from idempotent_orders.conf import conf
+from idempotent_orders.idempotent import load_step
 from idempotent_orders.leases import Lease, StepResult
 from idempotent_orders.models import InboxStatus, ProcessedMessage
 from idempotent_orders.signals import message_reconciled
@@ -66,7 +67,7 @@ def _give_up(row: ProcessedMessage) -> StepResult:
 
 
 def _act(row: ProcessedMessage, lease: Lease, via: str) -> StepResult:
-    step = leases.get_step(row.consumer)
+    step = load_step(row)
     if step is None:
         leases.release(lease, error=f"no leased step is registered for {row.consumer!r}")
         return StepResult.RETRY
@@ -149,7 +150,7 @@ def complete_if_verified(pk: int, *, via: str = "admin") -> StepResult:
     row = ProcessedMessage.objects.filter(pk=pk).first()
     if row is None or row.status not in (InboxStatus.PROCESSING, InboxStatus.FAILED):
         return StepResult.SKIPPED
-    step = leases.get_step(row.consumer)
+    step = load_step(row)
     if step is None:
         return StepResult.SKIPPED
     if row.status == InboxStatus.FAILED:

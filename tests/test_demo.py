@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -44,3 +45,6 @@ def test_demo_reports_no_double_applied_and_no_lost(tmp_path) -> None:
     assert lines["double-applied"].strip() == "0"
     assert lines["lost"].strip() == "0"
     assert lines["completed"].strip() == "20"
+    # Each order's loyalty follow-up went through the outbox and was applied once.
+    assert re.search(r"outbox follow-ups\s+20 \(0 unsent\)", demo.stdout), demo.stdout
+    assert re.search(r"wrong loyalty points\s+0\n", demo.stdout), demo.stdout

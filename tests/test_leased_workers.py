@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
-from demo_project import warehouse
-from demo_project.models import WarehouseRequest
+from demo_project import warehouse, webhooks
+from demo_project.models import WarehouseRequest, WebhookDelivery
+from demo_project.tasks import notify_partner
 from idempotent_orders import leases, reconcile
 from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
 from idempotent_orders.leases import StepResult
@@ -132,3 +134,73 @@ def test_two_reconcilers_never_double_act(make_order) -> None:
     assert sum(per_process) == len(orders), outputs
     # Both really ran at once: each completed some of the rows.
     assert all(n > 0 for n in per_process), outputs
+
+
+def run_reconcile_command() -> str:
+    """One ``manage.py reconcile_orders`` pass in a fresh process (it imports no task modules)."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "IO_WORKER_DB": "1"}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "reconcile_orders"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.workers
+@pytest.mark.django_db(transaction=True)
+def test_external_call_killed_between_claim_and_completion(celery_workers) -> None:
+    """``@idempotent(external=True)``: a killed call is finished once by the reconciler.
+
+    ``reached`` got to the partner before its worker died (the reconciler
+    verifies and completes without sending again); ``lost`` died before (the
+    reconciler sends again, once, with the same idempotency key). The reconciler
+    runs as ``manage.py reconcile_orders``, which must find the step by itself.
+    """
+    reached, lost = (
+        {"message_id": f"evt-{name}-{uuid.uuid4().hex[:8]}", "data": {"n": 1}}
+        for name in ("reached", "lost")
+    )
+    webhooks.script(reached["message_id"], "effect_then_hang")
+    webhooks.script(lost["message_id"], "hang")
+    workers = celery_workers(
+        "rabbitmq", processes=3, extra_env={"IO_TEST_LEASE_SECONDS": str(LEASE)}
+    )
+    for msg in (reached, lost):
+        notify_partner.apply_async(args=[msg], task_id=msg["message_id"])
+    refs = [reached["message_id"], lost["message_id"]]
+
+    def called() -> bool:
+        return WebhookDelivery.objects.filter(ref__in=refs).count() == 2
+
+    assert wait_until(called, timeout=90), workers.log_tail()
+    rows = ProcessedMessage.objects.filter(consumer="partner-webhook", message_id__in=refs)
+    assert {r.status for r in rows} == {InboxStatus.PROCESSING}
+    groups = {os.getpgid(r.pid) for r in WebhookDelivery.objects.filter(ref__in=refs)}
+    killed = [i for i, proc in enumerate(workers.procs) if proc.pid in groups]
+    assert len(killed) == 2, workers.log_tail()
+    for index in killed:
+        workers.kill(index)
+
+    def expired() -> bool:
+        return leases.expired().filter(consumer="partner-webhook").count() == 2
+
+    assert wait_until(expired, timeout=LEASE * 10), workers.log_tail()
+    assert run_reconcile_command() == "completed=2", workers.log_tail()
+    assert run_reconcile_command() == "nothing to do"
+
+    for ref in refs:
+        assert webhooks.effects(ref) == 1
+        inbox = ProcessedMessage.objects.get(consumer="partner-webhook", message_id=ref)
+        assert (inbox.status, inbox.outcome) == (InboxStatus.DONE, "applied")
+    assert WebhookDelivery.objects.filter(ref=refs[0]).count() == 1  # verified, not resent
+    assert WebhookDelivery.objects.filter(ref=refs[1]).count() == 2  # resent once
+    # The survivor got the killed tasks' redeliveries and left them to the reconciler.
+    survivor = next(i for i in range(3) if i not in killed)
+    assert workers.procs[survivor].poll() is None
+    assert notify_partner(lost) == {"notified": lost["message_id"]}
+    assert WebhookDelivery.objects.filter(ref__in=refs).count() == 3

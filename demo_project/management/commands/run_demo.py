@@ -19,15 +19,23 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q
 
+from demo_project.models import LoyaltyAccount
+from demo_project.shop import POINTS_PER_UNIT, place_order, points_message_id
 from idempotent_orders.conf import conf
 from idempotent_orders.models import (
     Order,
     OrderStatus,
+    OutboxMessage,
+    OutboxStatus,
     Outcome,
     ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.outbox import relay_outbox
 from idempotent_orders.tasks import publish
+
+#: Demo customers per run; several orders each, so points add up across orders.
+CUSTOMERS = 10
 
 
 def build_messages(order: Order) -> list[tuple[str, dict[str, Any]]]:
@@ -94,21 +102,27 @@ class Command(BaseCommand):
             f"{settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}, broker "
             f"{current_app.conf.broker_url.split('://')[0]}, queue {queue!r}"
         )
+        if not opts["no_spawn"]:
+            self.purge(queue)
+        # Each order's loyalty-points follow-up goes through the outbox, in the
+        # order's own transaction; the payment and shipping messages below stand
+        # for other systems and are published directly.
         orders = [
-            Order.objects.create(
+            place_order(
                 business_key=f"demo-{run}-{i}",
+                customer=f"demo-{run}-{i % CUSTOMERS}",
                 amount=Decimal(rng.randint(100, 99999)) / 100,
                 currency="CNY",
             )
             for i in range(opts["orders"])
         ]
+        relay_outbox()  # whatever the on-commit publish could not send
         messages = [m for order in orders for m in build_messages(order)]
         deliveries = [m for m in messages for _ in range(rng.randint(1, opts["max_copies"]))]
         rng.shuffle(deliveries)
 
         workers: list[subprocess.Popen[bytes]] = []
         if not opts["no_spawn"]:
-            self.purge(queue)
             workers = self.start_workers(opts["workers"], queue)
         started = time.monotonic()
         try:
@@ -178,22 +192,26 @@ class Command(BaseCommand):
 
     def wait(self, orders: list[Order], timeout: float, started: float) -> None:
         ids = [o.pk for o in orders]
-        last: tuple[int, int] = (-1, -1)
+        last: tuple[int, int, int] = (-1, -1, -1)
         while True:
             done = Order.objects.filter(pk__in=ids, status=OrderStatus.COMPLETED).count()
-            # The run is over when every order's fulfilment step was recorded too.
+            # The run is over when every order's fulfilment step was recorded and
+            # its loyalty points (the outbox follow-up) were awarded too.
             steps = (
                 ProcessedMessage.objects.filter(consumer="fulfilment", order_id__in=ids).count()
                 if conf.FULFIL_AFTER_PAYMENT
                 else len(ids)
             )
-            if (done, steps) != last:
+            awarded = ProcessedMessage.objects.filter(
+                consumer="loyalty", message_id__in=[points_message_id(pk) for pk in ids]
+            ).count()
+            if (done, steps, awarded) != last:
                 self.stdout.write(
                     f"  {time.monotonic() - started:5.1f}s  completed {done}/{len(ids)}, "
-                    f"fulfilment steps {steps}/{len(ids)}"
+                    f"fulfilment steps {steps}/{len(ids)}, points awarded {awarded}/{len(ids)}"
                 )
-                last = (done, steps)
-            if done == steps == len(ids):
+                last = (done, steps, awarded)
+            if done == steps == awarded == len(ids):
                 return
             if time.monotonic() - started > timeout:
                 self.stdout.write(self.style.WARNING(f"timed out after {timeout:.0f}s"))
@@ -251,6 +269,27 @@ class Command(BaseCommand):
         )
         if rejected:
             problems.append(f"unexpected rejections: {rejected}")
+        follow_ups = OutboxMessage.objects.filter(
+            message_id__in=[points_message_id(pk) for pk in ids]
+        )
+        unsent = follow_ups.exclude(status=OutboxStatus.SENT).count()
+        if follow_ups.count() != len(ids) or unsent:
+            problems.append(
+                f"{follow_ups.count()} follow-ups for {len(ids)} orders, {unsent} unsent"
+            )
+        expected_points: Counter[str] = Counter()
+        for i, order in enumerate(orders):
+            expected_points[f"{order.business_key.rsplit('-', 1)[0]}-{i % CUSTOMERS}"] += (
+                int(order.amount) * POINTS_PER_UNIT
+            )
+        points = dict(
+            LoyaltyAccount.objects.filter(customer__in=expected_points).values_list(
+                "customer", "points"
+            )
+        )
+        wrong_points = [c for c, n in expected_points.items() if points.get(c, 0) != n]
+        if wrong_points:
+            problems.append(f"{len(wrong_points)} customers' loyalty points are wrong")
 
         self.stdout.write("")
         self.stdout.write("report")
@@ -267,6 +306,8 @@ class Command(BaseCommand):
         )
         for outcome in Outcome:
             self.stdout.write(f"    {outcome.value:<20} {outcomes.get(outcome.value, 0)}")
+        self.stdout.write(f"  outbox follow-ups      {follow_ups.count()} ({unsent} unsent)")
+        self.stdout.write(f"  wrong loyalty points   {len(wrong_points)}")
         self.stdout.write(f"  double-applied         {double}")
         self.stdout.write(f"  lost                   {len(lost)}")
         self.stdout.write(f"  still parked           {parked}")
