@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -34,7 +35,7 @@ def shop(request: HttpRequest) -> HttpResponse:
 @require_http_methods(["POST"])
 @idempotent_form
 def checkout(request: HttpRequest) -> HttpResponse:
-    items = []
+    items: list[dict[str, Any]] = []
     for sku in PRODUCTS:
         try:
             quantity = int(request.POST.get(f"qty-{sku}") or 0)

@@ -18,6 +18,7 @@ from celery import current_app
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q
+from kombu import Exchange, Queue
 
 from demo_project.models import LoyaltyAccount
 from demo_project.shop import POINTS_PER_UNIT, place_order, points_message_id
@@ -151,12 +152,13 @@ class Command(BaseCommand):
     def purge(self, queue: str) -> None:
         """Drop leftovers of an aborted earlier run from the demo's own queue."""
         with current_app.connection_for_write() as conn:
-            declared = current_app.amqp.queues.select_add(queue) or current_app.amqp.queues[queue]
-            declared.bind(conn.default_channel).declare()
-            conn.default_channel.queue_purge(queue)
+            # Declared the way Celery declares its default queue, then emptied.
+            bound = Queue(queue, Exchange(queue), routing_key=queue)(conn.default_channel)
+            bound.declare()
+            bound.purge()
 
     def start_workers(self, count: int, queue: str) -> list[subprocess.Popen[bytes]]:
-        log_dir = Path(settings.STATE_DIR if hasattr(settings, "STATE_DIR") else ".")
+        log_dir = Path(getattr(settings, "STATE_DIR", "."))
         procs = []
         for i in range(count):
             log = (log_dir / f"worker-{i}.log").open("wb")
