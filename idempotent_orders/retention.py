@@ -11,15 +11,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
-from django.apps import apps
 from django.db import transaction
 from django.db.models import Model, Q
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
-from idempotent_orders.models import InboxStatus, Outcome, ParkedMessage, ProcessedMessage
+from idempotent_orders.models import (
+    IdempotencyKey,
+    InboxStatus,
+    KeyState,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
 
 __all__ = ["PurgeReport", "purge"]
 
@@ -84,17 +89,6 @@ def _give_up_parked(cutoff: datetime, batch_size: int) -> int:
                 )
 
 
-#: Keys are purged when the HTTP part of the app, which defines this model, is installed.
-_KEY_MODEL: str = "IdempotencyKey"
-
-
-def _key_model() -> type[Model] | None:
-    try:
-        return apps.get_model("idempotent_orders", _KEY_MODEL)
-    except LookupError:
-        return None
-
-
 def purge(*, now: datetime | None = None, batch_size: int | None = None) -> PurgeReport:
     """Delete what is older than its window; returns how many rows of each kind went."""
     now = now or timezone.now()
@@ -111,13 +105,13 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
         & ~Q(outcome=Outcome.PARKED),
         size,
     )
-    key_model = _key_model()
-    if key_model is not None:
-        names = {f.name for f in key_model._meta.get_fields()}
-        condition: Any = Q(expires_at__lt=now)
-        if "state" in names:
-            condition &= ~Q(state="in_flight")
-        report.keys = _delete_in_batches(key_model, condition, size)
+    # Expired keys and tokens; a claim whose lease is still live stays (as in
+    # http.keys.purge_expired, which deletes without batching).
+    report.keys = _delete_in_batches(
+        IdempotencyKey,
+        Q(expires_at__lt=now) & ~Q(state=KeyState.IN_FLIGHT, lease_expires_at__gt=now),
+        size,
+    )
     if report.inbox or report.parked or report.keys:
         logger.info("purged %s", report.as_dict())
     return report
