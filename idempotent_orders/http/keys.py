@@ -293,6 +293,16 @@ def _field(name: str) -> Any:
     return IdempotencyKey._meta.get_field(name)
 
 
+def _one_round_trip() -> bool:
+    """Whether the claim can go as one multi-statement query: psycopg 3 with
+    client-side binding (Django's default) and no transaction open around it."""
+    if connection.in_atomic_block or connection.settings_dict["OPTIONS"].get("server_side_binding"):
+        return False
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    return bool(is_psycopg3)
+
+
 def _lock_id(principal: str) -> int:
     """A signed 64-bit advisory lock id for ``principal`` (PostgreSQL)."""
     digest = hashlib.sha256(b"idempotent_orders.quota\n" + principal.encode()).digest()
@@ -340,10 +350,25 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | None:
             f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
         )
     if vendor == "postgresql":
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_lock_id(fields["principal"])])
-            cursor.execute(sql, params)
-            found = cursor.fetchone()
+        # The claim's commit need not wait for its WAL flush: any later
+        # synchronous commit (the view's writes, the stored response) flushes
+        # it first, so a crash loses the claim only together with everything
+        # the view did in the database. Other requests see it at once either way.
+        lock = "SELECT pg_advisory_xact_lock(%s), set_config('synchronous_commit', 'off', true)"
+        lock_params = [_lock_id(fields["principal"])]
+        if _one_round_trip():
+            # Both statements in one simple query: PostgreSQL runs them as one
+            # implicit transaction (the lock is held until its end, the INSERT
+            # takes a fresh snapshot after it), and rolls it back on an error.
+            with connection.cursor() as cursor:
+                cursor.execute(f"{lock}; {sql}", lock_params + params)
+                cursor.nextset()
+                found = cursor.fetchone()
+        else:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(lock, lock_params)
+                cursor.execute(sql, params)
+                found = cursor.fetchone()
     elif vendor == "mysql":
         name = "io_quota_" + hashlib.sha256(fields["principal"].encode()).hexdigest()[:48]
         with connection.cursor() as cursor:
