@@ -193,10 +193,17 @@ def test_concurrent_first_uses_never_exceed_the_key_quota(
     cookie = session_cookie("alice")
     results = together(
         THREADS,
-        lambda i: request(live_server.url, "/api/orders/", cookie=cookie, key=f"quota-{i}"),
+        lambda i: request(
+            live_server.url,
+            "/api/orders/",
+            cookie=cookie,
+            key=f"quota-{i}",
+            body={**ORDER, "items": [{"sku": f"tea-{i}", "quantity": 1}]},
+        ),
     )
     assert not [r for r in results if isinstance(r, Exception)], results
     statuses = sorted(r[0] for r in results)
-    assert statuses.count(429) == THREADS - 5, statuses
+    assert statuses == [201] * 5 + [429] * (THREADS - 5), statuses
+    assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 5
     assert IdempotencyKey.objects.count() == 5
-    assert Order.objects.count() == 1
+    assert Order.objects.count() == 5

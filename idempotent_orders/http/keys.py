@@ -447,18 +447,28 @@ def store(held: Claim, response: HttpResponseBase) -> bool:
         content = response.content
         if len(content) <= conf.MAX_STORED_RESPONSE_BYTES:
             body, omitted = content, False
-    stored = IdempotencyKey.objects.filter(
-        pk=held.row.pk, lease_owner=held.owner, state=KeyState.IN_FLIGHT
-    ).update(
-        state=KeyState.COMPLETED,
-        response_status=response.status_code,
-        response_headers=headers,
-        response_body=body,
-        body_omitted=omitted,
-        completed_at=timezone.now(),
-        lease_owner="",
-        lease_expires_at=None,
-    )
+    values = {
+        "state": KeyState.COMPLETED,
+        "response_status": response.status_code,
+        "response_headers": headers,
+        "response_body": body,
+        "body_omitted": omitted,
+        "completed_at": timezone.now(),
+        "lease_owner": "",
+        "lease_expires_at": None,
+    }
+    # One UPDATE in SQL of our own: the ORM's query building costs as much as
+    # the round trip on this hot path. Fenced by the lease owner and state.
+    qn = connection.ops.quote_name
+    assignments = ", ".join(f"{qn(name)} = %s" for name in values)
+    params = [_field(name).get_db_prep_save(v, connection) for name, v in values.items()]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {qn(IdempotencyKey._meta.db_table)} SET {assignments} "
+            f"WHERE {qn('id')} = %s AND {qn('lease_owner')} = %s AND {qn('state')} = %s",
+            [*params, held.row.pk, held.owner, KeyState.IN_FLIGHT],
+        )
+        stored = cursor.rowcount
     if not stored:
         logger.warning(
             "idempotency key %s lost its lease before the response was stored", held.row.pk
