@@ -350,23 +350,29 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | None:
             f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
         )
     if vendor == "postgresql":
-        # The claim's commit need not wait for its WAL flush: any later
-        # synchronous commit (the view's writes, the stored response) flushes
-        # it first, so a crash loses the claim only together with everything
-        # the view did in the database. Other requests see it at once either way.
-        lock = "SELECT pg_advisory_xact_lock(%s), set_config('synchronous_commit', 'off', true)"
         lock_params = [_lock_id(fields["principal"])]
         if _one_round_trip():
             # Both statements in one simple query: PostgreSQL runs them as one
             # implicit transaction (the lock is held until its end, the INSERT
             # takes a fresh snapshot after it), and rolls it back on an error.
+            # That transaction's commit need not wait for its WAL flush: any
+            # later synchronous commit (the view's writes, the stored response)
+            # flushes it first, so a crash loses the claim only together with
+            # everything the view did in the database; other requests see it
+            # at once either way. One fsync less per request.
             with connection.cursor() as cursor:
-                cursor.execute(f"{lock}; {sql}", lock_params + params)
+                cursor.execute(
+                    "SELECT pg_advisory_xact_lock(%s),"
+                    f" set_config('synchronous_commit', 'off', true); {sql}",
+                    lock_params + params,
+                )
                 cursor.nextset()
                 found = cursor.fetchone()
         else:
+            # Inside a caller's transaction: a savepoint, the lock held until
+            # that transaction ends, and its durability left as it is.
             with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute(lock, lock_params)
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", lock_params)
                 cursor.execute(sql, params)
                 found = cursor.fetchone()
     elif vendor == "mysql":
