@@ -179,3 +179,31 @@ def test_heartbeat_keeps_a_slow_view_from_running_twice(
     )
     assert (status, headers["Idempotent-Replayed"]) == (201, "true")
     assert http_urls.RUNS["slow"] == 1
+
+
+@pytest.mark.parametrize("atomic_requests", [False, True], ids=["autocommit", "atomic"])
+def test_concurrent_first_uses_never_exceed_the_key_quota(
+    live_server: Any, settings: Any, monkeypatch: pytest.MonkeyPatch, atomic_requests: bool
+) -> None:
+    # Each request counts the caller's live keys and inserts its own: without
+    # serializing the two per principal, requests counting at the same instant
+    # would all see room left and all be accepted.
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", atomic_requests)
+    settings.IDEMPOTENT_ORDERS = {"KEY_QUOTA": 5}
+    cookie = session_cookie("alice")
+    results = together(
+        THREADS,
+        lambda i: request(
+            live_server.url,
+            "/api/orders/",
+            cookie=cookie,
+            key=f"quota-{i}",
+            body={**ORDER, "items": [{"sku": f"tea-{i}", "quantity": 1}]},
+        ),
+    )
+    assert not [r for r in results if isinstance(r, Exception)], results
+    statuses = sorted(r[0] for r in results)
+    assert statuses == [201] * 5 + [429] * (THREADS - 5), statuses
+    assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 5
+    assert IdempotencyKey.objects.count() == 5
+    assert Order.objects.count() == 5
