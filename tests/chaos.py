@@ -38,7 +38,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.reconcile import reconcile
-from tests.services import Workers, reset_broker_pools
+from tests.services import Workers, reset_broker_pools, wait_until
 
 #: Outcomes a message may finally have: every message ends in one of these, never parked.
 FINAL_OUTCOMES = {Outcome.APPLIED, Outcome.DUPLICATE, Outcome.STALE, Outcome.REJECTED}
@@ -376,15 +376,6 @@ def unaccounted(planned: Sequence[Planned]) -> list[Planned]:
     return [p for p in planned if p.key not in have]
 
 
-def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def run_chaos(
     stream: Stream,
     ctx: ChaosContext,
@@ -412,11 +403,12 @@ def run_chaos(
             _publish(stream.planned[index])
         if b < len(schedule):
             target = ProcessedMessage.objects.filter(message_id__in=ids).count() + step
-            _wait(
+            wait_until(
                 lambda target=target: (
                     ProcessedMessage.objects.filter(message_id__in=ids).count() >= target
                 ),
                 timeout=20,
+                interval=0.05,
             )
             time.sleep(ctx.rng.uniform(0.0, 0.3))
             INJECTORS[schedule[b]](ctx)

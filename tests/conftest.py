@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -18,7 +17,8 @@ from django.conf import settings
 from idempotent_orders.models import Order
 from tests.services import IN_CI as IN_CI
 from tests.services import ROOT as ROOT
-from tests.services import Workers, reset_broker_pools
+from tests.services import Workers, reset_broker_pools, unavailable
+from tests.services import wait_until as wait_until
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,10 +60,7 @@ def require_service(name: str, url: str) -> None:
     """Fail in CI, skip elsewhere, when a service the test needs is unreachable."""
     if service_reachable(url):
         return
-    message = f"{name} is not reachable at {url}"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: services are required)")
-    pytest.skip(f"{message}; start it to run this test")
+    unavailable(f"{name} is not reachable at {url}", hint="start it to run this test")
 
 
 _counter = itertools.count(1)
@@ -173,15 +170,6 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
     reset_broker_pools(current_app)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 _dedup_cache_ok = True

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 from django.conf import settings
@@ -24,15 +24,29 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
+def unavailable(
+    reason: str, *, hint: str = "", required: str = "services are required"
+) -> NoReturn:
+    """Fail in CI (where everything must run), skip elsewhere, saying what is missing."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: {required})")
+    pytest.skip(f"{reason}; {hint}" if hint else reason)
+
+
 def require_program(*names: str) -> None:
     """Fail in CI, skip elsewhere, when a program the test runs is not installed."""
     missing = [name for name in names if shutil.which(name) is None]
-    if not missing:
-        return
-    message = f"{', '.join(missing)} not installed"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: services are required)")
-    pytest.skip(f"{message}; install it to run this test")
+    if missing:
+        unavailable(f"{', '.join(missing)} not installed", hint="install it to run this test")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
 
 
 def free_port() -> int:
@@ -191,10 +205,15 @@ class Workers:
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Signal a worker's whole process group (parent and pool children) and reap it."""
-        proc = self.procs[index]
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-        proc.wait(30)
+        kill_group(self.procs[index], sig)
+
+    def kill_holders(self, pids: Iterable[int]) -> list[int]:
+        """SIGKILL each worker whose process group holds one of ``pids``; their indices."""
+        groups = {os.getpgid(pid) for pid in pids}
+        killed = [i for i, proc in enumerate(self.procs) if proc.pid in groups]
+        for index in killed:
+            self.kill(index)
+        return killed
 
     def kill_and_restart(self, index: int) -> None:
         """SIGKILL a worker and start a new one in its place."""
@@ -210,6 +229,13 @@ class Workers:
             for log in self.logs[-files:]
             if log.exists()
         )
+
+
+def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
+    """Signal the process group of ``proc`` (started with ``start_new_session``) and reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    proc.wait(30)
 
 
 def stop_processes(procs: list[subprocess.Popen[Any]], timeout: float = 20) -> None:
