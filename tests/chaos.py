@@ -17,7 +17,6 @@ checked by the same :func:`check_invariants`:
 from __future__ import annotations
 
 import collections
-import os
 import random
 import subprocess
 import time
@@ -447,16 +446,3 @@ def run_chaos(
         seconds=time.monotonic() - started,
         invariants=report,
     )
-
-
-def worker_env(*, broker_url: str, queue: str, cache_url: str, **extra: str) -> dict[str, str]:
-    """Environment of a chaos worker: the test database, a private queue, the given services."""
-    return {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.chaos_settings",
-        "IO_WORKER_DB": "1",
-        "IO_TEST_BROKER_URL": broker_url,
-        "IO_TEST_QUEUE": queue,
-        "IO_TEST_REDIS_URL": cache_url,
-        **extra,
-    }

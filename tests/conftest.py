@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from django.conf import settings
 from idempotent_orders.models import Order
 from tests.services import IN_CI as IN_CI
 from tests.services import ROOT as ROOT
-from tests.services import Workers, reset_broker_pools, unavailable
+from tests.services import Workers, reset_broker_pools, unavailable, worker_env
 from tests.services import wait_until as wait_until
 
 
@@ -143,14 +142,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
         url = BROKERS[broker]()
         require_service(broker, url)
         queue = f"io-test-{uuid.uuid4().hex[:10]}"
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "IO_WORKER_DB": "1",
-            "IO_TEST_BROKER_URL": url,
-            "IO_TEST_QUEUE": queue,
-            **(extra_env or {}),
-        }
+        env = worker_env(broker_url=url, queue=queue, **(extra_env or {}))
         current_app.conf.broker_url = url
         current_app.conf.task_default_queue = queue
         reset_broker_pools(current_app)

@@ -152,6 +152,20 @@ def private_redis_settings(url: str) -> Iterator[None]:
 # --- real Celery workers --------------------------------------------------------------------
 
 
+def worker_env(
+    *, broker_url: str, queue: str, settings_module: str = "tests.settings", **extra: str
+) -> dict[str, str]:
+    """Environment of a worker process: the test database, a private queue, the given broker."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": settings_module,
+        "IO_WORKER_DB": "1",
+        "IO_TEST_BROKER_URL": broker_url,
+        "IO_TEST_QUEUE": queue,
+        **extra,
+    }
+
+
 class Workers:
     """Real ``celery worker`` processes (prefork) on one queue; each can be killed, replaced."""
 

@@ -19,10 +19,9 @@ from tests.chaos import (
     make_orders,
     rabbitmq_restart,
     run_chaos,
-    worker_env,
 )
 from tests.conftest import require_service
-from tests.services import RedisServer, Workers, reset_broker_pools
+from tests.services import RedisServer, Workers, reset_broker_pools, worker_env
 
 pytestmark = [
     pytest.mark.backends("postgresql"),
@@ -96,7 +95,12 @@ def _run(broker: str, load: Load, private_redis: RedisServer) -> None:
     workers = Workers(
         broker_url=broker_url,
         queue=queue,
-        env=worker_env(broker_url=broker_url, queue=queue, cache_url=private_redis.db_url(1)),
+        env=worker_env(
+            broker_url=broker_url,
+            queue=queue,
+            settings_module="tests.chaos_settings",
+            IO_TEST_REDIS_URL=private_redis.db_url(1),
+        ),
     )
     workers.start(load.workers)
     ctx = ChaosContext(
