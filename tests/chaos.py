@@ -6,9 +6,9 @@ checked by the same :func:`check_invariants`:
 
 - :func:`build_stream` plans N orders' payment and shipping messages, 1-5
   copies each, shuffled, with or without per-order ``seq`` numbers;
-- :class:`PrivateRedis` is a ``redis-server`` the test owns (restart, FLUSHALL);
-- :class:`ChaosWorkers` are real Celery worker processes that can be SIGKILLed
-  and restarted;
+- :class:`tests.services.RedisServer` is a ``redis-server`` the test owns
+  (restart, FLUSHALL), :class:`tests.services.Workers` real Celery worker
+  processes that can be SIGKILLed and restarted;
 - :data:`INJECTORS` maps a fault's name to a function that injects it;
 - :func:`run_chaos` publishes the stream in batches, fires the faults between
   batches, lets the workers settle, and returns a :class:`ChaosReport`.
@@ -17,20 +17,13 @@ checked by the same :func:`check_invariants`:
 from __future__ import annotations
 
 import collections
-import itertools
-import os
 import random
-import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 from django.db import connection
@@ -44,8 +37,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.reconcile import reconcile
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.services import Workers, reset_broker_pools, wait_until
 
 #: Outcomes a message may finally have: every message ends in one of these, never parked.
 FINAL_OUTCOMES = {Outcome.APPLIED, Outcome.DUPLICATE, Outcome.STALE, Outcome.REJECTED}
@@ -227,147 +219,6 @@ def check_invariants(
 # --- services the test owns -----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    """A throwaway ``redis-server`` without persistence: restarting it loses everything."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @staticmethod
-    def available() -> bool:
-        return shutil.which("redis-server") is not None
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.proc = None
-
-    def restart(self, down_for: float = 1.0) -> None:
-        self.stop()
-        time.sleep(down_for)
-        self.start()
-
-    def flushall(self) -> None:
-        import redis
-
-        redis.Redis.from_url(self.url()).flushall()
-
-
-class ChaosWorkers:
-    """Real ``celery worker`` processes (prefork, one child each) that can be killed, replaced."""
-
-    def __init__(self, *, broker_url: str, queue: str, env: dict[str, str]) -> None:
-        self.broker_url = broker_url
-        self.queue = queue
-        self.env = env
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-        self._names = itertools.count()
-
-    def spawn(self) -> subprocess.Popen[bytes]:
-        n = next(self._names)
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{self.queue}-{n}.log"
-        self.logs.append(log)
-        with log.open("wb") as handle:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "demo_project",
-                    "worker",
-                    "-Q",
-                    self.queue,
-                    "-c",
-                    "1",
-                    "-P",
-                    "prefork",
-                    "-n",
-                    f"{self.queue}-{n}@%h",
-                    "--loglevel",
-                    "INFO",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                ],
-                cwd=ROOT,
-                env=self.env,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return proc
-
-    def start(self, processes: int) -> None:
-        self.procs = [self.spawn() for _ in range(processes)]
-
-    def kill_and_restart(self, index: int) -> None:
-        """SIGKILL a worker's whole process group (parent and pool child), start a new one."""
-        proc = self.procs[index]
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        self.procs[index] = self.spawn()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return "\n".join(
-            f"--- {log}\n{log.read_text(errors='replace')[-chars:]}"
-            for log in self.logs[-4:]
-            if log.exists()
-        )
-
-
 def terminate_worker_connections() -> int:
     """``pg_terminate_backend`` every other connection to *this* test database (the workers')."""
     with connection.cursor() as cursor:
@@ -394,7 +245,7 @@ def rabbitmq_restart() -> None:
 class ChaosContext:
     """What an injector may touch."""
 
-    workers: ChaosWorkers
+    workers: Workers
     rng: random.Random
     #: Restarts the broker (None: this leg cannot restart it).
     restart_broker: Callable[[], None] | None
@@ -494,16 +345,6 @@ class ChaosReport:
         )
 
 
-def reset_publisher() -> None:
-    """Drop the test process's broker connections (kombu keeps closed pools registered)."""
-    from celery import current_app
-    from kombu import pools
-
-    pools.reset()
-    current_app._pool = None
-    current_app.amqp._producer_pool = None
-
-
 def _publish(planned: Planned, *, attempts: int = 30) -> None:
     from idempotent_orders.tasks import publish
 
@@ -520,7 +361,7 @@ def _publish(planned: Planned, *, attempts: int = 30) -> None:
             # The broker is restarting: the producer keeps its message and tries again.
             if attempt == attempts - 1:
                 raise
-            reset_publisher()
+            reset_broker_pools()
             time.sleep(0.5)
 
 
@@ -532,15 +373,6 @@ def unaccounted(planned: Sequence[Planned]) -> list[Planned]:
         )
     )
     return [p for p in planned if p.key not in have]
-
-
-def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def run_chaos(
@@ -570,11 +402,12 @@ def run_chaos(
             _publish(stream.planned[index])
         if b < len(schedule):
             target = ProcessedMessage.objects.filter(message_id__in=ids).count() + step
-            _wait(
+            wait_until(
                 lambda target=target: (
                     ProcessedMessage.objects.filter(message_id__in=ids).count() >= target
                 ),
                 timeout=20,
+                interval=0.05,
             )
             time.sleep(ctx.rng.uniform(0.0, 0.3))
             INJECTORS[schedule[b]](ctx)
@@ -613,16 +446,3 @@ def run_chaos(
         seconds=time.monotonic() - started,
         invariants=report,
     )
-
-
-def worker_env(*, broker_url: str, queue: str, cache_url: str, **extra: str) -> dict[str, str]:
-    """Environment of a chaos worker: the test database, a private queue, the given services."""
-    return {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.chaos_settings",
-        "IO_WORKER_DB": "1",
-        "IO_TEST_BROKER_URL": broker_url,
-        "IO_TEST_QUEUE": queue,
-        "IO_TEST_REDIS_URL": cache_url,
-        **extra,
-    }

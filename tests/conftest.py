@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,9 +14,10 @@ import pytest
 from django.conf import settings
 
 from idempotent_orders.models import Order
-
-ROOT = Path(__file__).resolve().parent.parent
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+from tests.services import IN_CI as IN_CI
+from tests.services import ROOT as ROOT
+from tests.services import Workers, reset_broker_pools, unavailable, worker_env
+from tests.services import wait_until as wait_until
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,10 +59,7 @@ def require_service(name: str, url: str) -> None:
     """Fail in CI, skip elsewhere, when a service the test needs is unreachable."""
     if service_reachable(url):
         return
-    message = f"{name} is not reachable at {url}"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: services are required)")
-    pytest.skip(f"{message}; start it to run this test")
+    unavailable(f"{name} is not reachable at {url}", hint="start it to run this test")
 
 
 _counter = itertools.count(1)
@@ -125,76 +117,6 @@ def shipment(
     return msg
 
 
-class Workers:
-    """Real ``celery worker`` processes on a private queue, against the test database."""
-
-    def __init__(self, broker_url: str, queue: str, env: dict[str, str]) -> None:
-        self.broker_url = broker_url
-        self.queue = queue
-        self.env = env
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-
-    def start(self, processes: int = 2, concurrency: int = 1) -> None:
-        for _ in range(processes):
-            log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{self.queue}-{len(self.procs)}.log"
-            self.logs.append(log)
-            handle = log.open("wb")
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "demo_project",
-                    "worker",
-                    "-Q",
-                    self.queue,
-                    "-c",
-                    str(concurrency),
-                    "-P",
-                    "prefork",
-                    "-n",
-                    f"{self.queue}-{len(self.procs)}@%h",
-                    "--loglevel",
-                    "INFO",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                ],
-                cwd=ROOT,
-                env=self.env,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            self.procs.append(proc)
-
-    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[index]
-        os.killpg(proc.pid, sig)
-        proc.wait(30)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return "\n".join(
-            f"--- {log}\n{log.read_text(errors='replace')[-chars:]}"
-            for log in self.logs
-            if log.exists()
-        )
-
-
 BROKERS = {
     "redis": lambda: settings.REDIS_URL.rsplit("/", 1)[0] + "/1",
     "rabbitmq": lambda: settings.RABBITMQ_URL,
@@ -220,17 +142,10 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
         url = BROKERS[broker]()
         require_service(broker, url)
         queue = f"io-test-{uuid.uuid4().hex[:10]}"
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "IO_WORKER_DB": "1",
-            "IO_TEST_BROKER_URL": url,
-            "IO_TEST_QUEUE": queue,
-            **(extra_env or {}),
-        }
+        env = worker_env(broker_url=url, queue=queue, **(extra_env or {}))
         current_app.conf.broker_url = url
         current_app.conf.task_default_queue = queue
-        _reset_broker_pools(current_app)
+        reset_broker_pools(current_app)
         workers = Workers(url, queue, env)
         workers.start(processes, concurrency)
         started.append(workers)
@@ -246,29 +161,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
             pass
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
-    _reset_broker_pools(current_app)
-
-
-def _reset_broker_pools(app: Any) -> None:
-    """Close the app's broker connections so the next publish uses the current broker URL.
-
-    kombu keeps closed pools in global registries keyed by URL and never reopens
-    them, so the registries are cleared too, not only the app's references.
-    """
-    from kombu import pools
-
-    pools.reset()
-    app._pool = None
-    app.amqp._producer_pool = None
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 60, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
+    reset_broker_pools(current_app)
 
 
 _dedup_cache_ok = True

@@ -23,7 +23,7 @@ from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, Proces
 from idempotent_orders.services import consume_message, surface_overdue_parked
 from idempotent_orders.signals import dedup_answered, parked_overdue
 from tests.conftest import ROOT, payment, shipment
-from tests.redis_server import RedisServer, private_redis_settings
+from tests.services import RedisServer, private_redis_settings
 
 S = OrderStatus
 
@@ -148,7 +148,7 @@ def test_redis_flushed_or_down_falls_back_to_the_database(make_order, redis_serv
     order = make_order()
     msg = payment(order)
     assert consume_message(msg, consumer="payments") is Outcome.APPLIED
-    redis_server.flush()
+    redis_server.flushall()
     assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
     assert layers[-2:] == ["redis-miss", "database-conflict"]
     redis_server.stop()

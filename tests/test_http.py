@@ -181,19 +181,24 @@ def test_same_key_other_route_is_another_scope(alice: Any) -> None:
     assert IdempotencyKey.objects.count() == 2
 
 
-def test_in_flight_is_409_with_retry_after(alice: Any) -> None:
+def in_flight_counter_key(user: Any, key: str, *, owner: str, lease: timedelta) -> None:
+    """A claim on POST /t/counter/ by another process; its lease ends ``lease`` from now."""
     IdempotencyKey.objects.create(
-        scope=scope_of(f"user:{alice.pk}", "POST", "/t/counter/"),
-        key="busy",
-        principal=f"user:{alice.pk}",
+        scope=scope_of(f"user:{user.pk}", "POST", "/t/counter/"),
+        key=key,
+        principal=f"user:{user.pk}",
         method="POST",
         route="/t/counter/",
         fingerprint=_fingerprint("/t/counter/", ORDER),
         state=KeyState.IN_FLIGHT,
-        lease_owner="someone",
-        lease_expires_at=timezone.now() + timedelta(seconds=30),
+        lease_owner=owner,
+        lease_expires_at=timezone.now() + lease,
         expires_at=timezone.now() + timedelta(days=1),
     )
+
+
+def test_in_flight_is_409_with_retry_after(alice: Any) -> None:
+    in_flight_counter_key(alice, "busy", owner="someone", lease=timedelta(seconds=30))
     response = post(client_for(alice), "/t/counter/", key="busy")
     problem(response, 409, "key-in-flight")
     assert response["Retry-After"] == "1"
@@ -201,18 +206,7 @@ def test_in_flight_is_409_with_retry_after(alice: Any) -> None:
 
 
 def test_expired_lease_is_taken_over(alice: Any) -> None:
-    IdempotencyKey.objects.create(
-        scope=scope_of(f"user:{alice.pk}", "POST", "/t/counter/"),
-        key="crashed",
-        principal=f"user:{alice.pk}",
-        method="POST",
-        route="/t/counter/",
-        fingerprint=_fingerprint("/t/counter/", ORDER),
-        state=KeyState.IN_FLIGHT,
-        lease_owner="dead-worker",
-        lease_expires_at=timezone.now() - timedelta(seconds=1),
-        expires_at=timezone.now() + timedelta(days=1),
-    )
+    in_flight_counter_key(alice, "crashed", owner="dead-worker", lease=-timedelta(seconds=1))
     assert post(client_for(alice), "/t/counter/", key="crashed").status_code == 201
     assert http_urls.RUNS["counter"] == 1
     assert IdempotencyKey.objects.get().state == KeyState.COMPLETED

@@ -67,11 +67,8 @@ def test_worker_killed_between_claim_and_completion(celery_workers, make_order) 
     time.sleep(LEASE + 1)
     assert leases.expired().count() == 0, workers.log_tail()
     # Kill the worker process (group) that runs each hanging call.
-    groups = {os.getpgid(r.pid) for r in WarehouseRequest.objects.all()}
-    killed = [i for i, proc in enumerate(workers.procs) if proc.pid in groups]
+    killed = workers.kill_holders(r.pid for r in WarehouseRequest.objects.all())
     assert len(killed) == 2, workers.log_tail()
-    for index in killed:
-        workers.kill(index)
 
     def expired() -> bool:
         return leases.expired().count() == 2
@@ -180,11 +177,8 @@ def test_external_call_killed_between_claim_and_completion(celery_workers) -> No
     assert wait_until(called, timeout=90), workers.log_tail()
     rows = ProcessedMessage.objects.filter(consumer="partner-webhook", message_id__in=refs)
     assert {r.status for r in rows} == {InboxStatus.PROCESSING}
-    groups = {os.getpgid(r.pid) for r in WebhookDelivery.objects.filter(ref__in=refs)}
-    killed = [i for i, proc in enumerate(workers.procs) if proc.pid in groups]
+    killed = workers.kill_holders(r.pid for r in WebhookDelivery.objects.filter(ref__in=refs))
     assert len(killed) == 2, workers.log_tail()
-    for index in killed:
-        workers.kill(index)
 
     def expired() -> bool:
         return leases.expired().filter(consumer="partner-webhook").count() == 2

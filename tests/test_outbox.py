@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from idempotent_orders.models import OutboxMessage, OutboxStatus, ProcessedMessa
 from idempotent_orders.outbox import outbox_stats, publish_on_commit, purge_outbox, relay_outbox
 from idempotent_orders.signals import outbox_relayed
 from tests.conftest import ROOT, wait_until
+from tests.services import kill_group
 
 pytestmark = pytest.mark.django_db
 
@@ -242,8 +242,7 @@ def test_killed_relay_loses_nothing_and_consumers_apply_each_id_once(
     try:
         assert wait_until(marker.exists, timeout=60)
     finally:
-        os.killpg(relay.pid, signal.SIGKILL)
-        relay.wait(30)
+        kill_group(relay)
     # The 5 were published, yet every row is still pending: the mark died with the relay.
     assert OutboxMessage.objects.filter(status=OutboxStatus.PENDING).count() == rows
     assert wait_until(lambda: points("grace") == 5, timeout=60), workers.log_tail()
@@ -262,8 +261,7 @@ def test_killed_relay_loses_nothing_and_consumers_apply_each_id_once(
             timeout=60,
         )
     finally:
-        os.killpg(restarted.pid, signal.SIGTERM)
-        restarted.wait(30)
+        kill_group(restarted, signal.SIGTERM)
 
     def deliveries() -> int:
         return sum(log.read_text(errors="replace").count("succeeded") for log in workers.logs)

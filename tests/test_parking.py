@@ -12,7 +12,7 @@ from idempotent_orders import services
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage
 from idempotent_orders.services import consume_message
 from tests.conftest import payment, shipment
-from tests.redis_server import RedisServer, private_redis_settings
+from tests.services import RedisServer, private_redis_settings
 
 
 @pytest.mark.backends("postgresql")

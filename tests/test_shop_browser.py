@@ -11,7 +11,7 @@ import pytest
 
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
-from tests.conftest import IN_CI
+from tests.services import unavailable
 
 CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = [
@@ -38,10 +38,7 @@ def require_chromium() -> Any:
         missing.append("Playwright is not installed (pip install -e '.[test]')")
         sync_api = None
     if missing:
-        reason = "; ".join(missing)
-        if IN_CI:
-            pytest.fail(f"{reason} (CI=true: the browser test is required)")
-        pytest.skip(reason)
+        unavailable("; ".join(missing), required="the browser test is required")
     return sync_api
 
 

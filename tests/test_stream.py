@@ -29,7 +29,7 @@ from idempotent_orders.models import (
 from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import publish
 from tests.conftest import payment, shipment, wait_until
-from tests.redis_server import RedisServer, private_redis_settings
+from tests.services import RedisServer, private_redis_settings
 
 pytestmark = [pytest.mark.backends("postgresql"), pytest.mark.services]
 
@@ -107,17 +107,6 @@ def all_done(orders: list[Order], unique: list[Message]) -> Callable[[], bool]:
     return check
 
 
-def fresh_producer_pools() -> None:
-    """The celery_workers fixture force-closes the app's pool, which leaves the
-    cached producer pool closed ("Acquire on closed pool"); start new ones."""
-    from celery import current_app
-    from kombu import pools
-
-    current_app._pool = None
-    current_app.amqp._producer_pool = None
-    pools.reset()
-
-
 def publish_all(stream: list[Message]) -> None:
     for message, consumer in stream:
         publish(message, consumer=consumer)
@@ -132,7 +121,6 @@ def test_shuffled_stream_through_threads_and_processes_then_resend(
     unique, stream = build_stream(orders, rng)
     stats.reset(shared=True)
     workers = celery_workers("redis", processes=2, concurrency=2)
-    fresh_producer_pools()
     # Half the copies go to worker processes, the other half to threads here, at once.
     to_workers, here = stream[::2], stream[1::2]
     sender = threading.Thread(target=publish_all, args=(to_workers,))
@@ -185,11 +173,10 @@ def test_stream_stays_exactly_once_when_redis_is_flushed_then_down(
                 concurrency=1,
                 extra_env={"IO_TEST_DEDUP_REDIS_URL": server.url},
             )
-            fresh_producer_pools()
             third = len(stream) // 3
             publish_all(stream[:third])
             consume_in_threads(stream[third : 2 * third], threads=2)
-            server.flush()  # mid-run: every processed: key is gone
+            server.flushall()  # mid-run: every processed: key is gone
             publish_all(stream[2 * third :])
             consume_in_threads(stream[2 * third :], threads=2)
             server.stop()  # and now Redis is down for everyone

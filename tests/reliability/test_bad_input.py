@@ -18,7 +18,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message
-from tests.chaos import Planned, build_stream, check_invariants, make_orders, reset_publisher
+from tests.chaos import Planned, build_stream, check_invariants, make_orders
 from tests.conftest import wait_until
 from tests.reliability.corpus import BadCase, corpus
 
@@ -73,7 +73,6 @@ def test_workers_reject_the_corpus_and_keep_consuming(
 ) -> None:
     """The corpus interleaved with valid lifecycles, through a real broker and two workers."""
     workers = celery_workers("redis", processes=2)
-    reset_publisher()  # the fixture's force_close_all() leaves kombu's closed pool registered
     order, cancelled = _orders(make_order)
     bad = [c for c in corpus(order, cancelled, tag=uuid.uuid4().hex[:6]) if c.over_the_wire]
     rng = random.Random()

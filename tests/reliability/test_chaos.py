@@ -15,16 +15,13 @@ from django.conf import settings
 
 from tests.chaos import (
     ChaosContext,
-    ChaosWorkers,
-    PrivateRedis,
     build_stream,
     make_orders,
     rabbitmq_restart,
-    reset_publisher,
     run_chaos,
-    worker_env,
 )
-from tests.conftest import IN_CI, require_service
+from tests.conftest import require_service
+from tests.services import RedisServer, Workers, reset_broker_pools, worker_env
 
 pytestmark = [
     pytest.mark.backends("postgresql"),
@@ -62,12 +59,8 @@ def schedule(kills: int) -> tuple[str, ...]:
 
 
 @pytest.fixture
-def private_redis() -> Iterator[PrivateRedis]:
-    if not PrivateRedis.available():
-        if IN_CI:
-            pytest.fail("redis-server is not installed (CI=true: services are required)")
-        pytest.skip("redis-server is not installed")
-    redis = PrivateRedis()
+def private_redis() -> Iterator[RedisServer]:
+    redis = RedisServer()
     redis.start()
     yield redis
     redis.stop()
@@ -78,15 +71,15 @@ def use_broker() -> Iterator[None]:
     before = (current_app.conf.broker_url, current_app.conf.task_default_queue)
     yield
     current_app.conf.broker_url, current_app.conf.task_default_queue = before
-    reset_publisher()
+    reset_broker_pools()
 
 
-def _run(broker: str, load: Load, private_redis: PrivateRedis) -> None:
+def _run(broker: str, load: Load, private_redis: RedisServer) -> None:
     seed = _env_int("IO_CHAOS_SEED", random.randrange(2**32))
     rng = random.Random(seed)
     queue = f"io-chaos-{uuid.uuid4().hex[:10]}"
     if broker == "redis":
-        broker_url = private_redis.url(0)
+        broker_url = private_redis.url
         restart = private_redis.restart
     else:
         broker_url = settings.RABBITMQ_URL
@@ -95,14 +88,19 @@ def _run(broker: str, load: Load, private_redis: PrivateRedis) -> None:
         restart = rabbitmq_restart if os.environ.get("IO_CHAOS_RESTART_RABBITMQ") == "1" else None
     current_app.conf.broker_url = broker_url
     current_app.conf.task_default_queue = queue
-    reset_publisher()
+    reset_broker_pools()
 
     orders = make_orders(load.orders)
     stream = build_stream(orders, rng=rng, max_copies=load.max_copies)
-    workers = ChaosWorkers(
+    workers = Workers(
         broker_url=broker_url,
         queue=queue,
-        env=worker_env(broker_url=broker_url, queue=queue, cache_url=private_redis.url(1)),
+        env=worker_env(
+            broker_url=broker_url,
+            queue=queue,
+            settings_module="tests.chaos_settings",
+            IO_TEST_REDIS_URL=private_redis.db_url(1),
+        ),
     )
     workers.start(load.workers)
     ctx = ChaosContext(
@@ -132,7 +130,7 @@ def _run(broker: str, load: Load, private_redis: PrivateRedis) -> None:
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_exactly_once_under_faults(
-    broker: str, transactional_db: None, private_redis: PrivateRedis, use_broker: None
+    broker: str, transactional_db: None, private_redis: RedisServer, use_broker: None
 ) -> None:
     _run(broker, BOUNDED, private_redis)
 
@@ -140,6 +138,6 @@ def test_exactly_once_under_faults(
 @pytest.mark.slow
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_exactly_once_under_faults_long(
-    broker: str, transactional_db: None, private_redis: PrivateRedis, use_broker: None
+    broker: str, transactional_db: None, private_redis: RedisServer, use_broker: None
 ) -> None:
     _run(broker, LONG, private_redis)
