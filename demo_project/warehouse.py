@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 
-from demo_project.models import WarehouseRequest, WarehouseScript
+from demo_project.models import WarehouseRequest, WarehouseScript, WebhookScript
 from idempotent_orders.fulfilment import WarehouseClient, WarehouseError
 from idempotent_orders.models import Order
 
@@ -40,15 +41,20 @@ def effects(order_id: int | None = None) -> int:
     return rows.count()
 
 
-def _next_mode(order_id: int) -> str:
+def next_scripted_mode(model: type[WarehouseScript] | type[WebhookScript], **lookup: Any) -> str:
+    """Pop the next scripted answer of a fake (``"ok"`` once the script is used up)."""
     with transaction.atomic():
-        row = WarehouseScript.objects.select_for_update().filter(order_id=order_id).first()
+        row = model.objects.select_for_update().filter(**lookup).first()
         if row is None or not row.modes:
             return "ok"
         mode = str(row.modes[0])
         row.modes = row.modes[1:]
         row.save(update_fields=["modes"])
         return mode
+
+
+def _next_mode(order_id: int) -> str:
+    return next_scripted_mode(WarehouseScript, order_id=order_id)
 
 
 class FakeWarehouse(WarehouseClient):

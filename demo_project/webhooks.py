@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
 
 from demo_project.models import WebhookDelivery, WebhookScript
+from demo_project.warehouse import next_scripted_mode
 
 #: ``ok``; ``fail`` (refused, no effect); ``hang`` (no effect, blocks, then
 #: times out); ``effect_then_hang`` (effect, then blocks before replying).
@@ -38,14 +38,7 @@ def effects(ref: str) -> int:
 
 
 def _next_mode(ref: str) -> str:
-    with transaction.atomic():
-        row = WebhookScript.objects.select_for_update().filter(ref=ref).first()
-        if row is None or not row.modes:
-            return "ok"
-        mode = str(row.modes[0])
-        row.modes = row.modes[1:]
-        row.save(update_fields=["modes"])
-        return mode
+    return next_scripted_mode(WebhookScript, ref=ref)
 
 
 def post(ref: str, payload: dict[str, Any], *, idempotency_key: str) -> None:

@@ -168,17 +168,7 @@ def idempotent(
                     outcome = Outcome.APPLIED
                 # Sent once the caller's outer transaction (if any) has committed too.
                 transaction.on_commit(
-                    functools.partial(
-                        message_consumed.send,
-                        sender=ProcessedMessage,
-                        consumer=name,
-                        message_id=message_id,
-                        message_type="",
-                        order_id=None,
-                        outcome=outcome,
-                        reason="already processed" if outcome is Outcome.DUPLICATE else "",
-                    ),
-                    using=using,
+                    functools.partial(_consumed, name, message_id, outcome), using=using
                 )
             return result
 
