@@ -20,7 +20,7 @@ def _measure(broker: str, url: str, processes: int) -> tuple[float, float]:
     from idempotent_orders.tasks import consume_payment
     from tests.conftest import Workers
 
-    queue = f"bench-h7-{uuid.uuid4().hex[:8]}"
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "bench.settings",
@@ -32,7 +32,7 @@ def _measure(broker: str, url: str, processes: int) -> tuple[float, float]:
     workers = Workers(url, queue, env)
     workers.start(processes, 1)
     client = redis.Redis.from_url(settings.REDIS_URL)
-    counter = f"bench-h7:{queue}"
+    counter = f"bench:{queue}"
     try:
         with current_app.connection_for_write() as conn:
             from bench.tasks import noop
