@@ -41,16 +41,11 @@ def _measure(url: str, variant: str) -> tuple[int, int]:
 
     from bench import tasks
     from idempotent_orders.models import Order
-    from tests.conftest import Workers
+    from tests.services import Workers, worker_env
 
     queue = f"bench-once-{uuid.uuid4().hex[:8]}"
     counter = f"bench-once:{queue}"
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "IO_TEST_BROKER_URL": url,
-        "IO_TEST_QUEUE": queue,
-    }
+    env = worker_env(broker_url=url, queue=queue, settings_module="bench.settings")
     current_app.conf.broker_url = url
     client = redis.Redis.from_url(settings.REDIS_URL)
     task = tasks.once_effect if variant == "celery-once" else tasks.idempotent_effect

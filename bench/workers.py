@@ -18,15 +18,10 @@ def _measure(broker: str, url: str, processes: int) -> tuple[float, float]:
 
     from idempotent_orders.models import ProcessedMessage
     from idempotent_orders.tasks import consume_payment
-    from tests.conftest import Workers
+    from tests.services import Workers, worker_env
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
-        "IO_TEST_BROKER_URL": url,
-        "IO_TEST_QUEUE": queue,
-    }
+    env = worker_env(broker_url=url, queue=queue, settings_module="bench.settings")
     current_app.conf.broker_url = url
     current_app.conf.task_default_queue = queue
     workers = Workers(url, queue, env)
