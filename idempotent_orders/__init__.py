@@ -1,3 +1,34 @@
 """Idempotent order workflows for Django."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from idempotent_orders.models import AbstractOrder
+
 __version__ = "0.1.0"
+__all__ = ["get_order_model"]
+
+
+def get_order_model() -> type[AbstractOrder]:
+    """The order model in use: ``settings.IDEMPOTENT_ORDERS_ORDER_MODEL`` (default
+    ``"idempotent_orders.Order"``), as ``get_user_model()`` is for the user.
+    """
+    from django.apps import apps
+    from django.core.exceptions import ImproperlyConfigured
+
+    from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
+
+    label = order_model_label()
+    try:
+        model = apps.get_model(label, require_ready=False)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"{ORDER_MODEL_SETTING} must be of the form 'app_label.ModelName', not {label!r}"
+        ) from None
+    except LookupError:
+        raise ImproperlyConfigured(
+            f"{ORDER_MODEL_SETTING} refers to model {label!r}, which is not installed"
+        ) from None
+    return model

@@ -1,5 +1,7 @@
 """Django application configuration for idempotent_orders."""
 
+import contextlib
+
 from django.apps import AppConfig
 
 
@@ -13,3 +15,22 @@ class IdempotentOrdersConfig(AppConfig):
         from idempotent_orders.observability import connect
 
         connect()  # Prometheus metrics, when prometheus-client is installed
+        _register_built_in_types()
+
+        from idempotent_orders import fulfilment, transitions
+
+        transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
+
+
+def _register_built_in_types() -> None:
+    """Bind the built-in message types to the order model's transitions of the same name.
+
+    A misconfigured order model is reported by the system checks, not raised here.
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    from idempotent_orders import get_order_model, handlers
+    from idempotent_orders.exceptions import UnknownTransition
+
+    with contextlib.suppress(ImproperlyConfigured, UnknownTransition):
+        handlers.register_built_in(get_order_model())

@@ -8,13 +8,14 @@ would, in far fewer round trips. In one transaction it
    are new, every other id is a duplicate — the unique index stays the only
    authority;
 2. locks the batch's orders (``SELECT ... FOR UPDATE``, by primary key so two
-   batches never deadlock on each other) and decides each new message with the
-   single path's own rules, in arrival order, against the order as the
-   previous messages of the batch left it;
+   batches never deadlock on each other) and decides each new message with
+   :func:`idempotent_orders.engine.decide` — the single path's own decision —
+   in arrival order, against the order as the batch's earlier messages left it;
 3. writes every changed order with one conditional ``UPDATE`` (``WHERE id=:id
    AND version=:v`` per row), parks early messages and records the outcomes.
 
-After commit it releases parked successors, as the single path does.
+After commit it releases parked successors and only then writes the fast-path
+keys, as the single path does.
 """
 
 from __future__ import annotations
@@ -23,31 +24,45 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import Case, F, Field, Model, Q, Value, When
-from django.db.models.expressions import DatabaseDefault
 from django.utils import timezone
 
-from idempotent_orders import dedup
-from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
-from idempotent_orders.models import InboxStatus, Order, Outcome, ParkedMessage, ProcessedMessage
-from idempotent_orders.services import (
-    _BODY_EXCERPT,
+from idempotent_orders import dedup, get_order_model
+from idempotent_orders.engine import (
+    BODY_EXCERPT,
     Envelope,
-    _announce,
-    _decide,
-    _Decision,
-    _serialise,
-    consume_message,
+    Verdict,
+    announce,
+    decide,
+    is_retryable,
     parse_envelope,
-    release_parked,
+    serialise,
+    unknown_order,
 )
-from idempotent_orders.signals import order_transitioned
-from idempotent_orders.transitions import _state_field, edge
+from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
+from idempotent_orders.models import (
+    AbstractOrder,
+    InboxStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
+from idempotent_orders.services import consume_message, park, release_parked
+from idempotent_orders.signals import message_released
+from idempotent_orders.statements import insert_inbox_rows
+from idempotent_orders.transitions import (
+    TransitionResult,
+    advance,
+    state_field,
+    transition_starting,
+    transition_written,
+    written_values,
+)
 
 __all__ = ["consume_batch"]
 
@@ -64,13 +79,16 @@ class _Item:
     index: int
     envelope: Envelope
     pk: int = 0
+    #: The outcome this delivery reports (what the single path returns for it).
     outcome: Outcome = Outcome.APPLIED
     reason: str = ""
+    #: The outcome its inbox row ends with, when it differs: a message parked
+    #: and released within the batch reports ``parked`` and records the release.
+    recorded_outcome: Outcome | None = None
     #: The inbox row as inserted is final (an applied message, or an unknown order).
     recorded: bool = True
     #: The order exists: its parked successors are worth a look after commit.
     order_exists: bool = True
-    transitions: list[tuple[str, str, str, int]] = field(default_factory=list)
 
 
 def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
@@ -112,7 +130,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             repeats.append((index, envelope))
             continue
         if dedup.seen(consumer, envelope.message_id):
-            _announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
+            announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
             outcomes[index] = Outcome.DUPLICATE
             continue
         items[envelope.message_id] = _Item(index=index, envelope=envelope)
@@ -127,7 +145,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             try:
                 claimed = _transact(consumer, fresh)
             except OperationalError as exc:
-                if attempt + 1 == attempts or not _is_deadlock(exc):
+                if attempt + 1 == attempts or not is_retryable(exc):
                     raise
                 time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
             else:
@@ -138,16 +156,13 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     for item in items.values():
         if item.envelope.message_id in claimed_ids:
             outcomes[item.index] = item.outcome
-            transaction.on_commit(
-                functools.partial(dedup.remember, consumer, item.envelope.message_id)
-            )
-            _announce(consumer, item.envelope, item.outcome, item.reason)
+            announce(consumer, item.envelope, item.outcome, item.reason)
         else:
             outcomes[item.index] = Outcome.DUPLICATE
-            _announce(consumer, item.envelope, Outcome.DUPLICATE, "already in the inbox")
+            announce(consumer, item.envelope, Outcome.DUPLICATE, "already in the inbox")
     for index, envelope in repeats:
         outcomes[index] = Outcome.DUPLICATE
-        _announce(consumer, envelope, Outcome.DUPLICATE, "repeated within the batch")
+        announce(consumer, envelope, Outcome.DUPLICATE, "repeated within the batch")
 
     # Every message may unblock a parked successor, a duplicate too: it may be
     # the redelivery of a batch whose release was cut short (see consume_message).
@@ -162,6 +177,10 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         )
         for order_id in sorted(set(waiting)):
             release_parked(order_id)
+    # Remembered last, as the single path does: a worker that dies before this
+    # point leaves no fast-path key, so the redelivery reaches the database.
+    for message_id in items:
+        dedup.remember_on_commit(consumer, message_id)
     return outcomes
 
 
@@ -179,7 +198,11 @@ def _transact(consumer: str, items: dict[str, _Item]) -> list[_Item]:
             orders = _lock_orders(order_ids)
             known = set(orders)
         else:
-            known = set(Order.objects.filter(pk__in=order_ids).values_list("pk", flat=True))
+            known = set(
+                get_order_model()
+                ._default_manager.filter(pk__in=order_ids)
+                .values_list("pk", flat=True)
+            )
         new_ids = _claim(consumer, list(items.values()), known)
         claimed = [items[m] for m in sorted(new_ids, key=lambda m: items[m].index)]
         for item in claimed:
@@ -188,17 +211,6 @@ def _transact(consumer: str, items: dict[str, _Item]) -> list[_Item]:
             orders = _lock_orders({i.envelope.order_id for i in claimed} & known)
         _decide_and_write(consumer, claimed, orders)
     return claimed
-
-
-def _is_deadlock(exc: OperationalError) -> bool:
-    cause = exc.__cause__
-    return getattr(cause, "sqlstate", None) == "40P01" or (
-        bool(exc.args) and exc.args[0] == 1213  # MySQL/MariaDB ER_LOCK_DEADLOCK
-    )
-
-
-def _unknown(order_id: int) -> str:
-    return f"unknown order {order_id}"
 
 
 def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]:
@@ -214,10 +226,10 @@ def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]
         if env.order_id in known:
             status, outcome, error, body = InboxStatus.DONE, Outcome.APPLIED, "", ""
         else:  # decided now: nothing else can change an unknown order's verdict
-            item.outcome, item.reason = Outcome.REJECTED, _unknown(env.order_id)
+            item.outcome, item.reason = Outcome.REJECTED, unknown_order(env).reason
             item.order_exists = False
             status, outcome, error = InboxStatus.REJECTED, Outcome.REJECTED, item.reason
-            body = _serialise(env.as_dict())[:_BODY_EXCERPT]
+            body = serialise(env.as_dict())[:BODY_EXCERPT]
         rows.append(
             ProcessedMessage(
                 consumer=consumer,
@@ -233,150 +245,202 @@ def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]
                 updated_at=now,
             )
         )
-    return _insert_ignoring_conflicts(rows)
+    return insert_inbox_rows(rows)
 
 
-def _insert_ignoring_conflicts(rows: list[ProcessedMessage]) -> dict[str, int]:
-    meta = ProcessedMessage._meta
-    qn = connection.ops.quote_name
-    # Every column the model would write, except the key and the columns left
-    # to their database default; prepared by the fields themselves (auto_now too).
-    fields = [
-        f
-        for f in meta.concrete_fields
-        if not f.primary_key and not isinstance(getattr(rows[0], f.attname), DatabaseDefault)
-    ]
-    columns = ", ".join(qn(str(f.column)) for f in fields)
-    placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    params: list[Any] = []
-    for row in rows:
-        params.extend(f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields)
-    table = qn(meta.db_table)
-    pk = qn(str(meta.pk.column if meta.pk else "id"))
-    message_id = qn(str(_concrete(ProcessedMessage, "message_id").column))
-    returning = f"RETURNING {pk}, {message_id}"
-    if connection.vendor == "mysql":
-        # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
-        # is ignored in practice: ids longer than the column never get here.
-        head, tail = f"INSERT IGNORE INTO {table}", returning
-    else:
-        unique = ", ".join(
-            qn(str(_concrete(ProcessedMessage, name).column)) for name in ("consumer", "message_id")
-        )
-        head, tail = f"INSERT INTO {table}", f"ON CONFLICT ({unique}) DO NOTHING {returning}"
-    new: dict[str, int] = {}
-    with connection.cursor() as cursor:
-        if connection.features.can_return_rows_from_bulk_insert:
-            values = ", ".join([placeholder] * len(rows))
-            cursor.execute(f"{head} ({columns}) VALUES {values} {tail}", params)
-            new.update((mid, pk_) for pk_, mid in cursor.fetchall())
-        else:  # an old SQLite without RETURNING: one row at a time, same semantics
-            width = len(fields)
-            for n, row in enumerate(rows):
-                cursor.execute(
-                    f"{head} ({columns}) VALUES {placeholder} {tail}",
-                    params[n * width : (n + 1) * width],
-                )
-                found = cursor.fetchall()
-                if found:
-                    new[row.message_id] = found[0][0]
-    return new
-
-
-def _lock_orders(order_ids: set[int]) -> dict[int, Order]:
+def _lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
     """The orders, locked in primary key order so that concurrent batches queue, never deadlock."""
     if not order_ids:
         return {}
-    return {
-        o.pk: o for o in Order.objects.select_for_update().filter(pk__in=order_ids).order_by("pk")
-    }
+    locked = get_order_model()._default_manager.select_for_update().filter(pk__in=order_ids)
+    return {o.pk: o for o in locked.order_by("pk")}
 
 
-def _decide_and_write(consumer: str, claimed: list[_Item], orders: dict[int, Order]) -> None:
+@dataclass
+class _Waiting:
+    """A parked message of a locked order: parked earlier (``row``) or earlier in this batch."""
+
+    consumer: str
+    envelope: Envelope | None
+    row: ParkedMessage | None = None
+    item: _Item | None = None
+    #: Why it cannot be read (a handler was unregistered since it was parked).
+    unreadable: str = ""
+
+
+def _waiting_key(vendor: str) -> Callable[[tuple[int, _Waiting]], tuple[Any, ...]]:
+    """The order ``release_parked`` takes parked rows in: ``ORDER BY seq, id`` as the
+    database sorts it (NULL last on PostgreSQL, first elsewhere), batch items last.
+    """
+    nulls_last = vendor == "postgresql"
+
+    def key(entry: tuple[int, _Waiting]) -> tuple[Any, ...]:
+        position, waiting = entry
+        seq = waiting.envelope.seq if waiting.envelope is not None else None
+        if seq is None and waiting.row is not None:
+            seq = waiting.row.seq
+        return ((seq is None) == nulls_last, seq or 0, position)
+
+    return key
+
+
+def _parked_before(orders: Mapping[int, AbstractOrder]) -> dict[int, list[_Waiting]]:
+    """The parked messages of the locked orders that have any, as ``release_parked`` reads them."""
+    flagged = [pk for pk, order in orders.items() if order.has_parked]
+    waiting: dict[int, list[_Waiting]] = {}
+    if not flagged:
+        return waiting
+    for row in ParkedMessage.objects.filter(order_id__in=flagged).order_by("seq", "id"):
+        try:
+            envelope: Envelope | None = parse_envelope(row.envelope, consumer=row.consumer)
+            unreadable = ""
+        except InvalidMessage as exc:
+            envelope, unreadable = None, exc.message
+        waiting.setdefault(row.order_id, []).append(
+            _Waiting(row.consumer, envelope, row=row, unreadable=unreadable)
+        )
+    return waiting
+
+
+def _decide_and_write(
+    consumer: str, claimed: list[_Item], orders: dict[int, AbstractOrder]
+) -> None:
+    """Decide each claimed message with the engine, in arrival order, then write them all.
+
+    The single path releases an order's parked messages after each message it
+    consumes; so does this loop, in memory, before the next message of the
+    batch is decided: messages parked before the batch and messages of the
+    batch itself that can now go ahead are decided in ``release_parked``'s
+    order. What is still waiting at the end is parked.
+    """
     live = [i for i in claimed if i.order_exists]
     if not live:
         return
+    model = get_order_model()
+    state_name = state_field(model).name
     read_version = {pk: o.version for pk, o in orders.items()}
     changed: dict[int, dict[str, Any]] = {}
-    parked: list[_Item] = []
-    state_field = _state_field(Order)
+    transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
+    waiting = _parked_before(orders)
+    released: list[tuple[_Waiting, Verdict]] = []
+    order_key = _waiting_key(connection.vendor)
+
+    def take(order: AbstractOrder, verdict: Verdict) -> None:
+        """The verdict's effect on the order, in memory (written by one UPDATE later)."""
+        if verdict.transition:
+            transition_starting(order, verdict.transition)
+            values = written_values(model, verdict.values)
+            result = advance(order, verdict.transition, values)
+            changed.setdefault(order.pk, {}).update(
+                values, **{state_name: result.target, "version": result.version}
+            )
+            transitions.append((order, verdict.transition, result))
+        elif verdict.outcome is not Outcome.PARKED and verdict.advance_to is not None:
+            order.last_seq = verdict.advance_to
+            changed.setdefault(order.pk, {})["last_seq"] = verdict.advance_to
+
+    def release(order: AbstractOrder) -> None:
+        """``release_parked`` for one order: the first that can go ahead, again and again."""
+        queue = waiting.get(order.pk)
+        progressed = True
+        while queue and progressed:
+            progressed = False
+            for position, entry in sorted(enumerate(queue), key=order_key):
+                if entry.envelope is None:
+                    verdict = Verdict(Outcome.REJECTED, entry.unreadable)
+                else:
+                    verdict = decide(order, entry.envelope)
+                    if verdict.outcome is Outcome.PARKED:
+                        continue
+                    take(order, verdict)
+                del queue[position]
+                if entry.item is not None:  # parked earlier in this batch: its row is final
+                    entry.item.recorded_outcome, entry.item.reason = verdict.outcome, verdict.reason
+                    entry.item.recorded = False
+                else:
+                    released.append((entry, verdict))
+                progressed = True
+                break
+
     for item in live:
         env = item.envelope
         order = orders.get(env.order_id)
         if order is None:  # deleted between the two reads
-            item.outcome, item.reason = Outcome.REJECTED, _unknown(env.order_id)
+            item.outcome, item.reason = Outcome.REJECTED, unknown_order(env).reason
             item.order_exists, item.recorded = False, False
             continue
-        try:
-            fields = env.handler.validate(order, env.payload)
-        except InvalidMessage as exc:
-            decision, fields = _Decision(Outcome.REJECTED, exc.message), {}
-        else:
-            decision = _decide(order, env)
-        item.outcome = decision.outcome or Outcome.APPLIED
-        item.reason = decision.reason
+        # Each message meets the order as the batch's earlier messages left it.
+        verdict = decide(order, env)
+        item.outcome, item.reason = verdict.outcome, verdict.reason
         item.recorded = item.outcome is Outcome.APPLIED
-        in_sequence = env.seq is not None and env.seq == order.last_seq + 1
-        if decision.outcome is None:
-            transition = edge(Order, env.handler.transition)
-            source = order.status
-            meta = getattr(Order, transition.name)._django_fsm
-            if not meta.conditions_met(order, source):
-                raise ConcurrentUpdate(
-                    f"order {order.pk}: a condition of {transition.name} does not hold"
-                )
-            if env.seq is not None:
-                fields = {**fields, "last_seq": env.seq}
-            state_field.set_state(order, transition.target)
-            order.version += 1
-            for name, value in fields.items():
-                setattr(order, name, value)
-            changed.setdefault(order.pk, {}).update(
-                fields, status=transition.target, version=order.version
-            )
-            item.transitions.append((transition.name, source, transition.target, order.version))
-        elif item.outcome is Outcome.PARKED:
-            parked.append(item)
-        elif in_sequence:
-            order.last_seq = env.seq or 0
-            changed.setdefault(order.pk, {})["last_seq"] = env.seq
+        if verdict.outcome is Outcome.PARKED:
+            queue = waiting.setdefault(order.pk, [])
+            if env.seq is not None and any(
+                w.envelope is not None and w.envelope.seq == env.seq for w in queue
+            ):
+                # Another message already waits with this (order, seq): a producer bug.
+                item.outcome = Outcome.REJECTED
+                item.reason = f"another message is already parked with seq {env.seq}"
+                continue
+            queue.append(_Waiting(consumer, env, item=item))
+        else:
+            take(order, verdict)
+        release(order)
 
     if changed:
         _update_orders(changed, read_version)
+    parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]
     for item in parked:
-        _park(consumer, item)
+        if not park(consumer, item.envelope, orders[item.envelope.order_id], item.reason):
+            # Another message already waits with this (order, seq): a producer bug.
+            item.outcome = item.recorded_outcome = Outcome.REJECTED
+            item.reason = f"another message is already parked with seq {item.envelope.seq}"
     flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
     flag = {pk for pk in flag if not orders[pk].has_parked}
     if flag:
         # The single path skips its look for parked successors on orders whose
         # flag it read false; the orders are locked, so this lands before any
         # such consumer's conditional write.
-        Order.objects.filter(pk__in=flag).update(has_parked=True)
+        model._default_manager.filter(pk__in=flag).update(has_parked=True)
         for pk in flag:
             orders[pk].has_parked = True
+    _record_released(released)
     _record_outcomes(claimed)
-    for item in live:
-        for name, source, target, version in item.transitions:
-            order = orders[item.envelope.order_id]
-            transaction.on_commit(
-                functools.partial(
-                    order_transitioned.send,
-                    sender=Order,
-                    order=order,
-                    transition=name,
-                    source=source,
-                    target=target,
-                    version=version,
-                )
+    for order, name, result in transitions:
+        transition_written(order, name, result)
+
+
+def _record_released(released: list[tuple[_Waiting, Verdict]]) -> None:
+    """Messages parked before the batch and released in it: claim the parked row, record."""
+    for entry, verdict in released:
+        assert entry.row is not None
+        ParkedMessage.objects.filter(pk=entry.row.pk).delete()
+        ProcessedMessage.objects.filter(
+            consumer=entry.consumer, message_id=entry.row.message_id
+        ).update(
+            outcome=verdict.outcome,
+            status=verdict.inbox_status,
+            error=verdict.reason,
+            attempts=F("attempts") + 1,
+        )
+        transaction.on_commit(
+            functools.partial(
+                message_released.send,
+                sender=ParkedMessage,
+                consumer=entry.consumer,
+                message_id=entry.row.message_id,
+                order_id=entry.row.order_id,
+                outcome=verdict.outcome,
             )
+        )
 
 
 def _update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[int, int]) -> None:
     """One conditional UPDATE of every changed order: ``WHERE (id=:id AND version=:v) OR ...``."""
-    now = timezone.now()
+    model = get_order_model()
     names = sorted({name for values in changed.values() for name in values})
     if connection.vendor == "postgresql":
-        _update_orders_from_values(changed, read_version, names, now)
+        _update_orders_from_values(model, changed, read_version, names)
         return
     assignments: dict[str, Any] = {
         name: Case(
@@ -386,14 +450,14 @@ def _update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[
                 if name in values
             ),
             default=F(name),
-            output_field=_concrete(Order, name),
+            output_field=_concrete(model, name),
         )
         for name in names
     }
     condition = Q()
     for pk in changed:
         condition |= Q(pk=pk, version=read_version[pk])
-    rows = Order.objects.filter(condition).update(**assignments, updated_at=now)
+    rows = model._default_manager.filter(condition).update(**assignments)
     if rows != len(changed):
         # The rows are locked, so this means a writer ignored the lock (or a
         # database without row locks let one through): start the batch again.
@@ -401,20 +465,21 @@ def _update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[
 
 
 def _update_orders_from_values(
+    model: type[Model],
     changed: Mapping[int, dict[str, Any]],
     read_version: Mapping[int, int],
     names: list[str],
-    now: Any,
 ) -> None:
     """PostgreSQL: the same conditional UPDATE as ``UPDATE ... FROM (VALUES ...)``.
 
-    NULL in a row means "unchanged": none of the columns a transition writes is nullable.
+    NULL in a row means "unchanged", so a transition cannot write NULL on this
+    path (the single path can); the built-in columns are never nullable.
 
     Building a CASE per column per order costs more in Python than the
     statement costs the database; a VALUES list costs next to nothing.
     """
     qn = connection.ops.quote_name
-    fields = [_concrete(Order, name) for name in names]
+    fields = [_concrete(model, name) for name in names]
     columns = [str(f.column) for f in fields]
     row = "(%s, %s, " + ", ".join("%s" for _ in fields) + ")"
     params: list[Any] = []
@@ -424,7 +489,8 @@ def _update_orders_from_values(
             f.get_db_prep_save(values[f.name], connection) if f.name in values else None
             for f in fields
         ]
-    table = qn(Order._meta.db_table)
+    table = qn(model._meta.db_table)
+    pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
     sets = ", ".join(f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})" for c in columns)
     aliases = ", ".join(qn("new_" + c) for c in columns)
     # The first row carries the column types; later rows follow them.
@@ -432,12 +498,12 @@ def _update_orders_from_values(
     first = "(%s::bigint, %s::bigint, " + ", ".join(f"%s::{types[c]}" for c in columns) + ")"
     values_sql = ", ".join([first] + [row] * (len(changed) - 1))
     sql = (
-        f"UPDATE {table} AS o SET {sets}, {qn('updated_at')} = %s"
+        f"UPDATE {table} AS o SET {sets}"
         f" FROM (VALUES {values_sql}) AS v(id, read_version, {aliases})"
-        f" WHERE o.{qn('id')} = v.id AND o.{qn('version')} = v.read_version"
+        f" WHERE o.{pk_column} = v.id AND o.{qn('version')} = v.read_version"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [now, *params])
+        cursor.execute(sql, params)
         rows = cursor.rowcount
     if rows != len(changed):
         raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
@@ -449,40 +515,25 @@ def _concrete(model: type[Model], name: str) -> Field[Any, Any]:
     return found
 
 
-def _park(consumer: str, item: _Item) -> None:
-    env = item.envelope
-    try:
-        with transaction.atomic():
-            ParkedMessage.objects.create(
-                consumer=consumer,
-                message_id=env.message_id,
-                order_id=env.order_id,
-                seq=env.seq,
-                envelope=env.as_dict(),
-                reason=item.reason[:255],
-            )
-    except IntegrityError:
-        # Another message already waits with this (order, seq): a producer bug.
-        item.outcome = Outcome.REJECTED
-        item.reason = f"another message is already parked with seq {env.seq}"
-
-
 def _record_outcomes(claimed: list[_Item]) -> None:
     """Correct the inbox rows whose outcome is not the ``applied`` they were inserted with."""
-    rows = [
-        ProcessedMessage(
-            pk=item.pk,
-            outcome=item.outcome,
-            status=InboxStatus.REJECTED if item.outcome is Outcome.REJECTED else InboxStatus.DONE,
-            error=item.reason,
-            body=(
-                _serialise(item.envelope.as_dict())[:_BODY_EXCERPT]
-                if item.outcome is Outcome.REJECTED
-                else ""
-            ),
+    rows = []
+    for item in claimed:
+        if item.recorded:
+            continue
+        outcome = item.recorded_outcome or item.outcome
+        rows.append(
+            ProcessedMessage(
+                pk=item.pk,
+                outcome=outcome,
+                status=InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE,
+                error=item.reason,
+                body=(
+                    serialise(item.envelope.as_dict())[:BODY_EXCERPT]
+                    if outcome is Outcome.REJECTED
+                    else ""
+                ),
+            )
         )
-        for item in claimed
-        if not item.recorded
-    ]
     if rows:
         ProcessedMessage.objects.bulk_update(rows, ["outcome", "status", "error", "body"])

@@ -44,6 +44,66 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return errors
 
 
+@register(Tags.models)
+def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The configured order model exists, has a usable state graph, and binds every message type."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from idempotent_orders import get_order_model, handlers
+    from idempotent_orders.conf import ORDER_MODEL_SETTING
+    from idempotent_orders.exceptions import UnknownTransition
+    from idempotent_orders.models import AbstractOrder
+    from idempotent_orders.services import missing_create_fields
+    from idempotent_orders.transitions import edges, has_transition
+
+    try:
+        model = get_order_model()
+    except ImproperlyConfigured as exc:
+        return [
+            Error(str(exc), hint="Set it before the first migrate.", id="idempotent_orders.E040")
+        ]
+    label = model._meta.label
+    if not issubclass(model, AbstractOrder):
+        return [
+            Error(
+                f"{ORDER_MODEL_SETTING} is {label}, which does not subclass "
+                "idempotent_orders.models.AbstractOrder.",
+                hint="AbstractOrder adds the version, last_seq and has_parked columns "
+                "the consumer needs.",
+                id="idempotent_orders.E041",
+            )
+        ]
+    try:
+        list(edges(model))
+    except UnknownTransition as exc:
+        return [Error(str(exc), obj=model, id="idempotent_orders.E042")]
+    errors: list[CheckMessage] = []
+    for handler in handlers.registered():
+        if not has_transition(model, handler.transition):
+            errors.append(
+                Error(
+                    f"Message type {handler.message_type!r} drives {handler.transition!r}, "
+                    f"which is not a transition of {label}.",
+                    hint="Register the type with one of: "
+                    + ", ".join(sorted(e.name for e in edges(model))),
+                    obj=model,
+                    id="idempotent_orders.E043",
+                )
+            )
+    missing = missing_create_fields(model)
+    if missing:
+        errors.append(
+            Warning(
+                f"{label} lacks {', '.join(missing)}: create_order() and POST /api/orders/ "
+                "answer with a configuration error.",
+                hint="Create orders your own way, or add the fields.",
+                obj=model,
+                id="idempotent_orders.W041",
+            )
+        )
+    return errors
+
+
 @register(Tags.compatibility, Tags.caches)
 def check_outbox_and_locks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The lock cache exists; outbox sizes and times are positive."""

@@ -6,6 +6,17 @@ from typing import Any
 
 from django.conf import settings
 
+#: The Django setting naming the order model, like ``AUTH_USER_MODEL`` names the user model.
+ORDER_MODEL_SETTING = "IDEMPOTENT_ORDERS_ORDER_MODEL"
+#: The order model when the setting is absent.
+DEFAULT_ORDER_MODEL = "idempotent_orders.Order"
+
+
+def order_model_label() -> str:
+    """``"app_label.ModelName"`` of the order model (``settings.IDEMPOTENT_ORDERS_ORDER_MODEL``)."""
+    return str(getattr(settings, ORDER_MODEL_SETTING, DEFAULT_ORDER_MODEL))
+
+
 #: Every setting with its default. ``settings.IDEMPOTENT_ORDERS`` overrides any of them.
 DEFAULTS: dict[str, Any] = {
     # Envelope limits: larger or longer input is rejected with a reason.
@@ -62,6 +73,9 @@ DEFAULTS: dict[str, Any] = {
     # The fulfilment step's warehouse client and the reconciler's verifier (dotted paths).
     "FULFILMENT_CLIENT": "idempotent_orders.fulfilment.NullWarehouse",
     "FULFILMENT_VERIFIER": "idempotent_orders.fulfilment.ClientVerifier",
+    # The order model's transition the fulfilment step drives; a model without it
+    # has no fulfilment step (nothing is queued after payment).
+    "FULFILMENT_TRANSITION": "start_processing",
     # Expired leases a row may have (stalls) before the reconciler marks it failed.
     "RECONCILE_MAX_STALLS": 3,
     # Rows the reconciler handles per run.
@@ -224,6 +238,10 @@ class Settings:
     @property
     def FULFILMENT_CLIENT(self) -> str:
         return str(self._get("FULFILMENT_CLIENT"))
+
+    @property
+    def FULFILMENT_TRANSITION(self) -> str:
+        return str(self._get("FULFILMENT_TRANSITION"))
 
     @property
     def FULFILMENT_VERIFIER(self) -> str:

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 
 class IdempotentOrdersError(Exception):
-    """Base class of every exception this app raises."""
+    """Base class of every exception this app raises.
+
+    ``code`` is a stable, kebab-case name of the error (the HTTP errors use it
+    as the last segment of their problem type, ``urn:idempotent-orders:<code>``).
+    """
 
     default_code = "error"
 
@@ -22,13 +26,13 @@ class IdempotentOrdersError(Exception):
 class InvalidMessage(IdempotentOrdersError):
     """A message cannot be applied; the reason is recorded on its inbox row."""
 
-    default_code = "invalid_message"
+    default_code = "invalid-message"
 
 
 class UnknownTransition(IdempotentOrdersError):
     """A handler names a method that is not a django-fsm transition of the model."""
 
-    default_code = "unknown_transition"
+    default_code = "unknown-transition"
 
 
 class ConcurrentUpdate(IdempotentOrdersError):
@@ -37,25 +41,25 @@ class ConcurrentUpdate(IdempotentOrdersError):
     Transient: the Celery tasks retry it with backoff like a lost connection.
     """
 
-    default_code = "concurrent_update"
+    default_code = "concurrent-update"
 
 
 class LockError(IdempotentOrdersError):
     """Base class of distributed-lock errors."""
 
-    default_code = "lock_error"
+    default_code = "lock-error"
 
 
 class LockNotAcquired(LockError):
     """Another holder kept the lock for the whole acquisition timeout."""
 
-    default_code = "lock_not_acquired"
+    default_code = "lock-not-acquired"
 
 
 class LockUnavailable(LockError):
     """The lock service (Redis) cannot be reached: the guarded work must not run unguarded."""
 
-    default_code = "lock_unavailable"
+    default_code = "lock-unavailable"
 
 
 class LockLost(LockError):
@@ -64,7 +68,7 @@ class LockLost(LockError):
     Writes fenced with the holder's token were rejected if a newer holder wrote first.
     """
 
-    default_code = "lock_lost"
+    default_code = "lock-lost"
 
 
 class IdempotencyError(IdempotentOrdersError):

@@ -1,5 +1,8 @@
 """The fulfilment step (paid -> processing): a leased warehouse call, then a fenced transition.
 
+The step drives the order model's ``FULFILMENT_TRANSITION`` (``start_processing``
+on the default model); on a model without that transition there is no step.
+
 The warehouse client and the reconciler's verifier are chosen by dotted path
 (``FULFILMENT_CLIENT``, ``FULFILMENT_VERIFIER``). The inbox row is
 ``("fulfilment", "fulfil-<order id>")``, so the warehouse is asked once per order
@@ -12,14 +15,24 @@ import logging
 from abc import ABC, abstractmethod
 
 from django.db import IntegrityError, transaction
+from django.db.models import Model
 from django.utils.module_loading import import_string
 
-from idempotent_orders import leases
+from idempotent_orders import get_order_model, leases
 from idempotent_orders.conf import conf
 from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
-from idempotent_orders.models import InboxStatus, Order, Outcome, ProcessedMessage
+from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
+from idempotent_orders.services import release_parked
 from idempotent_orders.signals import message_consumed
-from idempotent_orders.transitions import TransitionStatus, apply_transition, classify
+from idempotent_orders.transitions import (
+    TransitionResult,
+    TransitionStatus,
+    apply_transition,
+    classify,
+    current_state,
+    edge,
+    has_transition,
+)
 
 __all__ = [
     "CONSUMER",
@@ -38,7 +51,12 @@ __all__ = [
 logger = logging.getLogger("idempotent_orders")
 
 CONSUMER = "fulfilment"
-TRANSITION = "start_processing"
+
+
+def transition(model: type[Model] | None = None) -> str | None:
+    """The transition the step drives on ``model`` (the order model), or None when it has none."""
+    name = conf.FULFILMENT_TRANSITION
+    return name if name and has_transition(model or get_order_model(), name) else None
 
 
 class WarehouseError(Exception):
@@ -49,7 +67,7 @@ class WarehouseClient(ABC):
     """The other system of the fulfilment step. Subclass and name it in ``FULFILMENT_CLIENT``."""
 
     @abstractmethod
-    def reserve(self, order: Order, *, idempotency_key: str) -> None:
+    def reserve(self, order: AbstractOrder, *, idempotency_key: str) -> None:
         """Ask the warehouse to fulfil ``order``; the same key must never fulfil twice.
 
         Raise on any failure, including a timeout whose outcome is unknown.
@@ -63,7 +81,7 @@ class WarehouseClient(ABC):
 class NullWarehouse(WarehouseClient):
     """The default: no warehouse. Fulfilment only moves the order to ``processing``."""
 
-    def reserve(self, order: Order, *, idempotency_key: str) -> None:
+    def reserve(self, order: AbstractOrder, *, idempotency_key: str) -> None:
         return None
 
     def lookup(self, idempotency_key: str) -> bool | None:
@@ -105,7 +123,7 @@ class FulfilmentStep(LeasedStep):
     consumer = CONSUMER
 
     def perform(self, lease: Lease) -> None:
-        order = Order.objects.get(pk=_order_id(lease))
+        order = get_order_model()._default_manager.get(pk=_order_id(lease))
         get_client().reserve(order, idempotency_key=lease.idempotency_key)
 
     def verify(self, lease: Lease) -> Verdict:
@@ -113,32 +131,40 @@ class FulfilmentStep(LeasedStep):
 
     def finish(self, lease: Lease) -> StepResult:
         """Record the warehouse's effect: the transition at the fencing token's version."""
+        model = get_order_model()
+        name = transition(model)
+        if name is None:
+            return self._fail(lease, f"{model._meta.label} has no fulfilment transition")
         for _attempt in range(conf.CONFLICT_RETRIES):
-            order = Order.objects.filter(pk=_order_id(lease)).first()
+            order = model._default_manager.filter(pk=_order_id(lease)).first()
             if order is None:
                 return self._fail(lease, "the order was deleted after the warehouse call")
-            status = classify(Order, TRANSITION, order.status)
+            status = classify(model, name, current_state(order))
             if status is TransitionStatus.APPLIED and order.version == lease.token:
                 if leases.complete(
                     lease,
                     outcome=Outcome.APPLIED,
-                    apply=lambda order=order: apply_transition(order, TRANSITION).applied,  # type: ignore[misc]
+                    apply=lambda order=order: apply_transition(order, name).applied,  # type: ignore[misc]
                 ):
                     self._announce(lease, Outcome.APPLIED, "")
+                    # Messages parked until this step (read after our commit, so a
+                    # message parked meanwhile is seen here or re-checks itself).
+                    if model._default_manager.filter(pk=order.pk, has_parked=True).exists():
+                        release_parked(order.pk)
                     return StepResult.COMPLETED
                 if not _held(lease):
                     return StepResult.SKIPPED
                 continue  # the order moved between our read and our write: decide again
             if status in (TransitionStatus.AT_TARGET, TransitionStatus.PAST_TARGET):
                 # The warehouse may ship before we record `processing`; nothing left to do.
-                reason = f"order is already {order.status}"
+                reason = f"order is already {current_state(order)}"
                 if leases.complete(lease, outcome=Outcome.STALE, error=reason):
                     self._announce(lease, Outcome.STALE, reason)
                     return StepResult.COMPLETED
                 return StepResult.SKIPPED
             return self._fail(
                 lease,
-                f"order is {order.status} (v{order.version}, claimed at v{lease.token}); "
+                f"order is {current_state(order)} (v{order.version}, claimed at v{lease.token}); "
                 "the warehouse was asked to fulfil it: check and undo by hand",
             )
         return StepResult.SKIPPED
@@ -179,7 +205,37 @@ def _held(lease: Lease) -> bool:
 STEP = leases.register_step(FulfilmentStep())
 
 
-def _record(order: Order | None, order_id: int, outcome: Outcome, reason: str) -> Outcome:
+class QueueFulfilment:
+    """The follow-up of a payment: queue the fulfilment step through the outbox.
+
+    Written when an order enters a state the fulfilment transition starts from
+    (``paid`` on the default model), in that transition's transaction: the
+    outbox row commits with the payment or not at all; once committed the relay
+    publishes it whatever the broker does at that moment, and its message id
+    (the step's inbox id) makes a re-publish harmless.
+    """
+
+    def wanted(self, model: type[Model], target: str) -> bool:
+        if not conf.FULFIL_AFTER_PAYMENT or model is not get_order_model():
+            return False
+        name = transition(model)
+        return name is not None and target in edge(model, name).sources
+
+    def write(self, instance: Model, name: str, result: TransitionResult) -> None:
+        from idempotent_orders.outbox import publish_on_commit
+
+        publish_on_commit(
+            "idempotent_orders.fulfil_order",
+            instance.pk,
+            message_id=fulfilment_message_id(instance.pk),
+            using=instance._state.db,
+        )
+
+
+QUEUE_FULFILMENT = QueueFulfilment()
+
+
+def _record(order: AbstractOrder | None, order_id: int, outcome: Outcome, reason: str) -> Outcome:
     """Record a fulfilment request that needs no warehouse call (already done, impossible)."""
     message_id = fulfilment_message_id(order_id)
     try:
@@ -190,7 +246,7 @@ def _record(order: Order | None, order_id: int, outcome: Outcome, reason: str) -
                 message_type="order.fulfilment",
                 status=InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE,
                 outcome=outcome,
-                order=order,
+                order_id=order.pk if order is not None else None,
                 error=reason,
             )
     except IntegrityError:
@@ -218,17 +274,23 @@ def fulfil(order_id: int) -> Outcome | StepResult:
     operator. A row another worker holds is ``DUPLICATE``: that worker, or the
     reconciler once its lease expires, finishes it.
     """
-    order = Order.objects.filter(pk=order_id).first()
+    model = get_order_model()
+    order = model._default_manager.filter(pk=order_id).first()
     if order is None:
         return _record(None, order_id, Outcome.REJECTED, f"unknown order {order_id}")
-    status = classify(Order, TRANSITION, order.status)
+    name = transition(model)
+    if name is None:
+        reason = f"{model._meta.label} has no {conf.FULFILMENT_TRANSITION!r} transition"
+        return _record(order, order_id, Outcome.REJECTED, reason)
+    state = current_state(order)
+    status = classify(model, name, state)
     if status is TransitionStatus.AT_TARGET:
-        return _record(order, order_id, Outcome.DUPLICATE, f"order is already {order.status}")
+        return _record(order, order_id, Outcome.DUPLICATE, f"order is already {state}")
     if status is TransitionStatus.PAST_TARGET:
-        return _record(order, order_id, Outcome.STALE, f"order has moved on to {order.status}")
+        return _record(order, order_id, Outcome.STALE, f"order has moved on to {state}")
     if status is not TransitionStatus.APPLIED:
         return _record(
-            order, order_id, Outcome.REJECTED, f"order is {order.status}, not paid: not fulfilled"
+            order, order_id, Outcome.REJECTED, f"order is {state}, not ready: not fulfilled"
         )
     claimed = leases.claim(
         consumer=CONSUMER,

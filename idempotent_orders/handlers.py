@@ -1,6 +1,11 @@
-"""Registry of message types: each names the Order transition it drives and checks its payload.
+"""Registry of message types: each names the order model's transition it drives.
 
-Add a type with :func:`register`; the five built-in types are registered below.
+A project registers its types with :func:`register` from its ``AppConfig.ready()``.
+The built-in payment, shipping and fulfilment types are registered in this
+app's ``ready()`` for each of them whose transition the order model declares
+(all of them on the default ``Order``), unless the project registered that
+type itself. A type bound to a transition the model does not have is a system
+check error (``idempotent_orders.E040``), never a per-message crash.
 """
 
 from __future__ import annotations
@@ -10,17 +15,19 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from django.db.models import Model
+
 from idempotent_orders.exceptions import InvalidMessage
-from idempotent_orders.models import Order
 
 #: Turns (order, payload) into the extra columns the transition writes; raises InvalidMessage.
-Validator = Callable[[Order, Mapping[str, Any]], dict[str, Any]]
+#: The order is an instance of the order model (typed loosely so validators may name their own).
+Validator = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class MessageHandler:
     message_type: str
-    #: Name of an ``@transition`` method on Order.
+    #: Name of an ``@transition`` method on the order model.
     transition: str
     validate: Validator
     #: Consumers allowed to receive this type; empty means any.
@@ -37,13 +44,14 @@ def register(
     validate: Validator | None = None,
     consumers: frozenset[str] | set[str] | None = None,
 ) -> None:
-    """Make ``message_type`` drive ``Order.<transition>``; ``validate`` checks the payload.
+    """Make ``message_type`` drive the order model's ``transition``.
 
+    ``validate(order, payload)`` returns the columns the transition writes
+    besides the state (``{}`` for none) or raises
+    :class:`~idempotent_orders.exceptions.InvalidMessage` with a reason.
     ``consumers`` restricts which consumers accept the type (others reject it).
+    Registering a type again replaces it.
     """
-    from idempotent_orders.transitions import edge
-
-    edge(Order, transition)  # fails early on a name that is not a declared transition
     _registry[message_type] = MessageHandler(
         message_type=message_type,
         transition=transition,
@@ -56,11 +64,12 @@ def get_handler(message_type: str) -> MessageHandler | None:
     return _registry.get(message_type)
 
 
-def message_types() -> list[str]:
-    return sorted(_registry)
+def registered() -> list[MessageHandler]:
+    """Every registered message type, sorted by name."""
+    return [_registry[name] for name in sorted(_registry)]
 
 
-def _no_payload(order: Order, payload: Mapping[str, Any]) -> dict[str, Any]:
+def _no_payload(order: Model, payload: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
@@ -73,7 +82,11 @@ def _text(payload: Mapping[str, Any], key: str, *, max_length: int) -> str:
     return value
 
 
-def _check_money(order: Order, payload: Mapping[str, Any]) -> None:
+def _has(order: Model, name: str) -> bool:
+    return any(f.name == name for f in order._meta.concrete_fields)
+
+
+def _check_money(order: Any, payload: Mapping[str, Any]) -> None:
     raw = payload.get("amount")
     if not isinstance(raw, str):
         raise InvalidMessage("payload.amount must be a decimal string such as '12.50'")
@@ -86,21 +99,23 @@ def _check_money(order: Order, payload: Mapping[str, Any]) -> None:
         raise InvalidMessage(f"payload.amount {raw[:40]!r} is not a decimal number") from None
     if not amount.is_finite() or amount <= 0:
         raise InvalidMessage(f"payload.amount {raw[:40]!r} must be a positive amount")
-    if amount != order.amount:
+    if _has(order, "amount") and amount != order.amount:
         raise InvalidMessage(
             f"payload.amount {amount} does not match the order amount {order.amount}"
         )
     currency = payload.get("currency")
-    if currency != order.currency:
+    if _has(order, "currency") and currency != order.currency:
         raise InvalidMessage(
             f"payload.currency {str(currency)[:8]!r} does not match the order currency "
             f"{order.currency!r}"
         )
 
 
-def validate_payment(order: Order, payload: Mapping[str, Any]) -> dict[str, Any]:
+def validate_payment(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
     payment_id = _text(payload, "payment_id", max_length=128)
     _check_money(order, payload)
+    if not _has(order, "payment_id"):
+        return {}
     if order.payment_id and order.payment_id != payment_id:
         raise InvalidMessage(
             f"payment {payment_id[:40]!r} differs from the order's payment {order.payment_id!r}"
@@ -108,38 +123,61 @@ def validate_payment(order: Order, payload: Mapping[str, Any]) -> dict[str, Any]
     return {"payment_id": payment_id}
 
 
-def validate_refund(order: Order, payload: Mapping[str, Any]) -> dict[str, Any]:
+def validate_refund(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
     payment_id = _text(payload, "payment_id", max_length=128)
     _check_money(order, payload)
-    if order.payment_id and order.payment_id != payment_id:
+    if _has(order, "payment_id") and order.payment_id and order.payment_id != payment_id:
         raise InvalidMessage(
             f"refund of payment {payment_id[:40]!r}, order paid by {order.payment_id!r}"
         )
     return {}
 
 
-def validate_shipment(order: Order, payload: Mapping[str, Any]) -> dict[str, Any]:
-    return {
+def validate_shipment(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
+    values = {
         "tracking_number": _text(payload, "tracking_number", max_length=128),
         "carrier": _text(payload, "carrier", max_length=64),
     }
+    return {name: value for name, value in values.items() if _has(order, name)}
 
 
-def validate_delivery(order: Order, payload: Mapping[str, Any]) -> dict[str, Any]:
+def validate_delivery(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
     tracking = _text(payload, "tracking_number", max_length=128)
-    if order.tracking_number and order.tracking_number != tracking:
+    shipped_as = order.tracking_number if _has(order, "tracking_number") else ""
+    if shipped_as and shipped_as != tracking:
         raise InvalidMessage(
-            f"delivery of parcel {tracking[:40]!r}, order shipped as {order.tracking_number!r}"
+            f"delivery of parcel {tracking[:40]!r}, order shipped as {shipped_as!r}"
         )
     return {}
 
 
-register("payment.succeeded", transition="pay", validate=validate_payment)
-register("payment.refunded", transition="refund", validate=validate_refund)
-register("shipment.dispatched", transition="ship", validate=validate_shipment)
-register("shipment.delivered", transition="complete", validate=validate_delivery)
-register("order.cancelled", transition="cancel")
-#: Internal: the fulfilment step without a warehouse call. The leased path
-#: (idempotent_orders.fulfilment.fulfil) records the same inbox row; an outside
-#: producer cannot send this type to the payment or shipping consumers.
-register("order.fulfilment", transition="start_processing", consumers={"fulfilment"})
+#: The built-in types: (type, transition, validator, consumers).
+BUILT_IN: list[tuple[str, str, Validator, frozenset[str]]] = [
+    ("payment.succeeded", "pay", validate_payment, frozenset()),
+    ("payment.refunded", "refund", validate_refund, frozenset()),
+    ("shipment.dispatched", "ship", validate_shipment, frozenset()),
+    ("shipment.delivered", "complete", validate_delivery, frozenset()),
+    ("order.cancelled", "cancel", _no_payload, frozenset()),
+    # Internal: the fulfilment step without a warehouse call. The leased path
+    # (idempotent_orders.fulfilment.fulfil) records the same inbox row; an
+    # outside producer cannot send this type to the payment or shipping consumers.
+    ("order.fulfilment", "start_processing", _no_payload, frozenset({"fulfilment"})),
+]
+
+
+def register_built_in(model: type[Model]) -> list[str]:
+    """Register each built-in type whose transition ``model`` declares and the project did not
+    register itself; return the types registered. Called from the app's ``ready()``.
+    """
+    from idempotent_orders.conf import conf
+    from idempotent_orders.transitions import has_transition
+
+    done = []
+    for message_type, transition, validate, consumers in BUILT_IN:
+        if message_type == "order.fulfilment":
+            transition = conf.FULFILMENT_TRANSITION
+        if message_type in _registry or not has_transition(model, transition):
+            continue
+        register(message_type, transition=transition, validate=validate, consumers=consumers)
+        done.append(message_type)
+    return done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -125,9 +126,16 @@ def idempotent(
 
     ``consumer`` names the inbox (default: the function's dotted path); keep it
     stable across deploys, or old keys stop matching.
+
+    It decorates a ``django.tasks`` task (or the ``django-tasks`` backport's)
+    from above or below ``@task``: above, the task keeps its options and gets
+    the decorated function.
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[..., Any]:
+        if _is_django_task(fn):
+            task: Any = fn
+            return dataclasses.replace(task, func=decorate(task.func))
         name = consumer or f"{fn.__module__}.{fn.__qualname__}"
         if len(name) > 64:
             raise ValueError(f"consumer name {name!r} is longer than 64 characters")
@@ -247,6 +255,16 @@ class ExternalCall(LeasedStep):
             return None
         error: BaseException | None = self._local.error
         return error
+
+
+def _is_django_task(obj: Any) -> bool:
+    """Whether ``obj`` is a ``django.tasks`` ``Task`` (Django 6, or the django-tasks backport)."""
+    cls = type(obj)
+    return (
+        cls.__name__ == "Task"
+        and cls.__module__.split(".")[0] in {"django", "django_tasks"}
+        and dataclasses.is_dataclass(obj)
+    )
 
 
 def _consumed(consumer: str, message_id: str, outcome: Outcome) -> None:

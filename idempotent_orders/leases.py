@@ -42,7 +42,7 @@ from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
-from idempotent_orders.models import InboxStatus, Order, Outcome, ProcessedMessage
+from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import lease_finished
 
 __all__ = [
@@ -151,7 +151,7 @@ def claim(
     consumer: str,
     message_id: str,
     token: int,
-    order: Order | None = None,
+    order: AbstractOrder | None = None,
     message_type: str = "",
     ttl: float | None = None,
     allow_takeover: bool = True,
@@ -175,7 +175,7 @@ def claim(
                 message_type=message_type,
                 status=InboxStatus.PROCESSING,
                 outcome="",
-                order=order,
+                order_id=order.pk if order is not None else None,
                 attempts=1,
                 lease_expires_at=now + _ttl(ttl),
                 heartbeat_at=now,

@@ -1,4 +1,4 @@
-"""Orders, the processed-message inbox and parked (early) messages."""
+"""Orders (abstract base, swappable default), the inbox, parked messages, outbox and keys."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models.functions import Now
 from django_fsm import FSMField, FSMModelMixin, transition
+
+from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
 
 
 class OrderStatus(models.TextChoices):
@@ -25,12 +27,39 @@ class OrderStatus(models.TextChoices):
 S = OrderStatus
 
 
-class Order(FSMModelMixin, models.Model):
-    """An order whose ``status`` only moves along the ``@transition`` methods below.
+class AbstractOrder(FSMModelMixin, models.Model):
+    """What the machinery needs on an order model, and nothing else.
 
-    ``status`` is protected: it is never assigned directly. Every change is
-    committed by :func:`idempotent_orders.transitions.apply_transition`, one
-    conditional ``UPDATE`` that also bumps ``version``.
+    Subclass it with your own state ``FSMField`` (any name; name it in
+    ``state_field_name`` when the model has more than one) and your own
+    ``@transition`` methods, then point ``settings.IDEMPOTENT_ORDERS_ORDER_MODEL``
+    at the model before the first ``migrate``. The state is never assigned
+    directly: every change is committed by
+    :func:`idempotent_orders.transitions.apply_transition`, one conditional
+    ``UPDATE`` that also bumps ``version``.
+    """
+
+    #: Name of the state field when the model has more than one ``FSMField``.
+    state_field_name: str | None = None
+
+    #: +1 on every committed transition; the optimistic lock and the fencing token.
+    version = models.PositiveIntegerField(default=0)
+    #: Highest per-order message sequence applied (0 when none).
+    last_seq = models.PositiveIntegerField(default=0)
+    #: Set (and never cleared) in the transaction that parks a message for this
+    #: order. A consumer that read it false makes its UPDATE conditional on it
+    #: and then skips the after-commit look for parked successors.
+    has_parked = models.BooleanField(default=False, editable=False)
+
+    class Meta:
+        abstract = True
+
+
+class Order(AbstractOrder):
+    """The default order model: a payment and a parcel, moved only along the transitions below.
+
+    A project with its own order model swaps this one out with
+    ``settings.IDEMPOTENT_ORDERS_ORDER_MODEL`` (as ``AUTH_USER_MODEL`` swaps the user).
     """
 
     business_key = models.CharField(max_length=128, unique=True)
@@ -46,21 +75,14 @@ class Order(FSMModelMixin, models.Model):
     status = FSMField(
         choices=OrderStatus.choices, default=OrderStatus.PENDING_PAYMENT, protected=True
     )
-    #: +1 on every committed transition; the optimistic lock and the fencing token.
-    version = models.PositiveIntegerField(default=0)
-    #: Highest per-order message sequence applied (0 when none).
-    last_seq = models.PositiveIntegerField(default=0)
-    #: Set (and never cleared) in the transaction that parks a message for this
-    #: order. A consumer that read it false makes its UPDATE conditional on it
-    #: and then skips the after-commit look for parked successors.
-    has_parked = models.BooleanField(default=False, editable=False)
     payment_id = models.CharField(max_length=128, blank=True, default="")
     tracking_number = models.CharField(max_length=128, blank=True, default="")
     carrier = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    class Meta:
+    class Meta(AbstractOrder.Meta):
+        swappable = ORDER_MODEL_SETTING
         ordering = ["-id"]
         indexes = [models.Index(fields=["status", "updated_at"])]
 
@@ -128,7 +150,11 @@ class ProcessedMessage(models.Model):
     status = models.CharField(max_length=16, choices=InboxStatus.choices, default=InboxStatus.DONE)
     outcome = models.CharField(max_length=16, choices=Outcome.choices, blank=True, default="")
     order = models.ForeignKey(
-        Order, null=True, blank=True, on_delete=models.SET_NULL, related_name="messages"
+        order_model_label(),
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="inbox_messages",
     )
     seq = models.PositiveIntegerField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=1)
@@ -168,7 +194,9 @@ class ParkedMessage(models.Model):
 
     consumer = models.CharField(max_length=64)
     message_id = models.CharField(max_length=255)
-    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="parked_messages")
+    order = models.ForeignKey(
+        order_model_label(), on_delete=models.CASCADE, related_name="parked_messages"
+    )
     seq = models.PositiveIntegerField(null=True, blank=True)
     envelope: models.JSONField[Any] = models.JSONField()
     reason = models.CharField(max_length=255)

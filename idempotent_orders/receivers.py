@@ -10,28 +10,9 @@ from django.db import close_old_connections
 from django.dispatch import receiver
 
 from idempotent_orders import stats
-from idempotent_orders.conf import conf
-from idempotent_orders.models import Order, OrderStatus
-from idempotent_orders.signals import dedup_answered, message_consumed, order_transitioned
+from idempotent_orders.signals import dedup_answered, message_consumed
 
 logger = logging.getLogger("idempotent_orders")
-
-
-@receiver(order_transitioned, sender=Order, dispatch_uid="idempotent_orders.fulfil_after_payment")
-def enqueue_fulfilment(sender: type[Order], order: Order, target: str, **kwargs: Any) -> None:
-    """After a payment commits, start fulfilment (never before: the task must see the row)."""
-    if target != OrderStatus.PAID or not conf.FULFIL_AFTER_PAYMENT:
-        return
-    from idempotent_orders.tasks import fulfil_order
-
-    try:
-        fulfil_order.apply_async(args=[order.pk], task_id=f"fulfil-{order.pk}")
-    except Exception:
-        # The payment is committed; a broker outage must not turn it into an error.
-        # The order stays `paid` and is visible to operators (and the reconciler).
-        logger.exception(
-            "could not enqueue fulfilment of order %s", order.pk, extra={"order_id": order.pk}
-        )
 
 
 # -- counters and the per-process fast path (dedup layers, stats) --------------

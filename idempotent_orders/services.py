@@ -7,20 +7,33 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, OperationalError, transaction
-from django.db.models import F
+from django.db.models import F, Model
 
-from idempotent_orders import dedup
+from idempotent_orders import dedup, get_order_model
 from idempotent_orders.conf import conf
+from idempotent_orders.engine import (
+    BODY_EXCERPT,
+    Envelope,
+    Verdict,
+    announce,
+    decide,
+    has_nul,
+    is_retryable,
+    parse_envelope,
+    serialise,
+    synthetic_id,
+    unknown_order,
+    valid_message_id,
+)
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
-from idempotent_orders.handlers import MessageHandler, get_handler
 from idempotent_orders.models import (
+    AbstractOrder,
     InboxStatus,
-    Order,
     Outcome,
     ParkedMessage,
     ProcessedMessage,
@@ -31,7 +44,16 @@ from idempotent_orders.signals import (
     message_released,
     parked_overdue,
 )
-from idempotent_orders.transitions import TransitionStatus, apply_transition, classify
+from idempotent_orders.statements import ClaimConflict, can_claim_and_apply, claim_and_apply
+from idempotent_orders.transitions import (
+    advance,
+    apply_transition,
+    edge,
+    in_transaction_work,
+    state_field,
+    transition_written,
+    written_values,
+)
 
 __all__ = [
     "Envelope",
@@ -44,38 +66,6 @@ __all__ = [
 
 logger = logging.getLogger("idempotent_orders")
 
-#: Stored excerpt of a rejected message's raw body.
-_BODY_EXCERPT = 4096
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """A validated message envelope."""
-
-    message_id: str
-    message_type: str
-    order_id: int
-    seq: int | None
-    payload: dict[str, Any]
-    handler: MessageHandler
-
-    def as_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "message_id": self.message_id,
-            "type": self.message_type,
-            "order_id": self.order_id,
-            "payload": self.payload,
-        }
-        if self.seq is not None:
-            data["seq"] = self.seq
-        return data
-
-
-@dataclass(frozen=True)
-class _Decision:
-    outcome: Outcome | None  # None: apply the transition
-    reason: str = ""
-
 
 class _Conflict(Exception):
     """The order changed between our read and our conditional write: decide again."""
@@ -83,102 +73,6 @@ class _Conflict(Exception):
 
 class _Duplicate(Exception):
     """The inbox already holds this (consumer, message_id)."""
-
-
-def _has_nul(value: Any, depth: int = 0) -> bool:
-    if depth > 32:
-        return False  # the size/serialisation check rejects absurd nesting
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, Mapping):
-        return any(_has_nul(k, depth + 1) or _has_nul(v, depth + 1) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_has_nul(v, depth + 1) for v in value)
-    return False
-
-
-def _valid_message_id(value: Any) -> bool:
-    return (
-        isinstance(value, str)
-        and 0 < len(value) <= conf.MAX_MESSAGE_ID_LENGTH
-        and value.strip() == value
-        and value.isprintable()
-    )
-
-
-def _serialise(message: Any) -> str:
-    """The message as escaped JSON text (no NUL bytes, no lone surrogates)."""
-    try:
-        return json.dumps(message, ensure_ascii=True, sort_keys=True, default=repr)
-    except (TypeError, ValueError, RecursionError):
-        try:
-            text = repr(message)[:_BODY_EXCERPT]
-        except RecursionError:  # absurd nesting defeats repr() too
-            text = f"<{type(message).__name__} nested too deeply to show>"
-        return json.dumps(text, ensure_ascii=True)
-
-
-def parse_envelope(message: Any, *, consumer: str | None = None) -> Envelope:
-    """Validate a raw message; raise :class:`InvalidMessage` with a readable reason.
-
-    With ``consumer``, a type restricted to other consumers is rejected too.
-    """
-    if not isinstance(message, Mapping):
-        raise InvalidMessage(f"message must be a JSON object, got {type(message).__name__}")
-    try:
-        size = len(json.dumps(message, ensure_ascii=False).encode("utf-8"))
-    except UnicodeEncodeError:
-        # A lone surrogate (JSON allows "\ud800") cannot be stored in any database column.
-        raise InvalidMessage("message contains an unpaired UTF-16 surrogate") from None
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidMessage(f"message is not JSON-serialisable: {str(exc)[:120]}") from None
-    if size > conf.MAX_MESSAGE_BYTES:
-        raise InvalidMessage(f"message is {size} bytes, the limit is {conf.MAX_MESSAGE_BYTES}")
-    message_id = message.get("message_id")
-    if not _valid_message_id(message_id):
-        raise InvalidMessage(
-            "message_id must be a non-empty printable string of at most "
-            f"{conf.MAX_MESSAGE_ID_LENGTH} characters without surrounding spaces"
-        )
-    if _has_nul(message):
-        raise InvalidMessage("message contains a NUL character")
-    message_type = message.get("type")
-    if not isinstance(message_type, str):
-        raise InvalidMessage("type must be a string")
-    handler = get_handler(message_type)
-    if handler is None:
-        raise InvalidMessage(f"unknown message type {message_type[:64]!r}")
-    if handler.consumers and consumer is not None and consumer not in handler.consumers:
-        raise InvalidMessage(
-            f"message type {message_type!r} is not accepted by the {consumer[:64]!r} consumer"
-        )
-    order_id = message.get("order_id")
-    if isinstance(order_id, str) and order_id.isdigit() and len(order_id) < 19:
-        order_id = int(order_id)
-    if not isinstance(order_id, int) or isinstance(order_id, bool) or order_id <= 0:
-        raise InvalidMessage("order_id must be a positive integer")
-    seq = message.get("seq")
-    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0):
-        raise InvalidMessage("seq must be a positive integer when present")
-    if seq is not None and seq > 2**31 - 1:
-        raise InvalidMessage("seq is too large")
-    payload = message.get("payload", {})
-    if not isinstance(payload, dict):
-        raise InvalidMessage(f"payload must be a JSON object, got {type(payload).__name__}")
-    return Envelope(
-        message_id=str(message_id),
-        message_type=message_type,
-        order_id=order_id,
-        seq=seq,
-        payload=payload,
-        handler=handler,
-    )
-
-
-def _synthetic_id(message: Any) -> str:
-    """A stable inbox id for a message whose own id is unusable, so copies dedup too."""
-    digest = hashlib.sha256(_serialise(message).encode("ascii")).hexdigest()
-    return f"invalid:{digest}"
 
 
 def consume_message(message: Any, *, consumer: str) -> Outcome:
@@ -193,8 +87,8 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         envelope = parse_envelope(message, consumer=consumer)
     except InvalidMessage as exc:
         raw_id = message.get("message_id") if isinstance(message, Mapping) else None
-        message_id = raw_id if _valid_message_id(raw_id) and not _has_nul(raw_id) else None
-        message_id = message_id or _synthetic_id(message)
+        message_id = raw_id if valid_message_id(raw_id) and not has_nul(raw_id) else None
+        message_id = message_id or synthetic_id(message)
         outcome = _reject(
             consumer=consumer,
             message_id=message_id,
@@ -202,15 +96,15 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             order=None,
             seq=None,
             reason=exc.message,
-            body=_serialise(message)[:_BODY_EXCERPT],
+            body=serialise(message)[:BODY_EXCERPT],
         )
-        _remember(consumer, message_id)
+        dedup.remember_on_commit(consumer, message_id)
         return outcome
 
     if dedup.lookup(consumer, envelope.message_id) is dedup.Layer.REDIS_HIT:
         # Only a Redis key written after the whole message was handled (its
         # transaction and the releases below) answers without the database.
-        _announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
+        announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
         return Outcome.DUPLICATE
 
     waiting: list[bool] = []
@@ -227,12 +121,8 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         release_parked(envelope.order_id)
     # Remembered last: a worker that dies before this point leaves no fast-path
     # key, so the redelivery reaches the database and releases successors itself.
-    _remember(consumer, envelope.message_id)
+    dedup.remember_on_commit(consumer, envelope.message_id)
     return outcome
-
-
-def _remember(consumer: str, message_id: str) -> None:
-    transaction.on_commit(lambda: dedup.remember(consumer, message_id))
 
 
 def _database_conflict(consumer: str, message_id: str) -> None:
@@ -253,7 +143,7 @@ def _reject(
     consumer: str,
     message_id: str,
     message_type: str,
-    order: Order | None,
+    order: AbstractOrder | None,
     seq: int | None,
     reason: str,
     body: str,
@@ -266,7 +156,7 @@ def _reject(
                 message_type=message_type,
                 status=InboxStatus.REJECTED,
                 outcome=Outcome.REJECTED,
-                order=order,
+                order_id=order.pk if order is not None else None,
                 seq=seq,
                 error=reason,
                 body=body,
@@ -295,55 +185,6 @@ def _reject(
     return outcome
 
 
-def _announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:
-    message_consumed.send(
-        sender=ProcessedMessage,
-        consumer=consumer,
-        message_id=envelope.message_id,
-        message_type=envelope.message_type,
-        order_id=envelope.order_id,
-        outcome=outcome,
-        reason=reason,
-    )
-
-
-#: SQLSTATEs / MySQL error numbers after which the transaction was rolled back
-#: and may simply run again.
-_RETRYABLE_SQLSTATES = {"40001", "40P01"}
-_RETRYABLE_MYSQL_ERRORS = {1213}
-
-
-def _is_deadlock(exc: OperationalError) -> bool:
-    cause = exc.__cause__
-    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
-        return True
-    return bool(exc.args) and exc.args[0] in _RETRYABLE_MYSQL_ERRORS
-
-
-def _decide(order: Order, envelope: Envelope) -> _Decision:
-    """Where this message stands against the order as read: pure, no writes."""
-    seq, last = envelope.seq, order.last_seq
-    if seq is not None:
-        if seq <= last:
-            return _Decision(Outcome.STALE, f"seq {seq} is not after the last applied seq {last}")
-        if seq > last + 1:
-            return _Decision(Outcome.PARKED, f"waiting for seq {last + 1}")
-    name = envelope.handler.transition
-    status = classify(Order, name, order.status)
-    if status is TransitionStatus.APPLIED:
-        return _Decision(None)
-    if status is TransitionStatus.AT_TARGET:
-        return _Decision(Outcome.DUPLICATE, f"order is already {order.status}")
-    if status is TransitionStatus.PAST_TARGET:
-        return _Decision(Outcome.STALE, f"order has moved past this step (now {order.status})")
-    if status is TransitionStatus.LATER:
-        return _Decision(Outcome.PARKED, f"order is {order.status}; {name} is not possible yet")
-    return _Decision(
-        Outcome.REJECTED,
-        f"order is {order.status}; {envelope.message_type} can never apply to it",
-    )
-
-
 def _consume(
     envelope: Envelope,
     consumer: str,
@@ -359,7 +200,7 @@ def _consume(
     order as last read (nothing when there is no order).
     """
     for _attempt in range(conf.CONFLICT_RETRIES):
-        order = Order.objects.filter(pk=envelope.order_id).first()
+        order = get_order_model()._default_manager.filter(pk=envelope.order_id).first()
         if order is not None and waiting is not None:
             waiting[:] = [order.has_parked]
         if order is None:
@@ -371,33 +212,23 @@ def _consume(
                 message_type=envelope.message_type,
                 order=None,
                 seq=envelope.seq,
-                reason=f"unknown order {envelope.order_id}",
-                body=_serialise(envelope.as_dict())[:_BODY_EXCERPT],
+                reason=unknown_order(envelope).reason,
+                body=serialise(envelope.as_dict())[:BODY_EXCERPT],
             )
-        try:
-            fields = envelope.handler.validate(order, envelope.payload)
-        except InvalidMessage as exc:
-            fields = {}
-            if envelope.seq is not None and envelope.seq > order.last_seq + 1:
-                # Rejected in its turn, so that it still fills its sequence slot.
-                decision = _decide(order, envelope)
-            else:
-                decision = _Decision(Outcome.REJECTED, exc.message)
-        else:
-            decision = _decide(order, envelope)
-        if parked is not None and decision.outcome is Outcome.PARKED:
+        verdict = decide(order, envelope)
+        if parked is not None and verdict.outcome is Outcome.PARKED:
             return Outcome.PARKED  # still waiting; leave the parked row alone
         try:
-            outcome = _write(envelope, consumer, order, decision, fields, parked)
+            outcome = _write(envelope, consumer, order, verdict, parked)
         except _Duplicate:
             if parked is None:
                 _database_conflict(consumer, envelope.message_id)
-                _announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
+                announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
             return Outcome.DUPLICATE
         except _Conflict:
             continue
         except OperationalError as exc:
-            if not _is_deadlock(exc):
+            if not is_retryable(exc):
                 raise
             # The database rolled the whole transaction back (on MariaDB the inbox
             # row's foreign-key lock and the order UPDATE can cross); run it again.
@@ -410,7 +241,7 @@ def _consume(
                 order_id=envelope.order_id,
                 outcome=outcome,
             )
-        _announce(consumer, envelope, outcome, decision.reason)
+        announce(consumer, envelope, outcome, verdict.reason)
         return outcome
     raise ConcurrentUpdate(
         f"order {envelope.order_id}: gave up after {conf.CONFLICT_RETRIES} conflicting writes"
@@ -420,16 +251,19 @@ def _consume(
 def _write(
     envelope: Envelope,
     consumer: str,
-    order: Order,
-    decision: _Decision,
-    fields: dict[str, Any],
+    order: AbstractOrder,
+    verdict: Verdict,
     parked: ParkedMessage | None,
 ) -> Outcome:
-    outcome = decision.outcome or Outcome.APPLIED
-    in_sequence = envelope.seq is not None and envelope.seq == order.last_seq + 1
+    """Write ``verdict`` in one transaction; raise _Duplicate or _Conflict when it cannot."""
+    outcome = verdict.outcome
     # A write that may unblock a successor is conditional on the has_parked
     # flag as read, so a message parked since our read makes it conflict.
     unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
+    if verdict.transition and parked is None and can_claim_and_apply():
+        target = edge(type(order), verdict.transition).target
+        if not in_transaction_work(type(order), target):
+            return _claim_and_apply(envelope, consumer, order, verdict, unflagged)
     with transaction.atomic():
         # The first statement claims the message: the inbox insert (the unique
         # index decides duplicates), or for a release, deleting the parked row.
@@ -440,17 +274,13 @@ def _write(
                         consumer=consumer,
                         message_id=envelope.message_id,
                         message_type=envelope.message_type,
-                        status=(
-                            InboxStatus.REJECTED
-                            if outcome is Outcome.REJECTED
-                            else InboxStatus.DONE
-                        ),
+                        status=verdict.inbox_status,
                         outcome=outcome,
-                        order=order,
+                        order_id=order.pk,
                         seq=envelope.seq,
-                        error=decision.reason,
+                        error=verdict.reason,
                         body=(
-                            _serialise(envelope.as_dict())[:_BODY_EXCERPT]
+                            serialise(envelope.as_dict())[:BODY_EXCERPT]
                             if outcome is Outcome.REJECTED
                             else ""
                         ),
@@ -465,56 +295,110 @@ def _write(
                 consumer=consumer, message_id=envelope.message_id
             ).update(
                 outcome=outcome,
-                status=InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE,
-                error=decision.reason,
+                status=verdict.inbox_status,
+                error=verdict.reason,
                 attempts=F("attempts") + 1,
             )
 
-        if decision.outcome is None:
+        if verdict.transition:
             extra: dict[str, Any] = dict(unflagged)
             if envelope.seq is not None:
-                fields = {**fields, "last_seq": envelope.seq}
                 extra["last_seq"] = envelope.seq - 1
             result = apply_transition(
-                order, envelope.handler.transition, fields=fields, extra_filters=extra
+                order, verdict.transition, fields=verdict.values, extra_filters=extra
             )
             if not result.applied:
                 raise _Conflict
         elif outcome is Outcome.PARKED:
-            try:
-                with transaction.atomic():
-                    ParkedMessage.objects.create(
-                        consumer=consumer,
-                        message_id=envelope.message_id,
-                        order=order,
-                        seq=envelope.seq,
-                        envelope=envelope.as_dict(),
-                        reason=decision.reason[:255],
-                    )
-            except IntegrityError:
+            if not park(consumer, envelope, order, verdict.reason):
                 # Another message already waits with this (order, seq): a producer bug.
+                reason = f"another message is already parked with seq {envelope.seq}"
                 ProcessedMessage.objects.filter(
                     consumer=consumer, message_id=envelope.message_id
                 ).update(
                     outcome=Outcome.REJECTED,
                     status=InboxStatus.REJECTED,
-                    error=f"another message is already parked with seq {envelope.seq}",
+                    error=reason,
                 )
                 outcome = Outcome.REJECTED
-            else:
-                if not order.has_parked:
-                    # In the parking transaction, so that a predecessor's
-                    # conditional write either sees it or commits before it.
-                    Order.objects.filter(pk=order.pk).update(has_parked=True)
-        elif in_sequence:
+            elif not order.has_parked:
+                # In the parking transaction, so that a predecessor's
+                # conditional write either sees it or commits before it.
+                type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
+        elif verdict.advance_to is not None:
             # The message used up its sequence slot without changing the state:
             # advance last_seq so its successors are not parked forever.
-            advanced = Order.objects.filter(
-                pk=order.pk, last_seq=order.last_seq, **unflagged
-            ).update(last_seq=envelope.seq)
+            advanced = (
+                type(order)
+                ._default_manager.filter(pk=order.pk, last_seq=order.last_seq, **unflagged)
+                .update(last_seq=verdict.advance_to)
+            )
             if advanced != 1:
                 raise _Conflict
     return outcome
+
+
+def _claim_and_apply(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    unflagged: dict[str, Any],
+) -> Outcome:
+    """The common case on PostgreSQL: the inbox row and the transition in one statement.
+
+    Taken only outside a caller's transaction and when nothing else must be
+    written in the transition's transaction (no follow-up, no fsm-2 receiver).
+    """
+    model = type(order)
+    e = edge(model, verdict.transition)
+    values = written_values(model, verdict.values)
+    conditions = dict(unflagged)
+    if envelope.seq is not None:
+        conditions["last_seq"] = envelope.seq - 1
+    row = ProcessedMessage(
+        consumer=consumer,
+        message_id=envelope.message_id,
+        message_type=envelope.message_type,
+        status=verdict.inbox_status,
+        outcome=Outcome.APPLIED,
+        order_id=order.pk,
+        seq=envelope.seq,
+    )
+    try:
+        claimed = claim_and_apply(
+            row,
+            order,
+            state_column=str(state_field(model).column),
+            sources=sorted(e.sources),
+            target=e.target,
+            version=order.version,
+            values=values,
+            conditions=conditions,
+        )
+    except ClaimConflict:
+        raise _Conflict from None
+    if not claimed:
+        raise _Duplicate
+    transition_written(order, e.name, advance(order, e.name, values))
+    return Outcome.APPLIED
+
+
+def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -> bool:
+    """Keep ``envelope`` until it can go ahead; False when its ``(order, seq)`` is taken."""
+    try:
+        with transaction.atomic():
+            ParkedMessage.objects.create(
+                consumer=consumer,
+                message_id=envelope.message_id,
+                order_id=order.pk,
+                seq=envelope.seq,
+                envelope=envelope.as_dict(),
+                reason=reason[:255],
+            )
+    except IntegrityError:
+        return False
+    return True
 
 
 def release_parked(order_id: int) -> list[Outcome]:
@@ -541,7 +425,9 @@ def release_parked(order_id: int) -> list[Outcome]:
                         ProcessedMessage.objects.filter(
                             consumer=parked.consumer, message_id=parked.message_id
                         ).update(
-                            outcome=Outcome.REJECTED, status=InboxStatus.REJECTED, error=reason
+                            outcome=Outcome.REJECTED,
+                            status=InboxStatus.REJECTED,
+                            error=reason,
                         )
                 continue
             outcome = _consume(envelope, parked.consumer, parked=parked)
@@ -620,13 +506,23 @@ def create_order(
     window: int | None = None,
     anonymous_id: str = "",
     at: float | None = None,
-) -> tuple[Order, bool]:
+) -> tuple[AbstractOrder, bool]:
     """The order for this customer's basket in the current time window: ``(order, created)``.
 
     Concurrent callers race on the unique ``business_key`` index; the loser's
     insert fails and it reads the winner's row, so every caller gets the one
     order. ``anonymous_id`` (e.g. the session key) separates anonymous customers.
+    The order model needs the fields in :data:`CREATE_ORDER_FIELDS`
+    (``business_key`` unique); system check ``idempotent_orders.W041`` names
+    any that a swapped-in model lacks.
     """
+    model = get_order_model()
+    missing = missing_create_fields(model)
+    if missing:
+        raise ImproperlyConfigured(
+            f"create_order() needs the fields {', '.join(missing)} on "
+            f"{model._meta.label}; create your orders your own way, or add them"
+        )
     if not items:
         raise ValueError("an order needs at least one item")
     key = order_business_key(
@@ -636,17 +532,32 @@ def create_order(
         at=time.time() if at is None else at,
         anonymous_id=anonymous_id,
     )
-    existing = Order.objects.filter(business_key=key).first()
+    orders: Any = model._default_manager  # the fields were checked above
+    existing = orders.filter(business_key=key).first()
     if existing is not None:
         return existing, False
     try:
         with transaction.atomic():
-            order = Order.objects.create(
+            order = orders.create(
                 business_key=key, customer=customer, amount=amount, currency=currency
             )
     except IntegrityError:
         # A concurrent caller won the insert. A locking read sees its committed
         # row even inside a REPEATABLE READ snapshot taken before the race.
         with transaction.atomic():
-            return Order.objects.select_for_update().get(business_key=key), False
+            return orders.select_for_update().get(business_key=key), False
     return order, True
+
+
+#: Fields :func:`create_order` sets on the order model.
+CREATE_ORDER_FIELDS = ("business_key", "customer", "amount", "currency")
+
+
+def missing_create_fields(model: type[Model]) -> list[str]:
+    """The :data:`CREATE_ORDER_FIELDS` ``model`` lacks (``business_key`` must also be unique)."""
+    names = {f.name: f for f in model._meta.concrete_fields}
+    missing = [name for name in CREATE_ORDER_FIELDS if name not in names]
+    key = names.get("business_key")
+    if key is not None and not key.unique:
+        missing.append("business_key (unique)")
+    return missing

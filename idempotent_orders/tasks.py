@@ -39,9 +39,6 @@ CONSUMER_TASK_OPTIONS: dict[str, Any] = {
     "reject_on_worker_lost": True,
 }
 
-#: Consumer name used for each task's inbox rows.
-CONSUMERS = {"payments", "shipping", "fulfilment"}
-
 
 def _consume(task: Task, message: Any, consumer: str) -> str:
     try:

@@ -7,13 +7,15 @@ import socket
 import uuid
 from collections.abc import Callable, Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings
 
-from idempotent_orders.models import Order
+from idempotent_orders import get_order_model
+from idempotent_orders.models import AbstractOrder
 from tests.services import IN_CI as IN_CI
 from tests.services import ROOT as ROOT
 from tests.services import Workers, reset_broker_pools, unavailable, worker_env
@@ -25,6 +27,28 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "backends(*vendors): run only on these database vendors (sqlite, postgresql, mysql)",
     )
+
+
+SWAPPED_SUITE = ROOT / "tests" / "swapped"
+
+
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """Under the swapped settings only tests/swapped runs; elsewhere it does not.
+
+    The order model is chosen once per process (as the user model is), so the
+    suite for a project's own model runs in its own pytest process
+    (``DJANGO_SETTINGS_MODULE=tests.settings_swapped``; tests/matrix.py runs both).
+    """
+    from idempotent_orders.conf import DEFAULT_ORDER_MODEL, order_model_label
+
+    swapped = order_model_label() != DEFAULT_ORDER_MODEL
+    path = Path(str(collection_path))
+    inside = path == SWAPPED_SUITE or SWAPPED_SUITE in path.parents
+    if path.suffix != ".py" and not path.is_dir():
+        return None
+    if swapped:
+        return not (inside or path in SWAPPED_SUITE.parents)
+    return inside or None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -66,18 +90,20 @@ _counter = itertools.count(1)
 
 
 @pytest.fixture
-def make_order() -> Callable[..., Order]:
-    def make(**kwargs: Any) -> Order:
+def make_order() -> Callable[..., Any]:
+    """Factory of orders of the configured order model (``shop.Order`` in the swapped suite)."""
+
+    def make(**kwargs: Any) -> Any:
         kwargs.setdefault("business_key", f"order-{uuid.uuid4().hex}")
         kwargs.setdefault("amount", Decimal("12.50"))
         kwargs.setdefault("currency", "CNY")
-        return Order.objects.create(**kwargs)
+        return get_order_model()._default_manager.create(**kwargs)
 
     return make
 
 
 def payment(
-    order: Order, *, message_id: str | None = None, seq: int | None = None, **payload: Any
+    order: AbstractOrder, *, message_id: str | None = None, seq: int | None = None, **payload: Any
 ) -> dict[str, Any]:
     body = {
         "payment_id": f"pay-{order.pk}",
@@ -97,7 +123,7 @@ def payment(
 
 
 def shipment(
-    order: Order,
+    order: AbstractOrder,
     kind: str = "dispatched",
     *,
     message_id: str | None = None,

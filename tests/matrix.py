@@ -82,36 +82,46 @@ def main() -> int:
             print(f"\n=== {message}", flush=True)
             problems.append(message)
             continue
-        junit = report_dir / f"{Path(venv).name}-{database}.xml"
-        env = {
-            **os.environ,
-            "IO_TEST_DATABASE": database,
-            "IO_TEST_DB_NAME": os.environ.get("IO_TEST_DB_NAME", "test_io") + f"_{database}",
-        }
-        print(f"\n=== leg {title}", flush=True)
-        started = time.monotonic()
-        result = subprocess.run(
-            [python, "-m", "pytest", f"--junitxml={junit}", *args.pytest_args],
-            cwd=ROOT,
-            env=env,
-        )
-        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-        if junit.exists():
-            for suite in ET.parse(junit).getroot().iter("testsuite"):
-                for key in counts:
-                    counts[key] += int(suite.get(key, 0))
-        failed = counts["failures"] + counts["errors"]
-        totals["failed"] += failed
-        totals["skipped"] += counts["skipped"]
-        totals["passed"] += counts["tests"] - failed - counts["skipped"]
-        print(
-            f"=== leg {title}: exit {result.returncode}, {counts['tests']} tests, "
-            f"{failed} failed, {counts['skipped']} skipped, "
-            f"{time.monotonic() - started:.0f}s",
-            flush=True,
-        )
-        if result.returncode not in (0,) or counts["tests"] == 0:
-            problems.append(f"leg {title}: pytest exit {result.returncode}")
+        # Each leg runs twice: the default order model, then a project's own
+        # model swapped in (tests/swapped, its own process: the model is
+        # chosen once per process, like the user model).
+        for suite, settings_module in (
+            ("", "tests.settings"),
+            ("-swapped", "tests.settings_swapped"),
+        ):
+            junit = report_dir / f"{Path(venv).name}-{database}{suite}.xml"
+            junit.unlink(missing_ok=True)
+            env = {
+                **os.environ,
+                "DJANGO_SETTINGS_MODULE": settings_module,
+                "IO_TEST_DATABASE": database,
+                "IO_TEST_DB_NAME": os.environ.get("IO_TEST_DB_NAME", "test_io") + f"_{database}",
+            }
+            name = f"{title}{' | own order model' if suite else ''}"
+            print(f"\n=== leg {name}", flush=True)
+            started = time.monotonic()
+            result = subprocess.run(
+                [python, "-m", "pytest", f"--junitxml={junit}", *args.pytest_args],
+                cwd=ROOT,
+                env=env,
+            )
+            counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+            if junit.exists():
+                for test_suite in ET.parse(junit).getroot().iter("testsuite"):
+                    for key in counts:
+                        counts[key] += int(test_suite.get(key, 0))
+            failed = counts["failures"] + counts["errors"]
+            totals["failed"] += failed
+            totals["skipped"] += counts["skipped"]
+            totals["passed"] += counts["tests"] - failed - counts["skipped"]
+            print(
+                f"=== leg {name}: exit {result.returncode}, {counts['tests']} tests, "
+                f"{failed} failed, {counts['skipped']} skipped, "
+                f"{time.monotonic() - started:.0f}s",
+                flush=True,
+            )
+            if result.returncode not in (0,) or counts["tests"] == 0:
+                problems.append(f"leg {name}: pytest exit {result.returncode}")
 
     print()
     for problem in problems:

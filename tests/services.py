@@ -153,12 +153,16 @@ def private_redis_settings(url: str) -> Iterator[None]:
 
 
 def worker_env(
-    *, broker_url: str, queue: str, settings_module: str = "tests.settings", **extra: str
+    *, broker_url: str, queue: str, settings_module: str | None = None, **extra: str
 ) -> dict[str, str]:
-    """Environment of a worker process: the test database, a private queue, the given broker."""
+    """Environment of a worker process: the test database, a private queue, the given broker.
+
+    The settings default to the test run's own (the swapped suite's workers use its model).
+    """
     return {
         **os.environ,
-        "DJANGO_SETTINGS_MODULE": settings_module,
+        "DJANGO_SETTINGS_MODULE": settings_module
+        or os.environ.get("DJANGO_SETTINGS_MODULE", "tests.settings"),
         "IO_WORKER_DB": "1",
         "IO_TEST_BROKER_URL": broker_url,
         "IO_TEST_QUEUE": queue,

@@ -194,7 +194,7 @@ def test_fulfilment_is_enqueued_only_after_payment_commits(
     assert sent == []  # not before the commit
     for callback in callbacks:
         callback()
-    assert sent == [([order.pk], f"fulfil-{order.pk}")]
+    assert sent == [((order.pk,), f"fulfil-{order.pk}")]  # published from the outbox row
     with django_capture_on_commit_callbacks(execute=True):
         consume_message(payment(order), consumer="payments")  # duplicate: no second follow-up
     assert len(sent) == 1

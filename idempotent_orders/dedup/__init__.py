@@ -13,7 +13,7 @@ import contextlib
 import enum
 import logging
 
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 
 from idempotent_orders.conf import conf
 from idempotent_orders.dedup.bloom import BloomLayer
@@ -83,6 +83,16 @@ def remember(consumer: str, message_id: str) -> None:
         # On failure the next copy goes to the database, which still answers exactly.
         with contextlib.suppress(RedisUnavailable):
             redis.add(consumer, message_id)
+
+
+def remember_on_commit(consumer: str, message_id: str) -> None:
+    """:func:`remember` once the current transaction commits (at once outside one).
+
+    Consumers call it last, after releasing parked successors: a worker that
+    dies before this point leaves no fast-path key, so the redelivery reaches
+    the database and releases the successors itself.
+    """
+    transaction.on_commit(lambda: remember(consumer, message_id))
 
 
 def reset() -> None:

@@ -7,6 +7,10 @@ import django_fsm
 from django.conf import settings
 from django.db import migrations, models
 
+# The order model is swappable (settings.IDEMPOTENT_ORDERS_ORDER_MODEL), like
+# AUTH_USER_MODEL; the setting may be absent, so it is read with its default.
+ORDER_MODEL = getattr(settings, "IDEMPOTENT_ORDERS_ORDER_MODEL", "idempotent_orders.Order")
+
 
 class Migration(migrations.Migration):
 
@@ -14,6 +18,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
+        migrations.swappable_dependency(ORDER_MODEL),
     ]
 
     operations = [
@@ -64,6 +69,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'ordering': ['-id'],
+                'swappable': 'IDEMPOTENT_ORDERS_ORDER_MODEL',
             },
             bases=(django_fsm.FSMModelMixin, models.Model),
         ),
@@ -99,7 +105,7 @@ class Migration(migrations.Migration):
                 ('reason', models.CharField(max_length=255)),
                 ('parked_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
                 ('overdue_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('order', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='parked_messages', to='idempotent_orders.order')),
+                ('order', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='parked_messages', to=ORDER_MODEL)),
             ],
             options={
                 'ordering': ['order_id', 'seq', 'id'],
@@ -124,7 +130,7 @@ class Migration(migrations.Migration):
                 ('result', models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True)),
                 ('created_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
                 ('updated_at', models.DateTimeField(auto_now=True)),
-                ('order', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='messages', to='idempotent_orders.order')),
+                ('order', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='inbox_messages', to=ORDER_MODEL)),
             ],
         ),
         migrations.CreateModel(

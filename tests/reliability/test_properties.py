@@ -11,12 +11,28 @@ from unittest import mock
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from idempotent_orders import services
-from idempotent_orders.models import InboxStatus, OrderStatus, Outcome, ProcessedMessage
+from idempotent_orders import batch, services
+from idempotent_orders.batch import consume_batch
+from idempotent_orders.handlers import get_handler
+from idempotent_orders.models import (
+    InboxStatus,
+    Order,
+    OrderStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
 from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import fulfilment_message
+from idempotent_orders.transitions import TransitionStatus, classify
 from tests.chaos import Planned, check_invariants, lifecycle, make_orders
 
 
@@ -45,12 +61,26 @@ def _during_release(real: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+@contextlib.contextmanager
+def _both(*patches: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
 #: Where a worker may die, as patches of the consumer's steps. Add a point here when
 #: a new phase appears (leased work: after claiming, after the outside call, ...).
 CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
-    # Inside the transaction, after the conditional UPDATE: everything rolls back.
-    "after_update": lambda: mock.patch.object(
-        services, "apply_transition", _after(services.apply_transition)
+    # Inside the transaction, after the conditional UPDATE: everything rolls back. (The
+    # one-statement path has no such moment: a death before its statement commits.)
+    "after_update": lambda: _both(
+        mock.patch.object(services, "apply_transition", _after(services.apply_transition)),
+        mock.patch.object(services, "claim_and_apply", _raise),
+    ),
+    # The one-statement claim-and-apply committed; nothing after it happened.
+    "after_claim": lambda: mock.patch.object(
+        services, "claim_and_apply", _after(services.claim_and_apply)
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.
     "after_commit": lambda: mock.patch.object(services.dedup, "remember", _raise),
@@ -62,9 +92,45 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
     ),
 }
 
+#: Where a worker may die while consuming a batch (consume_batch).
+BATCH_CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+    # Inside the chunk's transaction, after the orders were written: everything rolls back.
+    "batch_before_commit": lambda: mock.patch.object(
+        batch, "_record_outcomes", _after(batch._record_outcomes)
+    ),
+    # Committed, but the fast-path marks (on_commit hooks, run at once) never happen.
+    "batch_after_commit": lambda: mock.patch.object(batch.dedup, "remember", _raise),
+    # Committed and marked, but the parked successors are never released by this delivery.
+    "batch_before_release": lambda: mock.patch.object(batch, "release_parked", _raise),
+}
+
+
+def releasable_but_parked(orders: list[Order]) -> list[str]:
+    """Parked messages of ``orders`` that their order no longer makes wait.
+
+    Each would leave the park if released now: its ``seq`` is not beyond the next
+    one, and its transition is possible, done or impossible (not merely later).
+    Once every delivery a worker died in has been delivered again, there are none.
+    """
+    stuck = []
+    for parked in ParkedMessage.objects.filter(order__in=orders).select_related("order"):
+        order, seq = parked.order, parked.envelope.get("seq")
+        if seq is not None and seq > order.last_seq + 1:
+            continue
+        handler = get_handler(parked.envelope["type"])
+        assert handler is not None
+        if classify(Order, handler.transition, order.status) is TransitionStatus.LATER:
+            continue
+        stuck.append(
+            f"{parked} (seq {seq}) could go ahead: order is {order.status}, "
+            f"last_seq {order.last_seq}, yet nothing released it"
+        )
+    return stuck
+
 
 class Consumer(RuleBasedStateMachine):
-    """Two orders' messages, delivered in any order, any number of times, crashing anywhere."""
+    """Two orders' messages, delivered in any order, any number of times, one at a time or
+    in batches, crashing anywhere; a delivery that crashed is delivered again."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,6 +148,9 @@ class Consumer(RuleBasedStateMachine):
             self.planned.append(Planned("fulfilment", fulfilment_message(order.pk), expect=None))
         rng.shuffle(self.planned)
         self.crashes = 0
+        #: Deliveries a worker died in, which the broker will hand over again:
+        #: ``(consumer, messages, batched)``.
+        self.owed: list[tuple[str, list[dict[str, Any]], bool]] = []
 
     def _pick(self, index: int) -> Planned:
         return self.planned[index % len(self.planned)]
@@ -92,13 +161,59 @@ class Consumer(RuleBasedStateMachine):
         outcome = consume_message(p.message, consumer=p.consumer)
         assert outcome in set(Outcome)
 
-    @rule(index=st.integers(0, 63), point=st.sampled_from(sorted(CRASH_POINTS)))
-    def crash(self, index: int, point: str) -> None:
+    @rule(
+        index=st.integers(0, 63),
+        point=st.sampled_from(sorted(CRASH_POINTS)),
+        at_once=st.booleans(),
+    )
+    def crash(self, index: int, point: str, at_once: bool) -> None:
         p = self._pick(index)
         with contextlib.suppress(Crash), CRASH_POINTS[point]():
             consume_message(p.message, consumer=p.consumer)
             return  # the crash point was not on this message's path
         self.crashes += 1
+        self.owed.append((p.consumer, [p.message], False))
+        if at_once:  # the broker's redelivery comes before anything else
+            self.redeliver()
+
+    @rule(
+        indices=st.lists(st.integers(0, 63), min_size=1, max_size=6),
+        point=st.sampled_from([None, *sorted(BATCH_CRASH_POINTS)]),
+        at_once=st.booleans(),
+    )
+    def deliver_batch(self, indices: list[int], point: str | None, at_once: bool) -> None:
+        """One consume_batch call (one consumer's messages), possibly dying at ``point``."""
+        picked = [self._pick(i) for i in indices]
+        consumer = picked[0].consumer
+        messages = [p.message for p in picked if p.consumer == consumer]
+        if point is None:
+            outcomes = consume_batch(messages, consumer=consumer)
+            assert set(outcomes) <= set(Outcome)
+            return
+        with contextlib.suppress(Crash), BATCH_CRASH_POINTS[point]():
+            consume_batch(messages, consumer=consumer)
+            return  # the crash point was not on this batch's path
+        self.crashes += 1
+        self.owed.append((consumer, messages, True))
+        if at_once:
+            self.redeliver()
+
+    @precondition(lambda self: bool(self.owed))
+    @rule()
+    def redeliver(self) -> None:
+        """The broker hands the latest delivery a worker died in over again, as it was."""
+        consumer, messages, batched = self.owed.pop()
+        if batched:
+            consume_batch(messages, consumer=consumer)
+        else:
+            consume_message(messages[0], consumer=consumer)
+
+    @invariant()
+    def nothing_releasable_left_parked(self) -> None:
+        # While a crashed delivery is still owed, its successors may wait for it.
+        if not self.owed:
+            stuck = releasable_but_parked(self.orders)
+            assert not stuck, stuck
 
     @invariant()
     def effects_never_doubled(self) -> None:
@@ -112,6 +227,8 @@ class Consumer(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         # At-least-once delivery: the broker eventually hands every message over again.
+        while self.owed:
+            self.redeliver()
         for p in self.planned:
             consume_message(p.message, consumer=p.consumer)
         report = check_invariants(self.planned, {o.pk: OrderStatus.COMPLETED for o in self.orders})
@@ -120,6 +237,24 @@ class Consumer(RuleBasedStateMachine):
 
 def test_consumer_state_machine(transactional_db: None) -> None:
     run_state_machine_as_test(Consumer)
+
+
+def test_batch_redelivered_after_dying_before_release_releases(transactional_db: None) -> None:
+    """A batch whose worker died after its commit, before the release, is delivered again.
+
+    The found step of the state machine, kept as a plain test: the redelivery must
+    release the dispatch that waits for the batch's payment.
+    """
+    orders = make_orders(1, prefix="prop")
+    pay, ship, _ = lifecycle(orders[0], run="batch-release", with_seq=True)
+    assert consume_message(ship.message, consumer=ship.consumer) == Outcome.PARKED
+    with contextlib.suppress(Crash), BATCH_CRASH_POINTS["batch_before_release"]():
+        consume_batch([pay.message], consumer=pay.consumer)
+    # The batch releases what it unblocks in its own transaction: nothing waits
+    # for the after-commit pass a crash could cut short.
+    assert releasable_but_parked(orders) == []
+    consume_batch([pay.message], consumer=pay.consumer)  # the broker's redelivery
+    assert releasable_but_parked(orders) == []
 
 
 @pytest.fixture
