@@ -1,4 +1,52 @@
-"""Django admin for orders, the inbox and parked messages.
+"""Django admin for orders, the inbox, parked messages, the outbox and keys.
+
+The order admin is :class:`OrderAdminMixin` on a ``ModelAdmin``. Like
+``UserAdmin`` for ``auth.User``, :class:`OrderAdmin` is registered only when the
+order model is the default ``idempotent_orders.Order``; a project with its own
+(``IDEMPOTENT_ORDERS_ORDER_MODEL``) registers its model with the mixin. The
+mixin reads everything from the model: its state field, its transitions, the
+columns it has.
+
+The admin cannot break the guarantee the workers keep:
+
+- **The order form** carries the version it was opened at (a hidden field). A
+  save is one conditional ``UPDATE ... WHERE version = <that version>`` that
+  bumps ``version``; a stale save changes nothing and names the fields that
+  changed. What messages own (the state field, ``version``, ``last_seq``,
+  ``has_parked`` and the columns of ``message_owned_fields``: ``payment_id``,
+  ``tracking_number``, ``carrier`` where they exist) is read-only, so is
+  ``business_key`` once the order exists, and ``amount``/``currency`` too once
+  the order left its initial state (a payment was checked against them).
+- **Evidence is never added or deleted**: inbox (``ProcessedMessage``), parked,
+  outbox and ``IdempotencyKey`` rows (deleting an inbox row would let its
+  message take effect again); retention is the purge commands' job. Inbox,
+  parked and key rows are view-only too: saving their form would write back
+  every column as it was read.
+  An order a message refers to cannot be deleted either (its inbox rows would
+  lose their order and its parked messages would go with it); an order no
+  message touched (created by mistake) can.
+- **Transition actions** (one per declared transition, labelled "Mark as
+  shipped") show a confirmation page listing every selected order, its state
+  and what will happen; they honour the transition's fsm-2 ``permission=`` and
+  ``conditions=``, report per order in words, and are audited. Rules:
+
+  - ``cancel``, ``expire`` (the mixin's ``operator_transitions``): the
+    operator's decision (no money moved yet, no effect outside the database);
+  - ``start_processing`` (the fulfilment step's transition,
+    :func:`~idempotent_orders.fulfilment.transition`): only through the leased fulfilment step
+    (:func:`~idempotent_orders.fulfilment.fulfil`), which asks the warehouse
+    once with the step's idempotency key; an unpaid order is refused without
+    touching the inbox;
+  - ``pay``, ``ship``, ``complete``, ``refund`` (any transition a message type
+    drives): only to apply a message of that type the inbox refused for the
+    order (a ``rejected``/``failed`` row) whose payload validates now (e.g. the
+    amount was corrected); the payment id, tracking number, ... come from that
+    message and the audit entry names it. Without one the action refuses: only
+    the payment provider or the warehouse can say it happened.
+
+- **The app index** shows what needs an operator (:func:`attention`): stuck and
+  failed leased work, rejections today, overdue parked messages, the pending
+  outbox, each count linking to the list of exactly those rows.
 
 Every action goes through the same services as the workers
 (:func:`~idempotent_orders.transitions.apply_transition`, the reconciler's
@@ -8,17 +56,32 @@ as an :class:`~idempotent_orders.models.AuditEntry`.
 
 from __future__ import annotations
 
+import enum
+import inspect
+import json
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
+from django import forms
 from django.contrib import admin, messages
-from django.db.models import Model, QuerySet
-from django.http import HttpRequest
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import flatten_fieldsets
+from django.db import transaction
+from django.db.models import F, Model, Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
+from django.utils.html import format_html
 from django.utils.timesince import timesince
 
-from idempotent_orders import leases, reconcile
+from idempotent_orders import fulfilment, get_order_model, leases, reconcile
+from idempotent_orders.conf import conf
+from idempotent_orders.exceptions import InvalidMessage
+from idempotent_orders.handlers import registered
 from idempotent_orders.leases import StepResult
 from idempotent_orders.models import (
     AuditEntry,
@@ -27,10 +90,25 @@ from idempotent_orders.models import (
     Order,
     OutboxMessage,
     OutboxStatus,
+    Outcome,
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.transitions import TransitionStatus, apply_transition, edges
+from idempotent_orders.outbox import outbox_stats
+from idempotent_orders.services import parse_envelope
+from idempotent_orders.transitions import (
+    Edge,
+    TransitionStatus,
+    apply_transition,
+    classify,
+    current_state,
+    edge,
+    edges,
+    has_transition,
+    state_field,
+    unmet_conditions,
+    written_values,
+)
 
 
 def audit(
@@ -55,25 +133,6 @@ def _report(request: HttpRequest, verb: str, results: Counter[str]) -> None:
     messages.add_message(request, level, f"{verb}: {summary or 'nothing selected'}.")
 
 
-def _transition_action(name: str) -> Callable[..., None]:
-    def action(modeladmin: admin.ModelAdmin[Order], request: HttpRequest, queryset: Any) -> None:
-        results: Counter[str] = Counter()
-        for order in queryset:
-            result = apply_transition(order, name)
-            results[result.status.value] += 1
-            detail = f"{result.source} -> {result.target} at v{result.version}"
-            audit(request, f"transition:{name}", order, result.status.value, detail)
-            if result.status is TransitionStatus.CONFLICT:
-                messages.warning(
-                    request,
-                    f"Order {order.pk} changed while you looked at it; reload and try again.",
-                )
-        _report(request, name, results)
-
-    action.__name__ = f"transition_{name}"
-    return admin.action(description=f"Transition: {name}", permissions=["change"])(action)
-
-
 class AttentionFilter(admin.SimpleListFilter):
     """What an operator looks for: stuck leased work, rejections, failures."""
 
@@ -85,6 +144,7 @@ class AttentionFilter(admin.SimpleListFilter):
             ("stuck", "stuck in processing (lease expired)"),
             ("processing", "processing"),
             ("rejected", "rejected"),
+            ("rejected_today", "rejected today"),
             ("failed", "failed"),
         ]
 
@@ -94,8 +154,35 @@ class AttentionFilter(admin.SimpleListFilter):
             return queryset.filter(
                 status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now()
             )
+        if value == "rejected_today":
+            return queryset.filter(status=InboxStatus.REJECTED, created_at__gte=_start_of_today())
         if value in {"processing", "rejected", "failed"}:
             return queryset.filter(status=value)
+        return queryset
+
+
+def _start_of_today() -> datetime:
+    return timezone.localtime().replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def _overdue_cutoff() -> datetime:
+    return timezone.now() - timedelta(seconds=conf.PARKED_TIMEOUT)
+
+
+class ParkedAttentionFilter(admin.SimpleListFilter):
+    """Parked messages waiting longer than ``PARKED_TIMEOUT``, marked overdue or not yet."""
+
+    title = "needs attention"
+    parameter_name = "attention"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("overdue", "overdue (waiting longer than PARKED_TIMEOUT)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "overdue":
+            return queryset.filter(
+                Q(overdue_at__isnull=False) | Q(parked_at__lte=_overdue_cutoff())
+            )
         return queryset
 
 
@@ -117,7 +204,7 @@ def _row_action(
         _report(request, description, results)
 
     action.__name__ = verb
-    return admin.action(description=description, permissions=["change"])(action)
+    return admin.action(description=description, permissions=["operate"])(action)
 
 
 def _fail(row: ProcessedMessage) -> str:
@@ -129,29 +216,652 @@ def _fail(row: ProcessedMessage) -> str:
     return StepResult.FAILED.value if done else StepResult.SKIPPED.value
 
 
+@dataclass(frozen=True)
+class Attention:
+    """One line of the attention dashboard on the app index: a count and where to see the rows."""
+
+    key: str
+    label: str
+    count: int
+    url: str
+    note: str = ""
+
+
+def attention(user: Any) -> list[Attention]:
+    """What needs an operator now, for the models ``user`` may view.
+
+    Each count is the size of the changelist its link opens (the same filter).
+    """
+    now = timezone.now()
+    inbox = ProcessedMessage.objects.all()
+
+    def changelist(model: type[Model], query: str) -> str:
+        return reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist") + query
+
+    def may_view(model: type[Model]) -> bool:
+        opts = model._meta
+        return any(
+            user.has_perm(f"{opts.app_label}.{perm}_{opts.model_name}")
+            for perm in ("view", "change")
+        )
+
+    lines: list[Attention] = []
+    if may_view(ProcessedMessage):
+        lines += [
+            Attention(
+                "stuck",
+                "Stuck in processing (lease expired)",
+                inbox.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=now).count(),
+                changelist(ProcessedMessage, "?attention=stuck"),
+            ),
+            Attention(
+                "failed",
+                "Failed, waiting for an operator",
+                inbox.filter(status=InboxStatus.FAILED).count(),
+                changelist(ProcessedMessage, "?attention=failed"),
+            ),
+            Attention(
+                "rejected_today",
+                "Rejected today",
+                inbox.filter(
+                    status=InboxStatus.REJECTED, created_at__gte=_start_of_today()
+                ).count(),
+                changelist(ProcessedMessage, "?attention=rejected_today"),
+            ),
+        ]
+    if may_view(ParkedMessage):
+        lines.append(
+            Attention(
+                "overdue",
+                "Parked longer than PARKED_TIMEOUT",
+                ParkedMessage.objects.filter(
+                    Q(overdue_at__isnull=False) | Q(parked_at__lte=_overdue_cutoff())
+                ).count(),
+                changelist(ParkedMessage, "?attention=overdue"),
+            )
+        )
+    if may_view(OutboxMessage):
+        stats = outbox_stats()
+        age = stats["oldest_pending_age"]
+        lines.append(
+            Attention(
+                "outbox_pending",
+                "Outbox pending",
+                stats["pending"],
+                changelist(OutboxMessage, f"?status__exact={OutboxStatus.PENDING}"),
+                f"oldest waiting {timesince(now - timedelta(seconds=age), now)}" if age else "",
+            )
+        )
+    return lines
+
+
 @admin.display(description="waiting")
 def _waiting(obj: ParkedMessage) -> str:
     return timesince(obj.parked_at) if obj.parked_at else ""
 
 
-@admin.register(Order)
-class OrderAdmin(admin.ModelAdmin):
+@admin.display(description="order", ordering="order_id")
+def _order(obj: ProcessedMessage | ParkedMessage) -> str:
+    """The order, linked to its change page in the admin of the configured order model."""
+    if obj.order_id is None:
+        return "-"
+    opts = get_order_model()._meta
+    try:
+        link = reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[obj.order_id])
+    except NoReverseMatch:  # the order model has no admin
+        return str(obj.order_id)
+    return format_html('<a href="{}">{}</a>', link, obj.order_id)
+
+
+# -- the order form: optimistic concurrency, message-owned fields read-only ------------------
+
+#: Kept by the machinery on every order model (``AbstractOrder``); never typed by an operator.
+MACHINERY_FIELDS = ("version", "last_seq", "has_parked")
+#: Columns the built-in message types write, where the order model has them.
+MESSAGE_COLUMNS = ("payment_id", "tracking_number", "carrier")
+
+
+def _has_field(model: type[Model], name: str) -> bool:
+    return any(f.name == name for f in model._meta.concrete_fields)
+
+
+def _snapshot(order: Model) -> dict[str, str]:
+    """The order's columns as text, to tell later what changed under an open form."""
+    return {
+        f.name: f.value_to_string(order)
+        for f in type(order)._meta.concrete_fields
+        if not f.primary_key and not getattr(f, "auto_now", False)
+    }
+
+
+def _changed_since(seen: str, order: Model) -> list[str]:
+    try:
+        before = json.loads(seen)
+    except ValueError:
+        before = {}
+    now = _snapshot(order)
+    return [name for name, value in now.items() if before.get(name) != value] or ["version"]
+
+
+class StaleOrder(Exception):
+    """The order's version moved between the form's check and its UPDATE."""
+
+
+class OrderChangeForm(forms.ModelForm):
+    """The order as the operator saw it travels with the form: its version and its values.
+
+    A save whose version is no longer the row's changes nothing and names the
+    fields that changed meanwhile (a message applied, another operator saved).
+    The admin builds it for whichever order model it edits (no ``Meta.model``).
+    """
+
+    seen_version = forms.IntegerField(widget=forms.HiddenInput, min_value=0)
+    seen = forms.CharField(widget=forms.HiddenInput, required=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["seen_version"].initial = self.instance.version
+        self.fields["seen"].initial = json.dumps(_snapshot(self.instance), sort_keys=True)
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        seen_version = cleaned.get("seen_version")
+        # Locked until the admin's transaction commits: a message waits for the
+        # save instead of landing between this check and the UPDATE.
+        model = type(self.instance)
+        current = model._default_manager.select_for_update().filter(pk=self.instance.pk).first()
+        if current is None or seen_version is None or current.version == seen_version:
+            return cleaned
+        changed = _changed_since(cleaned.get("seen", ""), current)
+        # The form shown again carries the new version: saving it again is a
+        # decision taken with the new values in view, not a blind overwrite.
+        data = self.data.copy()  # type: ignore[attr-defined]
+        data["seen_version"] = str(current.version)
+        data["seen"] = json.dumps(_snapshot(current), sort_keys=True)
+        self.data = data
+        raise forms.ValidationError(
+            "This order changed since you opened it (v%(was)s -> v%(now)s: %(changed)s). "
+            "Nothing was saved. The page shows the current values; save again to keep "
+            "your changes on top of them.",
+            code="stale",
+            params={"was": seen_version, "now": current.version, "changed": ", ".join(changed)},
+        )
+
+
+def _touched(order: Model) -> bool:
+    """A message, parked or in the inbox, refers to the order: it is evidence, not a mistake."""
+    if not isinstance(order, get_order_model()):
+        return False  # messages refer to the configured order model only
+    return (
+        ProcessedMessage.objects.filter(order_id=order.pk).exists()
+        or ParkedMessage.objects.filter(order_id=order.pk).exists()
+    )
+
+
+# -- transition actions: confirm, check the rules, report per order -------------------------
+
+
+class Rule(enum.Enum):
+    """How the admin may drive a declared transition."""
+
+    #: The operator's own decision with no effect outside the database.
+    OPERATOR = "operator"
+    #: Applies a message the inbox refused, once its reason is fixed (its payload
+    #: validates against the order now); without such a message it is refused.
+    REPLAY = "replay"
+    #: An effect outside the database: through the leased fulfilment step only.
+    LEASED = "leased"
+
+
+def transition_rule(
+    model: type[Model], name: str, operator_transitions: Iterable[str] = ("cancel", "expire")
+) -> Rule | None:
+    """The rule for transition ``name`` of ``model``: the fulfilment step's is LEASED,
+    ``operator_transitions`` are OPERATOR, one a registered message type drives is
+    REPLAY; any other is refused (None).
+    """
+    if name == fulfilment.transition(model):
+        return Rule.LEASED
+    if name in operator_transitions:
+        return Rule.OPERATOR
+    return Rule.REPLAY if _message_types(name) else None
+
+
+def _message_types(name: str) -> list[str]:
+    return [h.message_type for h in registered() if h.transition == name]
+
+
+def _label(model: type[Model], state: str) -> str:
+    return str(dict(state_field(model).flatchoices).get(state, state))
+
+
+def _verb(name: str) -> str:
+    return name.replace("_", " ")
+
+
+def action_label(model: type[Model], e: Edge, rule: Rule | None) -> str:
+    """``Mark as shipped``: what an operator reads in the action menu."""
+    if rule is Rule.LEASED:
+        return f"Start fulfilment (asks the warehouse, marks as {_label(model, e.target)})"
+    return f"Mark as {_label(model, e.target)}"
+
+
+@dataclass
+class Plan:
+    """What one transition action will do to one order, in words."""
+
+    order: Model
+    #: ``apply``, or the audit result of doing nothing (``at_target``, ``refused``, ...).
+    result: str
+    text: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    #: For the audit: the inbox message a replay applies.
+    evidence: str = ""
+
+    @property
+    def applies(self) -> bool:
+        return self.result == "apply"
+
+    @property
+    def state_label(self) -> str:
+        """The order's state as read, in words (the confirmation page's "Now")."""
+        return _label(type(self.order), current_state(self.order))
+
+
+def _replayable(order: Model, name: str) -> tuple[dict[str, Any], str] | str:
+    """The fields of a refused message that validates now, or why there is none."""
+    types = _message_types(name)
+    rows = ProcessedMessage.objects.filter(
+        order_id=order.pk,
+        message_type__in=types,
+        status__in=[InboxStatus.REJECTED, InboxStatus.FAILED],
+    ).order_by("-id")
+    reason = (
+        f"no {' or '.join(types)} message for it in the inbox; "
+        f"only that message can {_verb(name)} it"
+    )
+    for row in rows:
+        try:
+            envelope = parse_envelope(json.loads(row.body), consumer=row.consumer)
+            fields = envelope.handler.validate(order, envelope.payload)
+        except (ValueError, InvalidMessage) as exc:
+            why = exc.message if isinstance(exc, InvalidMessage) else "its body is not readable"
+            reason = f"{row.message_type} {row.message_id} is still refused: {why}"
+            continue
+        return fields, f"{row.consumer}:{row.message_id}"
+    return reason
+
+
+def plan(order: Model, name: str, user: Any, rule: Rule | None) -> Plan:
+    """Decide, without writing, what transition ``name`` under ``rule`` would do to ``order``
+    for ``user``.
+    """
+    model = type(order)
+    e = edge(model, name)
+    state = current_state(order)
+    status = classify(model, name, state)
+    if status is TransitionStatus.AT_TARGET:
+        return Plan(order, status.value, f"already {_label(model, state)}; nothing to do")
+    if status is TransitionStatus.PAST_TARGET:
+        return Plan(
+            order,
+            status.value,
+            f"already past {_label(model, e.target)} ({_label(model, state)}); nothing to do",
+        )
+    if status is not TransitionStatus.APPLIED:
+        return Plan(order, status.value, f"cannot {_verb(name)} from {_label(model, state)}")
+    declared = getattr(model, name)._django_fsm.get_transition(state)
+    if not declared.has_perm(order, user):
+        return Plan(order, "forbidden", f"you may not {_verb(name)} it")
+    failing = unmet_conditions(order, name)
+    if failing:
+        return Plan(
+            order,
+            TransitionStatus.NOT_ALLOWED.value,
+            f"cannot {_verb(name)}: condition {', '.join(failing)} does not hold",
+        )
+    move = f"{_label(model, state)} -> {_label(model, e.target)}"
+    if rule is Rule.OPERATOR:
+        return Plan(order, "apply", move)
+    if rule is Rule.LEASED:
+        return Plan(order, "apply", f"{move} (the warehouse is asked, once)")
+    if rule is Rule.REPLAY:
+        found = _replayable(order, name)
+        if isinstance(found, str):
+            return Plan(order, "refused", found)
+        fields, evidence = found
+        extra = ", ".join(
+            f"{k.removesuffix('_id').replace('_', ' ')} {v}" for k, v in fields.items()
+        )
+        return Plan(order, "apply", f"{move} ({extra})" if extra else move, fields, evidence)
+    return Plan(order, "refused", f"the admin has no rule to {_verb(name)} orders")
+
+
+def _fulfil(p: Plan) -> tuple[str, str]:
+    """Run the leased fulfilment step for ``p.order``: (audit result, words)."""
+    result = fulfilment.fulfil(p.order.pk)
+    row = ProcessedMessage.objects.filter(
+        consumer=fulfilment.CONSUMER, message_id=fulfilment.fulfilment_message_id(p.order.pk)
+    ).first()
+    where = f"Processed messages: {row.consumer}:{row.message_id}" if row else "Processed messages"
+    if result is Outcome.APPLIED:
+        return result.value, p.text
+    if result is StepResult.RETRY:
+        return result.value, (
+            f"the warehouse call failed; the reconciler tries again (or Retry it in {where})"
+        )
+    if result is StepResult.FAILED:
+        return result.value, f"fulfilment failed and waits for an operator in {where}"
+    if row is not None and row.status == InboxStatus.PROCESSING:
+        return result.value, f"fulfilment is already under way ({where})"
+    return result.value, f"nothing done: {row.error if row else result.value}"
+
+
+def _run(p: Plan, name: str, rule: Rule | None) -> tuple[str, str]:
+    """Carry a plan out: (audit result, words)."""
+    if rule is Rule.LEASED:
+        return _fulfil(p)
+    result = apply_transition(p.order, name, fields=p.fields)
+    if result.status is TransitionStatus.CONFLICT:
+        return result.status.value, "changed while you looked at it; nothing done — review it again"
+    if not result.applied:
+        return (
+            result.status.value,
+            f"cannot {_verb(name)} from {_label(type(p.order), result.source)}",
+        )
+    return result.status.value, p.text
+
+
+def _transition_action(model: type[Model], e: Edge) -> Callable[..., Any]:
+    name = e.name
+    label = action_label(model, e, transition_rule(model, name))
+
+    def action(
+        modeladmin: OrderAdminMixin, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        rule = modeladmin.get_transition_rule(name)
+        plans = [plan(order, name, request.user, rule) for order in queryset]
+        if request.POST.get("post") != "yes":
+            return TemplateResponse(
+                request,
+                "admin/idempotent_orders/order/transition_confirmation.html",
+                {
+                    **modeladmin.admin_site.each_context(request),
+                    "title": f"{label}: are you sure?",
+                    "subtitle": None,
+                    "opts": modeladmin.opts,
+                    "action": f"transition_{name}",
+                    "label": label,
+                    "description": inspect.getdoc(getattr(model, name)) or "",
+                    "plans": plans,
+                    "applicable": any(p.applies for p in plans),
+                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                },
+            )
+        for p in plans:
+            order = p.order
+            version = order.version  # type: ignore[attr-defined]
+            confirmed = request.POST.get(f"version-{order.pk}")
+            if not p.applies:
+                result, text, level = p.result, p.text, messages.WARNING
+                if p.result in {"at_target", "past_target"}:
+                    level = messages.INFO
+            elif confirmed != str(version):
+                result, level = TransitionStatus.CONFLICT.value, messages.WARNING
+                text = (
+                    f"changed since you confirmed (v{confirmed} -> v{version}); "
+                    "nothing done — review it again"
+                )
+            else:
+                result, text = _run(p, name, rule)
+                level = messages.SUCCESS if result in {"applied"} else messages.WARNING
+            detail = f"{current_state(order)} v{order.version}: {text}"  # type: ignore[attr-defined]
+            if p.evidence:
+                detail += f"; from inbox message {p.evidence}"
+            audit(request, f"transition:{name}", order, result, detail)
+            messages.add_message(request, level, f"Order {order.pk}: {text}")
+        return None
+
+    action.__name__ = f"transition_{name}"
+    return admin.action(description=label, permissions=["change"])(action)
+
+
+# -- the order admin: a mixin for any order model, registered for the default one -----------
+
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[Model]
+else:
+    _ModelAdmin = object
+
+
+class OrderAdminMixin(_ModelAdmin):
+    """The admin's guarantees for an order model; put it first on your own ``ModelAdmin``.
+
+    Like ``UserAdmin`` for ``auth.User``, :class:`OrderAdmin` is registered only
+    for the default ``idempotent_orders.Order``. A project with its own order
+    model (``IDEMPOTENT_ORDERS_ORDER_MODEL``) registers it with this mixin::
+
+        @admin.register(Order)
+        class OrderAdmin(OrderAdminMixin, admin.ModelAdmin):
+            operator_transitions = ["void"]
+
+    It brings the change form that carries the version it was opened at (a
+    stale save changes nothing and names what changed), read-only state,
+    ``version``, ``last_seq``, ``has_parked`` and :attr:`message_owned_fields`,
+    one confirmed, audited action per declared transition (fsm-2
+    ``permission=`` and ``conditions=`` honoured; rules in :func:`transition_rule`)
+    and no deletion of an order a message refers to. Add ``fieldsets``,
+    ``list_display`` and the rest as for any ``ModelAdmin``.
+    """
+
+    #: Columns only messages write, read-only in the form. None: those of
+    #: ``payment_id``, ``tracking_number``, ``carrier`` the model has. The state
+    #: field is always read-only too.
+    message_owned_fields: Sequence[str] | None = None
+    #: Set when the order is created (its business key): editable on the add form only.
+    creation_fields: Sequence[str] = ("business_key",)
+    #: Checked by a payment against the order: read-only once the order left its
+    #: initial state (the state field's default). Those the model has.
+    price_fields: Sequence[str] = ("amount", "currency")
+    #: Transitions that are the operator's own decision (no money moved, no
+    #: effect outside the database). Those the model declares.
+    operator_transitions: Sequence[str] = ("cancel", "expire")
+
+    def __init__(self, model: type[Model], admin_site: admin.AdminSite) -> None:
+        super().__init__(model, admin_site)
+        transitions = [_transition_action(model, e) for e in edges(model)]
+        self.actions = [*(self.actions or ()), *transitions]
+
+    # -- what the form may change --
+
+    def _present(self, names: Iterable[str]) -> list[str]:
+        return [n for n in names if _has_field(self.model, n)]
+
+    def get_message_owned_fields(self) -> list[str]:
+        """The state field and the columns messages write (:attr:`message_owned_fields`)."""
+        state = state_field(self.model).name
+        owned = (
+            self.message_owned_fields
+            if self.message_owned_fields is not None
+            else self._present(MESSAGE_COLUMNS)
+        )
+        return [state, *(n for n in owned if n != state)]
+
+    def get_operator_transitions(self) -> list[str]:
+        return [n for n in self.operator_transitions if has_transition(self.model, n)]
+
+    def get_transition_rule(self, name: str) -> Rule | None:
+        return transition_rule(self.model, name, self.get_operator_transitions())
+
+    def left_initial_state(self, obj: Model) -> bool:
+        """Whether ``obj`` moved from its state field's default (a payment was checked)."""
+        return current_state(obj) != str(state_field(self.model).get_default())
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        fixed = [*super().get_readonly_fields(request, obj)]
+        fixed += self.get_message_owned_fields() + self._present(MACHINERY_FIELDS)
+        if obj is not None:
+            fixed += self._present(self.creation_fields)
+            if self.left_initial_state(obj):
+                fixed += self._present(self.price_fields)
+        return list(dict.fromkeys(fixed))
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        own_layout = self.fieldsets is not None or self.fields is not None
+        if obj is None:
+            if own_layout:
+                return fieldsets
+            # Adding: what the operator types; the state and counters start at their defaults.
+            fixed = set(self.get_readonly_fields(request, obj))
+            return [(None, {"fields": [f for f in flatten_fieldsets(fieldsets) if f not in fixed]})]
+        shown = set(flatten_fieldsets(fieldsets))
+        hidden = [f for f in ("seen_version", "seen") if f not in shown]
+        if own_layout:
+            return [*fieldsets, (None, {"fields": hidden})] if hidden else fieldsets
+        # No layout of the project's own: key, state and version first, then what
+        # the operator may change, then what messages wrote.
+        state = state_field(self.model).name
+        names = [f for f in flatten_fieldsets(fieldsets) if f not in ("seen_version", "seen")]
+        owned = [*self.get_message_owned_fields(), "last_seq", "has_parked"]
+        written = [f for f in names if f in owned and f != state]
+        head = [f for f in (*self.creation_fields, state, "version") if f in names]
+        rest = [f for f in names if f not in head and f not in written]
+        layout: list[Any] = [(None, {"fields": head + rest})]
+        if written:
+            layout.append(("Written by messages", {"fields": written}))
+        return [*layout, (None, {"fields": ["seen_version", "seen"]})]
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        if obj is not None and "form" not in kwargs:  # adding: no version to carry yet
+            form = self.form
+            if not issubclass(form, OrderChangeForm):
+                form = type(f"Versioned{form.__name__}", (OrderChangeForm, form), {})
+            kwargs["form"] = form
+        return super().get_form(request, obj, change, **kwargs)
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        if not change:
+            super().save_model(request, obj, form, change)
+            return
+        seen_version = form.cleaned_data["seen_version"]
+        columns = {f.name for f in self.model._meta.concrete_fields}
+        values = {f: form.cleaned_data[f] for f in form.changed_data if f in columns}
+        if not values:
+            return
+        # The same optimistic lock as every transition: WHERE version = what the form showed.
+        rows = self.model._default_manager.filter(pk=obj.pk, version=seen_version).update(
+            **written_values(self.model, values), version=F("version") + 1
+        )
+        if rows != 1:
+            raise StaleOrder(form.cleaned_data.get("seen", ""))
+        obj.version = seen_version + 1
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        try:
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        except StaleOrder as exc:  # the admin's transaction was rolled back: nothing saved
+            current = (
+                self.model._default_manager.filter(pk=object_id).first() if object_id else None
+            )
+            changed = _changed_since(str(exc), current) if current else ["the order was deleted"]
+            self.message_user(
+                request,
+                f"This order changed while it was being saved ({', '.join(changed)}). "
+                "Nothing was saved; make your change again on the current values.",
+                messages.ERROR,
+            )
+            return HttpResponseRedirect(request.get_full_path())
+
+    # Orders that messages refer to are evidence: deleting one would detach its
+    # inbox rows (a redelivered message then finds an "unknown order") and
+    # delete its parked messages. Only an order no message touched is deletable.
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None and _touched(obj):
+            return False
+        return super().has_delete_permission(request, obj)
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> Any:
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        for order in objs:
+            if _touched(order):
+                protected.append(f"{order}: messages refer to it (inbox or parked)")
+        return deleted, counts, perms_needed, protected
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        # Locked and checked again: a message may have arrived since the confirmation.
+        with transaction.atomic():
+            for order in queryset.select_for_update():
+                if not _touched(order):
+                    order.delete()
+
+
+class OrderAdmin(OrderAdminMixin, admin.ModelAdmin):
+    """The admin of the default ``idempotent_orders.Order``."""
+
     list_display = ["id", "status", "version", "last_seq", "amount", "currency", "updated_at"]
     list_filter = ["status", "currency"]
     search_fields = ["business_key", "payment_id", "tracking_number"]
-    readonly_fields = ["status", "version", "last_seq", "created_at", "updated_at"]
-    actions = [_transition_action(e.name) for e in edges(Order)]
+    readonly_fields = ["created_at", "updated_at"]
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        if obj is None:
+            return [(None, {"fields": ["business_key", "customer", "amount", "currency"]})]
+        return [
+            (
+                None,
+                {"fields": ["business_key", "status", "version", "customer", "amount", "currency"]},
+            ),
+            (
+                "Written by messages",
+                {"fields": ["payment_id", "tracking_number", "carrier", "last_seq", "has_parked"]},
+            ),
+            (None, {"fields": ["created_at", "updated_at", "seen_version", "seen"]}),
+        ]
+
+
+# Like UserAdmin for auth.User: only the default model gets this admin. A project
+# with its own order model registers it with OrderAdminMixin.
+if get_order_model() is Order:
+    admin.site.register(Order, OrderAdmin)
+
+
+class EvidenceAdmin(admin.ModelAdmin):
+    """Rows that are the record of what happened: never added or deleted from the admin."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Without the delete permission Django leaves "delete selected" out of
+        # the actions too (the action declares allowed_permissions=("delete",)).
+        return False
+
+
+class ReadOnlyEvidenceAdmin(EvidenceAdmin):
+    """View-only: saving a form would write back every column as it was read."""
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 @admin.register(ProcessedMessage)
-class ProcessedMessageAdmin(admin.ModelAdmin):
+class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
     list_display = [
         "message_id",
         "consumer",
         "message_type",
         "outcome",
         "status",
-        "order",
+        _order,
         "seq",
         "created_at",
         "attempts",
@@ -171,20 +881,25 @@ class ProcessedMessageAdmin(admin.ModelAdmin):
         _row_action("fail", _fail, "Mark failed"),
     ]
 
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """The row actions: retry, complete, fail (each through the reconciler's functions)."""
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
 
 @admin.register(ParkedMessage)
-class ParkedMessageAdmin(admin.ModelAdmin):
+class ParkedMessageAdmin(ReadOnlyEvidenceAdmin):
     list_display = [
         "message_id",
         "consumer",
-        "order",
+        _order,
         "seq",
         "reason",
         "parked_at",
         _waiting,
         "overdue_at",
     ]
-    list_filter = ["consumer", ("overdue_at", admin.EmptyFieldListFilter)]
+    list_filter = [ParkedAttentionFilter, "consumer", ("overdue_at", admin.EmptyFieldListFilter)]
     raw_id_fields = ["order"]
 
 
@@ -205,7 +920,7 @@ class AuditEntryAdmin(admin.ModelAdmin):
 
 
 @admin.register(OutboxMessage)
-class OutboxMessageAdmin(admin.ModelAdmin):
+class OutboxMessageAdmin(EvidenceAdmin):
     list_display = [
         "message_id",
         "task_name",
@@ -230,7 +945,7 @@ class OutboxMessageAdmin(admin.ModelAdmin):
         "created_at",
         "sent_at",
     ]
-    actions = ["publish_again", "purge_sent"]
+    actions = ["publish_again"]
 
     @admin.action(description="Publish again (same message id; consumers dedup)")
     def publish_again(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
@@ -239,14 +954,9 @@ class OutboxMessageAdmin(admin.ModelAdmin):
         )
         self.message_user(request, f"{count} outbox rows queued for the relay.", messages.SUCCESS)
 
-    @admin.action(description="Delete selected rows that were sent")
-    def purge_sent(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
-        deleted, _ = queryset.filter(status=OutboxStatus.SENT).delete()
-        self.message_user(request, f"{deleted} sent outbox rows deleted.", messages.SUCCESS)
-
 
 @admin.register(IdempotencyKey)
-class IdempotencyKeyAdmin(admin.ModelAdmin):
+class IdempotencyKeyAdmin(ReadOnlyEvidenceAdmin):
     list_display = [
         "key",
         "principal",

@@ -178,9 +178,7 @@ def test_admin_actions(sent: list[Any], rf: Any, admin_user: Any) -> None:
     model_admin.message_user = lambda *args, **kwargs: None
     model_admin.publish_again(request, OutboxMessage.objects.filter(pk=a.pk))
     assert OutboxMessage.objects.get(pk=a.pk).status == OutboxStatus.PENDING
-    model_admin.purge_sent(request, OutboxMessage.objects.all())
-    assert list(OutboxMessage.objects.values_list("pk", flat=True)) == [a.pk]
-    assert b.pk not in OutboxMessage.objects.values_list("pk", flat=True)
+    assert OutboxMessage.objects.get(pk=b.pk).status == OutboxStatus.SENT
 
 
 def test_demo_order_creation_publishes_its_follow_up_through_the_outbox(
