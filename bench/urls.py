@@ -17,8 +17,7 @@ from drf_idempotency import idempotent as drf_idempotent
 from drf_idempotency.core import build_error_response
 from idempotency_key.decorators import idempotency_key
 
-from idempotent_orders.http import views
-from idempotent_orders.http.keys import idempotent
+from idempotent_orders.http import idempotent_view, views
 from idempotent_orders.models import Order
 
 #: The body of ``POST /api/orders/`` without any decorator (csrf, methods, user, key).
@@ -66,7 +65,7 @@ def _stack(body: Any, *decorators: Any) -> Any:
 
 VARIANTS: dict[str, tuple[Any, ...]] = {
     "none": (),
-    "ours": (idempotent,),
+    "ours": (idempotent_view,),
     "django-idempotency-key": (idempotency_key,),
     "drf-idempotency": (_drf,),
 }

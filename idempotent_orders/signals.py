@@ -42,5 +42,7 @@ message_reconciled = Signal()
 #: Sent by the idempotency decorator/mixins for every request that carries a key or token.
 #: Arguments: ``request``, ``key``, ``outcome`` (``"executed"``, ``"replayed"``,
 #: ``"redirected"`` (a form's second submit), ``"released"`` (5xx/exception/invalid form:
-#: the key can be retried) or an error code such as ``"key-in-flight"``).
+#: the key can be retried), ``"lease-lost"`` (the view ran and committed without
+#: ``ATOMIC_REQUESTS`` after another request took its key over; nothing was stored)
+#: or an error code such as ``"key-in-flight"``).
 idempotent_request = Signal()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
+from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -18,10 +22,13 @@ from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 
 from demo_project.urls import urlpatterns as demo_urlpatterns
-from idempotent_orders.http.keys import IdempotentMixin, idempotent
+from idempotent_orders.http import IdempotentMixin, idempotent_view
+from idempotent_orders.models import Order
 
 #: How many times each test view body ran, by name.
 RUNS: dict[str, int] = {}
+#: Called inside the first run of ``paused`` before it writes: a test freezes it there.
+PAUSE: list[Callable[[], None]] = []
 _ids = itertools.count(1)
 
 
@@ -30,7 +37,7 @@ def _ran(name: str) -> int:
     return RUNS[name]
 
 
-@idempotent
+@idempotent_view
 def counter(request: HttpRequest) -> HttpResponse:
     run = _ran("counter")
     response = JsonResponse({"run": run, "id": next(_ids)}, status=201)
@@ -40,12 +47,12 @@ def counter(request: HttpRequest) -> HttpResponse:
     return response
 
 
-@idempotent(required=False)
+@idempotent_view(required=False)
 def optional(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"run": _ran("optional")}, status=201)
 
 
-@idempotent
+@idempotent_view
 def fails(request: HttpRequest) -> HttpResponse:
     run = _ran("fails")
     if run == 1:
@@ -53,30 +60,119 @@ def fails(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"run": run}, status=201)
 
 
-@idempotent
+@idempotent_view
 def raises(request: HttpRequest) -> HttpResponse:
     if _ran("raises") == 1:
         raise RuntimeError("boom")
     return JsonResponse({"ok": True}, status=201)
 
 
-@idempotent
+@idempotent_view
 def streaming(request: HttpRequest) -> HttpResponseBase:
     _ran("streaming")
     return StreamingHttpResponse(iter([b"chunk-1,", b"chunk-2"]), content_type="text/plain")
 
 
-@idempotent
+@idempotent_view
 def large(request: HttpRequest) -> HttpResponse:
     _ran("large")
     return HttpResponse(b"x" * 5000, content_type="text/plain", status=201)
 
 
-@idempotent
+@idempotent_view
 def slow(request: HttpRequest) -> HttpResponse:
     run = _ran("slow")
     time.sleep(float(request.GET.get("sleep", "0")))
     return JsonResponse({"run": run}, status=201)
+
+
+@idempotent_view
+def paused(request: HttpRequest) -> HttpResponse:
+    run = _ran("paused")
+    if run == 1 and PAUSE:
+        PAUSE[0]()
+    order = Order.objects.create(
+        business_key=f"paused-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
+    )
+    return JsonResponse({"run": run, "id": order.pk}, status=201)
+
+
+# The same views, async: the decorator must keep the same promises on the event loop.
+
+
+@idempotent_view
+async def acounter(request: HttpRequest) -> HttpResponse:
+    await asyncio.sleep(0)
+    run = _ran("acounter")
+    response = JsonResponse({"run": run, "id": next(_ids)}, status=201)
+    response["Location"] = f"/things/{run}/"
+    response["Set-Cookie"] = "secret=1"
+    response["X-Internal"] = "not-allow-listed"
+    return response
+
+
+@idempotent_view(required=False)
+async def aoptional(request: HttpRequest) -> HttpResponse:
+    return JsonResponse({"run": _ran("aoptional")}, status=201)
+
+
+@idempotent_view
+async def afails(request: HttpRequest) -> HttpResponse:
+    run = _ran("afails")
+    if run == 1:
+        return HttpResponse("upstream down", status=503)
+    return JsonResponse({"run": run}, status=201)
+
+
+@idempotent_view
+async def araises(request: HttpRequest) -> HttpResponse:
+    if _ran("araises") == 1:
+        raise RuntimeError("boom")
+    return JsonResponse({"ok": True}, status=201)
+
+
+@idempotent_view
+async def aorder(request: HttpRequest) -> HttpResponse:
+    """Creates an order on every run (no business key): only the key stands between
+    concurrent copies and a second order."""
+    run = _ran("aorder")
+    await asyncio.sleep(float(request.GET.get("sleep", "0")))
+    order = await Order.objects.acreate(
+        business_key=f"aorder-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
+    )
+    return JsonResponse({"run": run, "id": order.pk}, status=201)
+
+
+#: Set by the second request to ``rendezvous``: the first one waits for it.
+RENDEZVOUS: dict[str, asyncio.Event] = {}
+
+
+@idempotent_view
+async def rendezvous(request: HttpRequest, name: str) -> HttpResponse:
+    """``first`` waits until ``second`` has run: both keyed requests are in their
+    views at once, which a server whose event loop were blocked could not do."""
+    event = RENDEZVOUS.setdefault("event", asyncio.Event())
+    if name == "first":
+        await asyncio.wait_for(event.wait(), 30)
+    else:
+        event.set()
+    return JsonResponse({"name": name, "run": _ran(name)}, status=201)
+
+
+@idempotent_view
+async def apaused(request: HttpRequest) -> HttpResponse:
+    run = _ran("apaused")
+    if run == 1 and PAUSE:
+        await sync_to_async(PAUSE[0])()
+    order = await Order.objects.acreate(
+        business_key=f"apaused-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
+    )
+    return JsonResponse({"run": run, "id": order.pk}, status=201)
+
+
+class AsyncCounterView(IdempotentMixin, View):
+    async def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        return JsonResponse({"run": _ran("acbv")}, status=201)
 
 
 class CounterView(IdempotentMixin, View):
@@ -92,21 +188,88 @@ test_patterns = [
     path("streaming/", streaming),
     path("large/", large),
     path("slow/", csrf_exempt(slow)),
+    path("paused/", paused),
+    path("acounter/", acounter),
+    path("apaused/", apaused),
+    path("aoptional/", aoptional),
+    path("afails/", afails),
+    path("araises/", araises),
+    path("aorder/", csrf_exempt(aorder)),
+    path("rendezvous/<str:name>/", csrf_exempt(rendezvous)),
+    path("acbv/", AsyncCounterView.as_view()),
     path("cbv/", CounterView.as_view()),
 ]
 
 try:
+    import uuid
+
+    from rest_framework import serializers, viewsets
+    from rest_framework.decorators import action
     from rest_framework.response import Response
+    from rest_framework.routers import DefaultRouter
     from rest_framework.views import APIView
 
-    from idempotent_orders.http.drf import IdempotentAPIViewMixin
+    from idempotent_orders.contrib.drf import IdempotentAPIViewMixin
 
     class DrfCounter(IdempotentAPIViewMixin, APIView):
         def post(self, request: Any) -> Response:
             return Response({"run": _ran("drf"), "echo": request.data}, status=201)
 
-    test_patterns.append(path("drf/", DrfCounter.as_view()))
+    class OrderSerializer(serializers.ModelSerializer):
+        class Meta:
+            model = Order
+            fields = ["id", "amount", "currency", "status"]
+            read_only_fields = ["status"]
+
+    class OrderViewSet(IdempotentAPIViewMixin, viewsets.ModelViewSet):
+        """Every create makes a new order (no business key): only the key dedups."""
+
+        queryset = Order.objects.order_by("pk")
+        serializer_class = OrderSerializer
+
+        def perform_create(self, serializer: Any) -> None:
+            _ran("viewset-create")
+            serializer.save(business_key=f"drf-{uuid.uuid4().hex}")
+
+        @action(detail=True, methods=["post"])
+        def cancel(self, request: Any, pk: str) -> Response:
+            _ran("viewset-cancel")
+            return Response({"cancelled": pk}, status=200)
+
+    router = DefaultRouter()
+    router.register("orders", OrderViewSet, basename="drf-order")
+    test_patterns += [path("drf/", DrfCounter.as_view()), path("drf/router/", include(router.urls))]
 except ImportError:  # the drf extra is not installed
+    pass
+
+try:
+    from ninja import NinjaAPI, Schema
+
+    from idempotent_orders.contrib.ninja import idempotent_operation
+
+    ninja_api = NinjaAPI(urls_namespace="tests-ninja")
+
+    class ThingIn(Schema):
+        name: str
+
+    @ninja_api.post("/things")
+    @idempotent_operation
+    def make_thing(request: HttpRequest, payload: ThingIn) -> Any:
+        return {"run": _ran("ninja"), "name": payload.name}
+
+    @ninja_api.post("/athings")
+    @idempotent_operation
+    async def amake_thing(request: HttpRequest, payload: ThingIn) -> Any:
+        await asyncio.sleep(float(request.GET.get("sleep", "0")))
+        return {"run": _ran("aninja"), "name": payload.name}
+
+    @ninja_api.get("/things")
+    @idempotent_operation
+    def list_things(request: HttpRequest) -> Any:
+        return {"runs": RUNS.get("ninja", 0)}
+
+    test_patterns.append(path("ninja/", ninja_api.urls))
+except ImportError:  # django-ninja is not installed
     pass
 
 urlpatterns = [*demo_urlpatterns, path("t/", include(test_patterns))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from decimal import Decimal
 from io import StringIO
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
@@ -31,6 +33,13 @@ ORDER = {"amount": "12.50", "currency": "CNY", "items": [{"sku": "tea", "quantit
 @pytest.fixture(autouse=True)
 def _reset_runs() -> None:
     http_urls.RUNS.clear()
+    http_urls.PAUSE.clear()
+
+
+@pytest.fixture(params=["", "a"], ids=["sync", "async"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    """A test view's name prefix: ``counter`` is a ``def`` view, ``acounter`` ``async def``."""
+    return str(request.param)
 
 
 @pytest.fixture
@@ -120,12 +129,12 @@ def test_key_length_limit_is_a_setting(settings: Any) -> None:
 # --- the Idempotency-Key header ----------------------------------------------
 
 
-def test_first_request_runs_and_retry_replays(alice: Any) -> None:
+def test_first_request_runs_and_retry_replays(alice: Any, flavour: str) -> None:
     client = client_for(alice)
-    first = post(client, "/t/counter/", key="k1")
+    first = post(client, f"/t/{flavour}counter/", key="k1")
     assert first.status_code == 201
     assert "Idempotent-Replayed" not in first
-    again = post(client, "/t/counter/", key='"k1"')  # the sf-string form is the same key
+    again = post(client, f"/t/{flavour}counter/", key='"k1"')  # the sf-string form is the same key
     assert again.status_code == 201
     assert again["Idempotent-Replayed"] == "true"
     assert again.content == first.content
@@ -134,62 +143,65 @@ def test_first_request_runs_and_retry_replays(alice: Any) -> None:
     # Only allow-listed headers are stored: never cookies or internal headers.
     assert "X-Internal" not in again
     assert "secret" not in again.cookies
-    assert http_urls.RUNS["counter"] == 1
+    assert http_urls.RUNS[flavour + "counter"] == 1
     row = IdempotencyKey.objects.get()
     assert row.state == KeyState.COMPLETED
     assert row.response_status == 201
 
 
-def test_missing_key_is_400_and_nothing_runs(alice: Any) -> None:
-    problem(post(client_for(alice), "/t/counter/"), 400, "key-missing")
-    assert "counter" not in http_urls.RUNS
+def test_missing_key_is_400_and_nothing_runs(alice: Any, flavour: str) -> None:
+    problem(post(client_for(alice), f"/t/{flavour}counter/"), 400, "key-missing")
+    assert flavour + "counter" not in http_urls.RUNS
 
 
-def test_optional_key_runs_keyless_requests(alice: Any) -> None:
+def test_optional_key_runs_keyless_requests(alice: Any, flavour: str) -> None:
     client = client_for(alice)
-    assert post(client, "/t/optional/").status_code == 201
-    assert post(client, "/t/optional/").status_code == 201
-    assert http_urls.RUNS["optional"] == 2
+    assert post(client, f"/t/{flavour}optional/").status_code == 201
+    assert post(client, f"/t/{flavour}optional/").status_code == 201
+    assert http_urls.RUNS[flavour + "optional"] == 2
     assert not IdempotencyKey.objects.exists()
 
 
-def test_safe_methods_pass_through(alice: Any) -> None:
-    assert client_for(alice).get("/t/counter/").status_code == 201
+def test_safe_methods_pass_through(alice: Any, flavour: str) -> None:
+    assert client_for(alice).get(f"/t/{flavour}counter/").status_code == 201
     assert not IdempotencyKey.objects.exists()
 
 
 @pytest.mark.parametrize("raw", ["", '""', "k" * 256, "schlüssel", "two words", '"unterminated'])
-def test_invalid_key_is_400_and_changes_nothing(alice: Any, raw: str) -> None:
-    response = post(client_for(alice), "/t/counter/", key=raw)
+def test_invalid_key_is_400_and_changes_nothing(alice: Any, raw: str, flavour: str) -> None:
+    response = post(client_for(alice), f"/t/{flavour}counter/", key=raw)
     problem(response, 400, "key-invalid")
-    assert "counter" not in http_urls.RUNS
+    assert flavour + "counter" not in http_urls.RUNS
     assert not IdempotencyKey.objects.exists()
 
 
-def test_different_payload_same_key_is_422(alice: Any) -> None:
+def test_different_payload_same_key_is_422(alice: Any, flavour: str) -> None:
     client = client_for(alice)
-    assert post(client, "/t/counter/", key="k").status_code == 201
-    problem(post(client, "/t/counter/", {"other": 1}, key="k"), 422, "key-mismatch")
-    problem(post(client, "/t/counter/?x=1", key="k"), 422, "key-mismatch")
-    assert http_urls.RUNS["counter"] == 1
+    assert post(client, f"/t/{flavour}counter/", key="k").status_code == 201
+    problem(post(client, f"/t/{flavour}counter/", {"other": 1}, key="k"), 422, "key-mismatch")
+    problem(post(client, f"/t/{flavour}counter/?x=1", key="k"), 422, "key-mismatch")
+    assert http_urls.RUNS[flavour + "counter"] == 1
 
 
-def test_same_key_other_route_is_another_scope(alice: Any) -> None:
+def test_same_key_other_route_is_another_scope(alice: Any, flavour: str) -> None:
     client = client_for(alice)
-    assert post(client, "/t/counter/", key="k").status_code == 201
-    assert post(client, "/t/optional/", key="k").status_code == 201
+    assert post(client, f"/t/{flavour}counter/", key="k").status_code == 201
+    assert post(client, f"/t/{flavour}optional/", key="k").status_code == 201
     assert IdempotencyKey.objects.count() == 2
 
 
-def in_flight_counter_key(user: Any, key: str, *, owner: str, lease: timedelta) -> None:
-    """A claim on POST /t/counter/ by another process; its lease ends ``lease`` from now."""
+def in_flight_counter_key(
+    user: Any, flavour: str, key: str, *, owner: str, lease: timedelta
+) -> None:
+    """A claim on POST /t/[a]counter/ by another process; its lease ends ``lease`` from now."""
+    route = f"/t/{flavour}counter/"
     IdempotencyKey.objects.create(
-        scope=scope_of(f"user:{user.pk}", "POST", "/t/counter/"),
+        scope=scope_of(f"user:{user.pk}", "POST", route),
         key=key,
         principal=f"user:{user.pk}",
         method="POST",
-        route="/t/counter/",
-        fingerprint=_fingerprint("/t/counter/", ORDER),
+        route=route,
+        fingerprint=_fingerprint(route, ORDER),
         state=KeyState.IN_FLIGHT,
         lease_owner=owner,
         lease_expires_at=timezone.now() + lease,
@@ -197,18 +209,20 @@ def in_flight_counter_key(user: Any, key: str, *, owner: str, lease: timedelta) 
     )
 
 
-def test_in_flight_is_409_with_retry_after(alice: Any) -> None:
-    in_flight_counter_key(alice, "busy", owner="someone", lease=timedelta(seconds=30))
-    response = post(client_for(alice), "/t/counter/", key="busy")
+def test_in_flight_is_409_with_retry_after(alice: Any, flavour: str) -> None:
+    in_flight_counter_key(alice, flavour, "busy", owner="someone", lease=timedelta(seconds=30))
+    response = post(client_for(alice), f"/t/{flavour}counter/", key="busy")
     problem(response, 409, "key-in-flight")
     assert response["Retry-After"] == "1"
-    assert "counter" not in http_urls.RUNS
+    assert flavour + "counter" not in http_urls.RUNS
 
 
-def test_expired_lease_is_taken_over(alice: Any) -> None:
-    in_flight_counter_key(alice, "crashed", owner="dead-worker", lease=-timedelta(seconds=1))
-    assert post(client_for(alice), "/t/counter/", key="crashed").status_code == 201
-    assert http_urls.RUNS["counter"] == 1
+def test_expired_lease_is_taken_over(alice: Any, flavour: str) -> None:
+    in_flight_counter_key(
+        alice, flavour, "crashed", owner="dead-worker", lease=-timedelta(seconds=1)
+    )
+    assert post(client_for(alice), f"/t/{flavour}counter/", key="crashed").status_code == 201
+    assert http_urls.RUNS[flavour + "counter"] == 1
     assert IdempotencyKey.objects.get().state == KeyState.COMPLETED
 
 
@@ -221,21 +235,21 @@ def _fingerprint(path: str, body: Any) -> str:
     return fingerprint(request, request.body)
 
 
-def test_5xx_is_not_stored_and_the_key_can_be_retried(alice: Any) -> None:
+def test_5xx_is_not_stored_and_the_key_can_be_retried(alice: Any, flavour: str) -> None:
     client = client_for(alice)
-    assert post(client, "/t/fails/", key="k").status_code == 503
+    assert post(client, f"/t/{flavour}fails/", key="k").status_code == 503
     assert not IdempotencyKey.objects.exists()
-    assert post(client, "/t/fails/", key="k").status_code == 201
-    assert post(client, "/t/fails/", key="k")["Idempotent-Replayed"] == "true"
-    assert http_urls.RUNS["fails"] == 2
+    assert post(client, f"/t/{flavour}fails/", key="k").status_code == 201
+    assert post(client, f"/t/{flavour}fails/", key="k")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS[flavour + "fails"] == 2
 
 
-def test_exception_releases_the_key(alice: Any) -> None:
+def test_exception_releases_the_key(alice: Any, flavour: str) -> None:
     client = client_for(alice)
     client.raise_request_exception = False
-    assert post(client, "/t/raises/", key="k").status_code == 500
+    assert post(client, f"/t/{flavour}raises/", key="k").status_code == 500
     assert not IdempotencyKey.objects.exists()
-    assert post(client, "/t/raises/", key="k").status_code == 201
+    assert post(client, f"/t/{flavour}raises/", key="k").status_code == 201
 
 
 def test_streaming_response_is_stored_without_body(alice: Any) -> None:
@@ -268,50 +282,52 @@ def test_body_over_the_cap_is_413_and_changes_nothing(alice: Any, settings: Any)
     assert "counter" not in http_urls.RUNS
 
 
-def test_key_flooding_past_the_quota_is_429(alice: Any, bob: Any, settings: Any) -> None:
+def test_key_flooding_past_the_quota_is_429(
+    alice: Any, bob: Any, settings: Any, flavour: str
+) -> None:
     settings.IDEMPOTENT_ORDERS = {"KEY_QUOTA": 3}
     client = client_for(alice)
     for i in range(3):
-        assert post(client, "/t/counter/", key=f"k{i}").status_code == 201
-    response = post(client, "/t/counter/", key="k3")
+        assert post(client, f"/t/{flavour}counter/", key=f"k{i}").status_code == 201
+    response = post(client, f"/t/{flavour}counter/", key="k3")
     problem(response, 429, "quota-exceeded")
     assert response["Retry-After"]
     assert IdempotencyKey.objects.count() == 3
     # Replays of keys already held still work, and other principals are not affected.
-    assert post(client, "/t/counter/", key="k0")["Idempotent-Replayed"] == "true"
-    assert post(client_for(bob), "/t/counter/", key="k3").status_code == 201
+    assert post(client, f"/t/{flavour}counter/", key="k0")["Idempotent-Replayed"] == "true"
+    assert post(client_for(bob), f"/t/{flavour}counter/", key="k3").status_code == 201
 
 
-def test_another_user_can_neither_replay_nor_block(alice: Any, bob: Any) -> None:
+def test_another_user_can_neither_replay_nor_block(alice: Any, bob: Any, flavour: str) -> None:
     a, b = client_for(alice), client_for(bob)
-    first = post(a, "/t/counter/", key="shared")
-    theirs = post(b, "/t/counter/", key="shared")
+    first = post(a, f"/t/{flavour}counter/", key="shared")
+    theirs = post(b, f"/t/{flavour}counter/", key="shared")
     assert theirs.status_code == 201
     assert "Idempotent-Replayed" not in theirs  # bob's request ran: no replay of alice's
     assert json.loads(theirs.content)["run"] == 2
-    assert post(a, "/t/counter/", key="shared").content == first.content
+    assert post(a, f"/t/{flavour}counter/", key="shared").content == first.content
     # An in-flight key of alice's does not block bob either.
     IdempotencyKey.objects.filter(principal=f"user:{alice.pk}").update(
         state=KeyState.IN_FLIGHT, lease_owner="x", lease_expires_at=timezone.now() + timedelta(1)
     )
-    assert post(b, "/t/counter/", key="shared")["Idempotent-Replayed"] == "true"
-    assert post(b, "/t/counter/", key="other").status_code == 201
+    assert post(b, f"/t/{flavour}counter/", key="shared")["Idempotent-Replayed"] == "true"
+    assert post(b, f"/t/{flavour}counter/", key="other").status_code == 201
 
 
-def test_anonymous_keys_are_scoped_to_the_session() -> None:
+def test_anonymous_keys_are_scoped_to_the_session(flavour: str) -> None:
     one, two = Client(), Client()
-    assert post(one, "/t/counter/", key="k").status_code == 201
-    assert post(one, "/t/counter/", key="k")["Idempotent-Replayed"] == "true"
-    assert "Idempotent-Replayed" not in post(two, "/t/counter/", key="k")
-    assert http_urls.RUNS["counter"] == 2
+    assert post(one, f"/t/{flavour}counter/", key="k").status_code == 201
+    assert post(one, f"/t/{flavour}counter/", key="k")["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in post(two, f"/t/{flavour}counter/", key="k")
+    assert http_urls.RUNS[flavour + "counter"] == 2
 
 
-def test_class_based_view_mixin(alice: Any) -> None:
+def test_class_based_view_mixin(alice: Any, flavour: str) -> None:
     client = client_for(alice)
-    problem(post(client, "/t/cbv/"), 400, "key-missing")
-    assert post(client, "/t/cbv/", key="k").status_code == 201
-    assert post(client, "/t/cbv/", key="k")["Idempotent-Replayed"] == "true"
-    assert http_urls.RUNS["cbv"] == 1
+    problem(post(client, f"/t/{flavour}cbv/"), 400, "key-missing")
+    assert post(client, f"/t/{flavour}cbv/", key="k").status_code == 201
+    assert post(client, f"/t/{flavour}cbv/", key="k")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS[flavour + "cbv"] == 1
 
 
 def test_drf_mixin(alice: Any) -> None:
@@ -327,6 +343,78 @@ def test_drf_mixin(alice: Any) -> None:
     assert http_urls.RUNS["drf"] == 1
 
 
+def test_drf_viewset_registered_with_a_router(alice: Any) -> None:
+    client = client_for(alice)
+    body = {"amount": "12.50", "currency": "CNY"}
+    first = post(client, "/t/drf/router/orders/", body, key="k")
+    assert first.status_code == 201, first.content
+    assert "Idempotent-Replayed" not in first
+    again = post(client, "/t/drf/router/orders/", body, key="k")
+    assert (again.status_code, again["Idempotent-Replayed"]) == (201, "true")
+    assert again.content == first.content
+    assert Order.objects.count() == 1
+    assert http_urls.RUNS["viewset-create"] == 1
+    # Without the header a create is refused; safe methods pass through.
+    problem(post(client, "/t/drf/router/orders/", body), 400, "key-missing")
+    order = Order.objects.get()
+    assert client.get("/t/drf/router/orders/").status_code == 200
+    assert client.get(f"/t/drf/router/orders/{order.pk}/").status_code == 200
+    # Every action that changes state is keyed: updates, deletes and extra actions.
+    detail = f"/t/drf/router/orders/{order.pk}/"
+    problem(client.patch(detail, "{}", content_type="application/json"), 400, "key-missing")
+    problem(client.delete(detail), 400, "key-missing")
+    problem(post(client, f"{detail}cancel/", {}), 400, "key-missing")
+    assert post(client, f"{detail}cancel/", {}, key="c").status_code == 200
+    assert post(client, f"{detail}cancel/", {}, key="c")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS["viewset-cancel"] == 1
+    assert client.delete(detail, headers={"Idempotency-Key": "d"}).status_code == 204
+    assert client.delete(detail, headers={"Idempotency-Key": "d"}).status_code == 204
+    assert not Order.objects.exists()
+
+
+def test_the_old_drf_module_warns_and_still_works() -> None:
+    import importlib
+    import sys
+
+    from idempotent_orders.contrib.drf import IdempotentAPIViewMixin
+
+    sys.modules.pop("idempotent_orders.http.drf", None)
+    with pytest.warns(DeprecationWarning, match=r"idempotent_orders\.contrib\.drf"):
+        old = importlib.import_module("idempotent_orders.http.drf")
+    assert old.IdempotentAPIViewMixin is IdempotentAPIViewMixin
+
+
+def test_the_old_decorator_name_warns_and_still_works(alice: Any) -> None:
+    from django.http import JsonResponse
+    from django.test import RequestFactory
+
+    from idempotent_orders.http import IdempotentMixin, keys
+
+    runs: list[int] = []
+
+    def view(request: Any) -> Any:
+        runs.append(1)
+        return JsonResponse({"run": len(runs)}, status=201)
+
+    with pytest.warns(DeprecationWarning, match=r"idempotent_orders\.http\.idempotent_view"):
+        old = keys.idempotent(view)
+    with pytest.warns(DeprecationWarning, match="idempotent_view"):
+        optional = keys.idempotent(required=False)(view)
+
+    def call(decorated: Any, key: str | None) -> Any:
+        headers = {} if key is None else {"Idempotency-Key": key}
+        request = RequestFactory().post("/old/", "{}", "application/json", headers=headers)
+        request.user = alice
+        return decorated(request)
+
+    assert call(old, "k").status_code == 201
+    assert call(old, "k")["Idempotent-Replayed"] == "true"
+    problem(call(old, None), 400, "key-missing")
+    assert call(optional, None).status_code == 201
+    assert len(runs) == 2
+    assert keys.IdempotentMixin is IdempotentMixin  # the mixin's old path, unchanged
+
+
 def test_keys_work_under_atomic_requests(alice: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from django.db import connection
 
@@ -335,6 +423,114 @@ def test_keys_work_under_atomic_requests(alice: Any, monkeypatch: pytest.MonkeyP
     assert post(client, "/api/orders/", key="k").status_code == 201
     assert post(client, "/api/orders/", key="k")["Idempotent-Replayed"] == "true"
     assert Order.objects.count() == 1
+
+
+def taken_over_while_paused(client: Client, path: str, key: str) -> dict[str, Any]:
+    """A pause hook: the holder's process froze past its lease (no heartbeat ran), and
+    a retry, from another connection, took the key over and finished. Returns the
+    retry's response once the hook has run."""
+    retried: dict[str, Any] = {}
+
+    def retry() -> None:
+        try:
+            IdempotencyKey.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+            retried["response"] = post(client, path, key=key)
+        finally:
+            connection.close()
+
+    def pause() -> None:
+        thread = threading.Thread(target=retry)
+        thread.start()
+        thread.join(60)
+
+    http_urls.PAUSE.append(pause)
+    return retried
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.backends("postgresql", "mysql")  # SQLite: the view's BEGIN IMMEDIATE blocks the retry
+def test_a_holder_that_lost_its_claim_commits_nothing_under_atomic_requests(
+    alice: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    client = client_for(alice)
+    retried = taken_over_while_paused(client, "/t/paused/", "k")
+    first = post(client, "/t/paused/", key="k")
+    second = retried["response"]
+    assert second.status_code == 201
+    assert http_urls.RUNS["paused"] == 2  # both ran: the pause outlived the lease
+    # Only the winner's writes committed, and the stale holder answers as a later
+    # copy would: with the winner's stored response.
+    order = Order.objects.get()
+    assert json.loads(second.content)["id"] == order.pk
+    assert first.status_code == 201
+    assert first["Idempotent-Replayed"] == "true"
+    assert first.content == second.content
+    row = IdempotencyKey.objects.get()
+    assert (row.state, bytes(row.response_body)) == (KeyState.COMPLETED, second.content)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_holder_that_lost_its_claim_never_stores_without_atomic_requests(
+    alice: Any, flavour: str
+) -> None:
+    # Async views take this road too: Django runs them outside ATOMIC_REQUESTS.
+    from idempotent_orders.signals import idempotent_request
+
+    client = client_for(alice)
+    url = f"/t/{flavour}paused/"
+    retried = taken_over_while_paused(client, url, "k")
+    outcomes: list[str] = []
+
+    def record(sender: Any, outcome: str, **kwargs: Any) -> None:
+        outcomes.append(outcome)
+
+    idempotent_request.connect(record)
+    try:
+        first = post(client, url, key="k")
+    finally:
+        idempotent_request.disconnect(record)
+    second = retried["response"]
+    assert sorted(outcomes) == ["executed", "lease-lost"]
+    # Without ATOMIC_REQUESTS the stale holder's writes were committed as it made
+    # them (the README says so); its response is its own, and the key keeps the winner's.
+    assert (first.status_code, second.status_code) == (201, 201)
+    assert "Idempotent-Replayed" not in first
+    assert json.loads(first.content)["run"] == 1
+    assert Order.objects.count() == 2
+    row = IdempotencyKey.objects.get()
+    assert (row.state, bytes(row.response_body)) == (KeyState.COMPLETED, second.content)
+    assert post(client, url, key="k").content == second.content
+
+
+def test_a_live_lease_is_never_expired_by_the_key_ttl(alice: Any, flavour: str) -> None:
+    # The view has run past KEY_TTL but its holder still heart-beats: the key is
+    # in flight, not forgotten.
+    in_flight_counter_key(alice, flavour, "long", owner="running", lease=timedelta(seconds=30))
+    IdempotencyKey.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    response = post(client_for(alice), f"/t/{flavour}counter/", key="long")
+    problem(response, 409, "key-in-flight")
+    assert flavour + "counter" not in http_urls.RUNS
+    assert IdempotencyKey.objects.get().lease_owner == "running"
+
+
+def test_heartbeat_keeps_the_key_alive_past_its_ttl(alice: Any, settings: Any) -> None:
+    from idempotent_orders.http.keys import Claim, renew
+
+    settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
+    in_flight_counter_key(alice, "", "long", owner="running", lease=timedelta(seconds=1))
+    row = IdempotencyKey.objects.get()
+    IdempotencyKey.objects.update(expires_at=timezone.now() + timedelta(seconds=2))
+    renew(Claim(row, "running"))
+    row.refresh_from_db()
+    assert row.lease_expires_at > timezone.now() + timedelta(seconds=20)
+    assert row.expires_at >= row.lease_expires_at
+    # Another holder's beat changes nothing.
+    before = (row.lease_expires_at, row.expires_at)
+    IdempotencyKey.objects.update(lease_owner="someone-else")
+    renew(Claim(row, "running"))
+    row.refresh_from_db()
+    assert (row.lease_expires_at, row.expires_at) == before
 
 
 # --- tokens ------------------------------------------------------------------
@@ -415,13 +611,13 @@ def test_unknown_expired_or_rerouted_token_is_403(alice: Any) -> None:
     assert not Order.objects.exists()
 
 
-def test_5xx_gives_a_token_back(alice: Any) -> None:
+def test_5xx_gives_a_token_back(alice: Any, flavour: str) -> None:
     client = client_for(alice)
     token = token_for(client)
-    assert post(client, "/t/fails/", key=token).status_code == 503
+    assert post(client, f"/t/{flavour}fails/", key=token).status_code == 503
     row = IdempotencyKey.objects.get(key=token)
     assert (row.state, row.route) == (KeyState.ISSUED, "")
-    assert post(client, "/t/fails/", key=token).status_code == 201
+    assert post(client, f"/t/{flavour}fails/", key=token).status_code == 201
 
 
 # --- orders API ------------------------------------------------------------------

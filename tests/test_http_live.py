@@ -181,6 +181,27 @@ def test_heartbeat_keeps_a_slow_view_from_running_twice(
     assert http_urls.RUNS["slow"] == 1
 
 
+def test_a_view_that_outlives_the_key_ttl_runs_once(live_server: Any, settings: Any) -> None:
+    # The heartbeat keeps the lease live past KEY_TTL; the key must not be
+    # forgotten as expired while its view is still running.
+    settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 1, "KEY_TTL": 2}
+    http_urls.RUNS.clear()
+    cookie = session_cookie("alice")
+    slow = threading.Thread(
+        target=request,
+        args=(live_server.url, "/t/slow/?sleep=4"),
+        kwargs={"cookie": cookie, "key": "slow", "body": {}},
+    )
+    slow.start()
+    threading.Event().wait(3)  # past KEY_TTL, before the view ends
+    status, _headers, body = request(
+        live_server.url, "/t/slow/?sleep=4", cookie=cookie, key="slow", body={}
+    )
+    slow.join(30)
+    assert status == 409, body
+    assert http_urls.RUNS["slow"] == 1
+
+
 @pytest.mark.parametrize("atomic_requests", [False, True], ids=["autocommit", "atomic"])
 def test_concurrent_first_uses_never_exceed_the_key_quota(
     live_server: Any, settings: Any, monkeypatch: pytest.MonkeyPatch, atomic_requests: bool

@@ -21,13 +21,8 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from idempotent_orders.exceptions import KeyInvalid
-from idempotent_orders.http.keys import (
-    HEADER,
-    Policy,
-    _guarded,
-    parse_key,
-    replay,
-)
+from idempotent_orders.http.decorators import Policy, _guarded
+from idempotent_orders.http.keys import HEADER, parse_key, replay
 from idempotent_orders.models import IdempotencyKey
 
 __all__ = ["FORM_FIELD", "IdempotentFormMixin", "hidden_field", "idempotent_form"]
@@ -88,6 +83,6 @@ class IdempotentFormMixin:
     """Class-based-view mixin with the same behaviour as :func:`idempotent_form`."""
 
     @classmethod
-    def as_view(cls, **initkwargs: Any) -> Any:
-        view = super().as_view(**initkwargs)  # type: ignore[misc]
+    def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
+        view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
         return _guarded(view, Policy(required=True, form=True), form_key)

@@ -1,4 +1,4 @@
-"""The ``Idempotency-Key`` header: claim, lease, store and replay, as a decorator and a mixin.
+"""The ``Idempotency-Key`` header: parse, claim, lease, store and replay.
 
 A request carrying a key runs like this:
 
@@ -12,28 +12,34 @@ A request carrying a key runs like this:
    ``transaction.atomic()`` when the database asks for atomic requests.
 3. While the view runs, a shared heartbeat thread renews the claim's lease
    once a third of it has passed (fast views cost no renewal), so a slow view
-   is never run twice; a crashed one is taken over once its lease expires.
+   is never run twice; a crashed one is taken over once its lease expires. A
+   live lease keeps the key from expiring (``KEY_TTL``); a holder that lost its
+   lease never stores, and under ``ATOMIC_REQUESTS`` rolls its view back.
 4. The response is stored (status, allow-listed headers, body bytes) and
    replayed to retries with ``Idempotent-Replayed: true``. A 5xx or an
    exception releases the key so the client may retry. Streaming responses and
    bodies over ``MAX_STORED_RESPONSE_BYTES`` are stored without their body.
+
+:mod:`idempotent_orders.http.decorators` runs these steps around a view
+(``@idempotent_view``, sync or async).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, connection, models, transaction
+from django.db.models.functions import Greatest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -41,26 +47,19 @@ from django.utils.module_loading import import_string
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import (
     BodyTooLarge,
-    IdempotencyError,
     KeyInFlight,
     KeyInvalid,
     KeyMismatch,
-    KeyMissing,
-    NotAuthenticated,
     QuotaExceeded,
     TokenInvalid,
 )
-from idempotent_orders.http.problems import problem_from
 from idempotent_orders.models import IdempotencyKey, KeyState
-from idempotent_orders.signals import idempotent_request
 
 __all__ = [
     "HEADER",
     "TOKEN_PREFIX",
-    "IdempotentMixin",
     "default_principal",
     "get_principal",
-    "idempotent",
     "parse_key",
     "purge_expired",
 ]
@@ -72,9 +71,6 @@ HEADER = "Idempotency-Key"
 TOKEN_PREFIX = "iot_"
 #: Methods an idempotency key applies to; safe methods pass straight through.
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-View = Callable[..., HttpResponseBase]
-V = TypeVar("V", bound=View)
 
 
 def parse_key(raw: str) -> str:
@@ -229,7 +225,7 @@ def claim(
         )
         if taken:
             return Claim(IdempotencyKey.objects.get(scope=scope, key=key), owner)
-        row = IdempotencyKey.objects.filter(scope=scope, key=key, expires_at__gt=now).first()
+        row = IdempotencyKey.objects.filter(_alive(now), scope=scope, key=key).first()
         if row is None:
             raise TokenInvalid(
                 "this token was not issued to you, has expired, or was used on another route"
@@ -254,9 +250,10 @@ def claim(
         if pk is not None:
             return Claim(IdempotencyKey(pk=pk, **fields), owner)
         row = IdempotencyKey.objects.filter(scope=scope, key=key).first()
-        if row is not None and row.expires_at <= now:
-            # An expired key is forgotten, as if purged; the purge command does it in bulk.
-            IdempotencyKey.objects.filter(pk=row.pk, expires_at__lte=now).delete()
+        if row is not None and row.expires_at <= now and not _lease_live(row, now):
+            # An expired key is forgotten, as if purged; the purge command does it in
+            # bulk. Never a claim whose lease is live: its view is still running.
+            IdempotencyKey.objects.filter(pk=row.pk).exclude(_alive(now)).delete()
             continue
         if row is not None:
             return _decide(row, fingerprint, owner)
@@ -272,6 +269,31 @@ def claim(
 
 def _live_keys(principal: str, now: Any) -> int:
     return IdempotencyKey.objects.filter(principal=principal, expires_at__gt=now).count()
+
+
+def _alive(now: Any) -> models.Q:
+    """Rows not yet expired: before ``expires_at``, or in flight with a live lease."""
+    return models.Q(expires_at__gt=now) | models.Q(
+        state=KeyState.IN_FLIGHT, lease_expires_at__gt=now
+    )
+
+
+def _lease_live(row: IdempotencyKey, now: Any) -> bool:
+    return (
+        row.state == KeyState.IN_FLIGHT
+        and row.lease_expires_at is not None
+        and row.lease_expires_at > now
+    )
+
+
+def _lease_values(lease: Any) -> dict[str, Any]:
+    """A lease ending at ``lease`` and an expiry no earlier: ``KEY_TTL`` never ends a live lease."""
+    return {
+        "lease_expires_at": lease,
+        "expires_at": Greatest(
+            "expires_at", models.Value(lease, output_field=models.DateTimeField())
+        ),
+    }
 
 
 #: Columns of a claim's INSERT; the others get their database or literal defaults.
@@ -415,7 +437,7 @@ def _decide(row: IdempotencyKey, fingerprint: str, owner: str) -> Claim | Idempo
         # The holder stopped heart-beating (it crashed): take the key over.
         taken = IdempotencyKey.objects.filter(
             pk=row.pk, state=KeyState.IN_FLIGHT, lease_owner=row.lease_owner
-        ).update(lease_owner=owner, lease_expires_at=now + timedelta(seconds=conf.KEY_LEASE))
+        ).update(lease_owner=owner, **_lease_values(now + timedelta(seconds=conf.KEY_LEASE)))
         if taken:
             row.lease_owner = owner
             return Claim(row, owner)
@@ -546,11 +568,17 @@ class _Beater:
                     self.due[ident] = (held, now + _beat_interval())
             for _ident, held in ready:
                 try:
-                    IdempotencyKey.objects.filter(pk=held.row.pk, lease_owner=held.owner).update(
-                        lease_expires_at=timezone.now() + timedelta(seconds=conf.KEY_LEASE)
-                    )
+                    renew(held)
                 except Exception:  # a missed beat only risks a takeover, never corruption
                     logger.warning("idempotency heartbeat failed", exc_info=True)
+
+
+def renew(held: Claim) -> None:
+    """One heartbeat: extend ``held``'s lease (and its expiry with it), if it still holds it."""
+    lease = timezone.now() + timedelta(seconds=conf.KEY_LEASE)
+    IdempotencyKey.objects.filter(pk=held.row.pk, lease_owner=held.owner).update(
+        **_lease_values(lease)
+    )
 
 
 def _beat_interval() -> float:
@@ -570,189 +598,34 @@ def heartbeat(held: Claim) -> Iterator[None]:
         _beater.remove(ident)
 
 
-def _atomic_requests() -> ExitStack:
-    """``transaction.atomic()`` for each database with ``ATOMIC_REQUESTS``, as Django would."""
-    stack = ExitStack()
-    for db in connections.all(initialized_only=False):
-        if db.settings_dict.get("ATOMIC_REQUESTS"):
-            stack.enter_context(transaction.atomic(using=db.alias))
-    return stack
-
-
-def _rendered(response: HttpResponseBase) -> HttpResponseBase:
-    render = getattr(response, "render", None)
-    if callable(render) and not getattr(response, "is_rendered", True):
-        rendered = render()
-        return rendered if isinstance(rendered, HttpResponseBase) else response
-    return response
-
-
-def _announce(request: HttpRequest, key: str, outcome: str) -> None:
-    idempotent_request.send(sender=IdempotencyKey, request=request, key=key, outcome=outcome)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How a view treats keys: required or optional, header or form token."""
-
-    required: bool = True
-    form: bool = False
-
-
-def run(
-    request: HttpRequest,
-    view: Callable[[], HttpResponseBase],
-    policy: Policy,
-    key: str | None,
-) -> HttpResponseBase:
-    """Run ``view`` at most once per (principal, method, route, key)."""
-    try:
-        if key is None:
-            if policy.required:
-                raise KeyMissing(f"send an {HEADER} header (or a token) with this request")
-            with _atomic_requests():
-                return _rendered(view())
-        principal = get_principal(request)
-        if principal is None:
-            raise NotAuthenticated("idempotency keys need an authenticated caller or a session")
-        if policy.form:
-            # A form's fields were parsed already (maybe streamed: multipart), so
-            # the limit is checked on the declared length and the fields hashed.
-            check_length(request)
-            fp = _form_fp(request)
-        else:
-            fp = fingerprint(request, read_body(request))
-        outcome = claim(
-            principal=principal,
-            key=key,
-            method=request.method or "",
-            route=request.path,
-            fingerprint=fp,
-            is_form=policy.form,
-        )
-    except IdempotencyError as exc:
-        if key is not None and policy.form and isinstance(exc, KeyInFlight):
-            waited = _wait_for_first(request, key, policy)
-            if waited is not None:
-                return waited
-        if key is not None:
-            _announce(request, key, exc.code)
-        return problem_from(exc)
-    if isinstance(outcome, IdempotencyKey):
-        return _answer_completed(request, key, outcome, policy)
-    return _execute(request, view, policy, key, outcome)
-
-
-def _form_fp(request: HttpRequest) -> str:
-    from idempotent_orders.http.forms import form_fingerprint
-
-    return form_fingerprint(request)
-
-
-def _answer_completed(
-    request: HttpRequest, key: str, row: IdempotencyKey, policy: Policy
-) -> HttpResponseBase:
-    if policy.form:
-        from idempotent_orders.http.forms import redirect_to_result
-
-        _announce(request, key, "redirected")
-        return redirect_to_result(row)
-    _announce(request, key, "replayed")
-    return replay(row)
-
-
-def _wait_for_first(request: HttpRequest, key: str, policy: Policy) -> HttpResponseBase | None:
-    """A form's second submit waits for the first one, then lands on the same result."""
-    principal = get_principal(request) or ""
-    scope = scope_of(principal, request.method or "", request.path)
-    deadline = time.monotonic() + conf.FORM_WAIT
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        row = IdempotencyKey.objects.filter(scope=scope, key=key).first()
-        if row is None:
-            return None  # released (the first submit failed): answer 409, the user retries
-        if row.state == KeyState.COMPLETED:
-            return _answer_completed(request, key, row, policy)
-        if row.lease_expires_at is not None and row.lease_expires_at <= timezone.now():
-            return None
-    return None
-
-
-def _execute(
-    request: HttpRequest,
-    view: Callable[[], HttpResponseBase],
-    policy: Policy,
-    key: str,
-    held: Claim,
-) -> HttpResponseBase:
-    try:
-        with heartbeat(held), _atomic_requests():
-            response = _rendered(view())
-            keep = response.status_code < 500 and (
-                not policy.form or 300 <= response.status_code < 400
-            )
-            if keep:
-                # Under ATOMIC_REQUESTS the response commits with the view's writes.
-                store(held, response)
-    except BaseException:
-        release(held)
-        _announce(request, key, "released")
-        raise
-    if not keep:
-        release(held)
-        _announce(request, key, "released")
-    else:
-        _announce(request, key, "executed")
-    return response
-
-
 def header_key(request: HttpRequest) -> str | None:
+    """The key of the request's ``Idempotency-Key`` header, or None without one."""
     raw = request.headers.get(HEADER)
     if raw is None:
         return None
     return parse_key(raw)
 
 
-def _guarded(view: View, policy: Policy, key_of: Callable[[HttpRequest], str | None]) -> View:
-    @functools.wraps(view)
-    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if request.method not in UNSAFE_METHODS:
-            with _atomic_requests():
-                return view(request, *args, **kwargs)
-        try:
-            key = key_of(request)
-        except IdempotencyError as exc:
-            return problem_from(exc)
-        return run(request, lambda: view(request, *args, **kwargs), policy, key)
+def idempotent(view: Any = None, *, required: bool = True) -> Any:
+    """Deprecated: use :func:`idempotent_orders.http.idempotent_view` (removed in 0.3)."""
+    from idempotent_orders.http.decorators import idempotent_view
 
-    # The claim must commit before the view runs, so Django's ATOMIC_REQUESTS
-    # wrapper is replaced by our own around the view (see _atomic_requests).
-    return transaction.non_atomic_requests(wrapper)
+    warnings.warn(
+        "idempotent_orders.http.keys.idempotent is deprecated; "
+        "use idempotent_orders.http.idempotent_view",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return idempotent_view(view, required=required)
 
 
-def idempotent(view: V | None = None, *, required: bool = True) -> Any:
-    """Decorate a function view: POST/PUT/PATCH/DELETE run once per ``Idempotency-Key``.
+def __getattr__(name: str) -> Any:
+    # The mixin moved with the decorator; its old import path keeps working.
+    if name == "IdempotentMixin":
+        from idempotent_orders.http.decorators import IdempotentMixin
 
-    ``@idempotent`` requires the header (400 without it); ``@idempotent(required=False)``
-    runs keyless requests normally. A token from the token endpoint works as the key.
-    """
-
-    def decorate(func: V) -> V:
-        guarded: Any = _guarded(func, Policy(required=required), header_key)
-        return guarded
-
-    return decorate(view) if view is not None else decorate
-
-
-class IdempotentMixin:
-    """Class-based-view mixin with the same behaviour as :func:`idempotent`."""
-
-    idempotency_required: bool = True
-
-    @classmethod
-    def as_view(cls, **initkwargs: Any) -> Any:
-        view = super().as_view(**initkwargs)  # type: ignore[misc]
-        return _guarded(view, Policy(required=cls.idempotency_required), header_key)
+        return IdempotentMixin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def purge_expired(*, now: Any = None) -> int:

@@ -1,4 +1,7 @@
-"""The token endpoint and the orders API (plain Django views, JSON in and out)."""
+"""The token endpoint, the orders API and its OpenAPI document (plain Django views, JSON).
+
+Every error these views answer is ``application/problem+json``, 405 included.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +11,45 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_http_methods
 
+from idempotent_orders import get_order_model
 from idempotent_orders.exceptions import IdempotencyError
-from idempotent_orders.http.keys import get_principal, idempotent
+from idempotent_orders.http.decorators import idempotent_view
+from idempotent_orders.http.keys import check_length, get_principal
 from idempotent_orders.http.problems import problem_from, problem_response
 from idempotent_orders.http.tokens import issue_token
-from idempotent_orders.models import Order
+from idempotent_orders.models import AbstractOrder
 from idempotent_orders.services import create_order
+from idempotent_orders.transitions import current_state
 
-__all__ = ["order_detail", "orders", "token_endpoint"]
+__all__ = ["order_detail", "orders", "schema", "token_endpoint"]
 
 MAX_ITEMS = 100
 MAX_QUANTITY = 10_000
+
+
+def _allow(*methods: str) -> Any:
+    """Like ``require_http_methods``, with a problem+json 405 (and ``Allow``)."""
+
+    def decorate(view: Any) -> Any:
+        @functools.wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            if request.method not in methods:
+                response = problem_response(
+                    405,
+                    "method-not-allowed",
+                    "Method not allowed",
+                    f"{request.method} is not allowed here; use {' or '.join(methods)}",
+                )
+                response["Allow"] = ", ".join(methods)
+                return response
+            return view(request, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 def _require_user(view: Any) -> Any:
@@ -42,21 +70,24 @@ def _require_json(request: HttpRequest) -> HttpResponse | None:
         return problem_response(
             415, "unsupported-media-type", "Send Content-Type: application/json"
         )
+    try:
+        check_length(request)
+    except IdempotencyError as exc:
+        return problem_from(exc)
     return None
 
 
-def order_json(order: Order) -> dict[str, Any]:
-    return {
-        "id": order.pk,
-        "status": order.status,
-        "amount": str(order.amount),
-        "currency": order.currency,
-        "version": order.version,
-    }
+def order_json(order: AbstractOrder) -> dict[str, Any]:
+    data: dict[str, Any] = {"id": order.pk, "status": current_state(order)}
+    for name in ("amount", "currency"):
+        if hasattr(order, name):
+            data[name] = str(getattr(order, name))
+    data["version"] = order.version
+    return data
 
 
 @csrf_exempt
-@require_http_methods(["POST"])
+@_allow("POST")
 @_require_user
 def token_endpoint(request: HttpRequest) -> HttpResponseBase:
     """``POST`` → 201 ``{"token": ..., "expires_at": ...}``: a one-time token for the caller."""
@@ -125,11 +156,15 @@ def _parse_order(body: bytes) -> tuple[Decimal, str, list[dict[str, Any]]]:
 
 
 @csrf_exempt
-@require_http_methods(["POST"])
+@_allow("POST")
 @_require_user
-@idempotent
+@idempotent_view
 def orders(request: HttpRequest) -> HttpResponseBase:
-    """``POST /api/orders/``: create (or find, by business key) the caller's order."""
+    """``POST /api/orders/``: create (or find, by business key) the caller's order.
+
+    201 (with ``Location``) when created, 200 when the same basket was ordered
+    in this time window under another key.
+    """
     bad = _require_json(request)
     if bad is not None:
         return bad
@@ -140,15 +175,39 @@ def orders(request: HttpRequest) -> HttpResponseBase:
     order, created = create_order(
         customer=request.user, items=items, amount=amount, currency=currency
     )
-    return JsonResponse(order_json(order), status=201 if created else 200)
+    if not created:
+        return JsonResponse(order_json(order))
+    response = JsonResponse(order_json(order), status=201)
+    match = request.resolver_match
+    response["Location"] = reverse(
+        "idempotent_orders:order-detail",
+        kwargs={"pk": order.pk},
+        current_app=match.namespace if match else None,
+    )
+    return response
 
 
-@require_http_methods(["GET", "HEAD"])
+#: Order ids the database can hold (a bigger number is no order, not an overflow).
+_MAX_ID_DIGITS = 18
+
+
+@_allow("GET", "HEAD")
 @_require_user
-def order_detail(request: HttpRequest, pk: int) -> HttpResponseBase:
+def order_detail(request: HttpRequest, pk: str) -> HttpResponseBase:
     """``GET /api/orders/<id>/``: the order, to its customer or staff (404 to anyone else)."""
-    order = Order.objects.filter(pk=pk).first()
+    order = None
+    if pk.isascii() and pk.isdigit() and len(pk) <= _MAX_ID_DIGITS:
+        order = get_order_model()._default_manager.filter(pk=int(pk)).first()
     user = request.user
-    if order is None or not (user.is_staff or order.customer_id == user.pk):
+    if order is None or not (user.is_staff or getattr(order, "customer_id", None) == user.pk):
         return problem_response(404, "not-found", "No such order")
     return JsonResponse(order_json(order))
+
+
+@_allow("GET", "HEAD")
+def schema(request: HttpRequest) -> HttpResponseBase:
+    """``GET /api/schema/``: the OpenAPI 3.1 document of these views."""
+    from idempotent_orders.http.schema import openapi
+
+    server = request.path.removesuffix("schema/").rstrip("/")
+    return JsonResponse(openapi(server), json_dumps_params={"indent": 1})

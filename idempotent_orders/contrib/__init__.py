@@ -1,0 +1,1 @@
+"""Optional integrations, each behind its own extra; the core never imports them."""

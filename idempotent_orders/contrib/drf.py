@@ -1,0 +1,62 @@
+"""Django REST framework support (the ``drf`` extra): :class:`IdempotentAPIViewMixin`."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+from django.http import HttpRequest, HttpResponseBase
+
+from idempotent_orders.http.decorators import Policy, _guarded
+from idempotent_orders.http.keys import UNSAFE_METHODS, default_principal, header_key
+
+__all__ = ["IdempotentAPIViewMixin"]
+
+
+class IdempotentAPIViewMixin:
+    """Mix into an ``APIView``, a generic view or a ``ViewSet`` (routers included):
+    POST, PUT, PATCH and DELETE run once per ``Idempotency-Key``; safe methods
+    pass through.
+
+    The principal is resolved through the view's own DRF authenticators (token,
+    session, ...), before the key is claimed, so API clients authenticated by
+    DRF get their own scope. Set ``idempotency_required = False`` to let keyless
+    requests through.
+    """
+
+    idempotency_required: bool = True
+
+    @classmethod
+    def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
+        # A ViewSet's as_view takes the router's {method: action} map first.
+        view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
+        guarded = _guarded(view, Policy(required=cls.idempotency_required), header_key)
+
+        @functools.wraps(guarded)
+        def with_drf_principal(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            if request.method in UNSAFE_METHODS and not hasattr(request, "_idempotency_principal"):
+                principal = _drf_principal(cls, initkwargs, request)
+                request._idempotency_principal = principal  # type: ignore[attr-defined]
+            return guarded(request, *args, **kwargs)
+
+        return with_drf_principal
+
+
+def _drf_principal(cls: Any, initkwargs: dict[str, Any], request: HttpRequest) -> str | None:
+    from rest_framework.exceptions import APIException
+    from rest_framework.request import Request
+
+    view = cls(**initkwargs)
+    try:
+        user = Request(request, authenticators=view.get_authenticators()).user
+    except APIException:
+        return None
+    if user is not None and user.is_authenticated:
+        return f"user:{user.pk}"
+    return default_principal(request)
+
+
+if importlib.util.find_spec("drf_spectacular") is not None:
+    # Describe these views' keyed operations in drf-spectacular's schema.
+    from idempotent_orders.contrib import spectacular  # noqa: F401

@@ -1,0 +1,344 @@
+"""``@idempotent_view`` and :class:`IdempotentMixin`: the key's steps around a view, sync or async.
+
+The steps themselves (parse, claim, lease, store, replay) are in
+:mod:`idempotent_orders.http.keys`. Around a view they run in this order:
+:func:`_begin` (key, principal, fingerprint, claim: answered at once for a
+replay or an error), the view under the heartbeat, then the stored response.
+A sync view and an async view share these functions; an async view is awaited
+on the event loop, and the database steps before and after it run in a thread
+(``sync_to_async``), one hop each, so the loop is never blocked on the database.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.db import connections, transaction
+from django.http import HttpRequest, HttpResponseBase
+from django.utils import timezone
+
+from idempotent_orders.conf import conf
+from idempotent_orders.exceptions import (
+    IdempotencyError,
+    KeyInFlight,
+    KeyMissing,
+    NotAuthenticated,
+)
+from idempotent_orders.http.keys import (
+    HEADER,
+    UNSAFE_METHODS,
+    Claim,
+    check_length,
+    claim,
+    fingerprint,
+    get_principal,
+    header_key,
+    heartbeat,
+    read_body,
+    release,
+    replay,
+    scope_of,
+    store,
+)
+from idempotent_orders.http.problems import problem_from
+from idempotent_orders.models import IdempotencyKey, KeyState
+from idempotent_orders.signals import idempotent_request
+
+__all__ = ["IdempotentMixin", "idempotent_view"]
+
+View = Callable[..., Any]
+V = TypeVar("V", bound=View)
+KeyOf = Callable[[HttpRequest], str | None]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a view treats keys: required or optional, header or form token."""
+
+    required: bool = True
+    form: bool = False
+
+
+@dataclass
+class _Start:
+    """How a request begins: answered without the view, or the view runs (holding ``held``)."""
+
+    key: str | None = None
+    answer: HttpResponseBase | None = None
+    held: Claim | None = None
+
+
+def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
+    """Everything before the view: the key, the principal, the fingerprint and the claim."""
+    key: str | None = None
+    try:
+        key = key_of(request)
+        if key is None:
+            if policy.required:
+                raise KeyMissing(f"send an {HEADER} header (or a token) with this request")
+            return _Start()
+        principal = get_principal(request)
+        if principal is None:
+            raise NotAuthenticated("idempotency keys need an authenticated caller or a session")
+        if policy.form:
+            # A form's fields were parsed already (maybe streamed: multipart), so
+            # the limit is checked on the declared length and the fields hashed.
+            check_length(request)
+            fp = _form_fp(request)
+        else:
+            fp = fingerprint(request, read_body(request))
+        outcome = claim(
+            principal=principal,
+            key=key,
+            method=request.method or "",
+            route=request.path,
+            fingerprint=fp,
+            is_form=policy.form,
+        )
+    except IdempotencyError as exc:
+        if key is not None and policy.form and isinstance(exc, KeyInFlight):
+            waited = _wait_for_first(request, key, policy)
+            if waited is not None:
+                return _Start(key, answer=waited)
+        if key is not None:
+            _announce(request, key, exc.code)
+        return _Start(key, answer=problem_from(exc))
+    if isinstance(outcome, IdempotencyKey):
+        return _Start(key, answer=_answer_completed(request, key, outcome, policy))
+    return _Start(key, held=outcome)
+
+
+def _form_fp(request: HttpRequest) -> str:
+    from idempotent_orders.http.forms import form_fingerprint
+
+    return form_fingerprint(request)
+
+
+def _announce(request: HttpRequest, key: str, outcome: str) -> None:
+    idempotent_request.send(sender=IdempotencyKey, request=request, key=key, outcome=outcome)
+
+
+def _answer_completed(
+    request: HttpRequest, key: str, row: IdempotencyKey, policy: Policy
+) -> HttpResponseBase:
+    if policy.form:
+        from idempotent_orders.http.forms import redirect_to_result
+
+        _announce(request, key, "redirected")
+        return redirect_to_result(row)
+    _announce(request, key, "replayed")
+    return replay(row)
+
+
+def _wait_for_first(request: HttpRequest, key: str, policy: Policy) -> HttpResponseBase | None:
+    """A form's second submit waits for the first one, then lands on the same result."""
+    principal = get_principal(request) or ""
+    scope = scope_of(principal, request.method or "", request.path)
+    deadline = time.monotonic() + conf.FORM_WAIT
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        row = IdempotencyKey.objects.filter(scope=scope, key=key).first()
+        if row is None:
+            return None  # released (the first submit failed): answer 409, the user retries
+        if row.state == KeyState.COMPLETED:
+            return _answer_completed(request, key, row, policy)
+        if row.lease_expires_at is not None and row.lease_expires_at <= timezone.now():
+            return None
+    return None
+
+
+def _atomic_requests() -> ExitStack:
+    """``transaction.atomic()`` for each database with ``ATOMIC_REQUESTS``, as Django would."""
+    stack = ExitStack()
+    for alias in _atomic_aliases():
+        stack.enter_context(transaction.atomic(using=alias))
+    return stack
+
+
+def _atomic_aliases() -> list[str]:
+    return [
+        db.alias
+        for db in connections.all(initialized_only=False)
+        if db.settings_dict.get("ATOMIC_REQUESTS")
+    ]
+
+
+class _LostClaim(Exception):
+    """Raised inside the request's transaction to roll back a holder that lost its claim."""
+
+
+def _rendered(response: HttpResponseBase) -> HttpResponseBase:
+    render = getattr(response, "render", None)
+    if callable(render) and not getattr(response, "is_rendered", True):
+        rendered = render()
+        return rendered if isinstance(rendered, HttpResponseBase) else response
+    return response
+
+
+def _store_if_kept(held: Claim, response: HttpResponseBase, policy: Policy) -> bool | None:
+    """Store a response worth keeping (a success, a form's redirect): whether it was
+    stored (False: the claim was lost), or None when the key is to be released."""
+    keep = response.status_code < 500 and (not policy.form or 300 <= response.status_code < 400)
+    return store(held, response) if keep else None
+
+
+def _settle(request: HttpRequest, key: str, held: Claim, stored: bool | None) -> None:
+    if stored is None:
+        _give_back(request, key, held)
+    else:
+        _announce(request, key, "executed" if stored else "lease-lost")
+
+
+def _give_back(request: HttpRequest, key: str, held: Claim) -> None:
+    """Release the key (5xx, exception, invalid form): the client may retry with it."""
+    release(held)
+    _announce(request, key, "released")
+
+
+def _answer_lost(request: HttpRequest, key: str, held: Claim, policy: Policy) -> HttpResponseBase:
+    """What a later copy of the request gets: the winner's stored response, or 409."""
+    row = IdempotencyKey.objects.filter(pk=held.row.pk).first()
+    if (
+        row is not None
+        and row.state == KeyState.COMPLETED
+        and row.fingerprint == held.row.fingerprint
+    ):
+        return _answer_completed(request, key, row, policy)
+    exc = KeyInFlight(
+        "a request with this key is still being processed", retry_after=conf.RETRY_AFTER
+    )
+    _announce(request, key, exc.code)
+    return problem_from(exc)
+
+
+def _execute(
+    request: HttpRequest,
+    view: Callable[[], HttpResponseBase],
+    policy: Policy,
+    key: str,
+    held: Claim,
+) -> HttpResponseBase:
+    try:
+        with heartbeat(held):
+            try:
+                with _atomic_requests():
+                    response = _rendered(view())
+                    # Under ATOMIC_REQUESTS the response commits with the view's writes.
+                    stored = _store_if_kept(held, response, policy)
+                    if stored is False and _atomic_aliases():
+                        # The lease lapsed and another request took the key over: its
+                        # execution is the one the key answers, so this one must not
+                        # commit a second.
+                        raise _LostClaim
+            except _LostClaim:
+                return _answer_lost(request, key, held, policy)
+    except BaseException:
+        _give_back(request, key, held)
+        raise
+    _settle(request, key, held, stored)
+    return response
+
+
+async def _aexecute(
+    request: HttpRequest,
+    view: Callable[[], Awaitable[HttpResponseBase]],
+    policy: Policy,
+    key: str,
+    held: Claim,
+) -> HttpResponseBase:
+    # Django runs no async view in a transaction (ATOMIC_REQUESTS does not apply):
+    # the view commits its own writes, as without ATOMIC_REQUESTS above.
+    try:
+        with heartbeat(held):
+            response = await view()
+            render = getattr(response, "render", None)
+            if callable(render) and not getattr(response, "is_rendered", True):
+                response = await sync_to_async(_rendered)(response)
+    except BaseException:
+        await sync_to_async(_give_back)(request, key, held)
+        raise
+
+    def conclude() -> None:
+        try:
+            stored = _store_if_kept(held, response, policy)
+        except BaseException:
+            _give_back(request, key, held)
+            raise
+        _settle(request, key, held, stored)
+
+    await sync_to_async(conclude)()
+    return response
+
+
+def _guarded(view: View, policy: Policy, key_of: KeyOf) -> View:
+    """``view`` running once per key under ``policy``; async if ``view`` is."""
+    wrapper: View
+    if iscoroutinefunction(view):
+
+        @functools.wraps(view)
+        async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+            if request.method not in UNSAFE_METHODS:
+                return await view(request, *args, **kwargs)
+            start = await sync_to_async(_begin)(request, policy, key_of)
+            if start.answer is not None:
+                return start.answer
+            if start.held is None or start.key is None:
+                return await view(request, *args, **kwargs)
+            return await _aexecute(
+                request, lambda: view(request, *args, **kwargs), policy, start.key, start.held
+            )
+
+        wrapper = async_wrapper
+    else:
+
+        @functools.wraps(view)
+        def sync_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+            if request.method not in UNSAFE_METHODS:
+                with _atomic_requests():
+                    return view(request, *args, **kwargs)
+            start = _begin(request, policy, key_of)
+            if start.answer is not None:
+                return start.answer
+            if start.held is None or start.key is None:
+                with _atomic_requests():
+                    return _rendered(view(request, *args, **kwargs))
+            return _execute(
+                request, lambda: view(request, *args, **kwargs), policy, start.key, start.held
+            )
+
+        wrapper = sync_wrapper
+    # The claim must commit before the view runs, so Django's ATOMIC_REQUESTS
+    # wrapper is replaced by our own around the view (see _atomic_requests).
+    return transaction.non_atomic_requests(wrapper)
+
+
+def idempotent_view(view: V | None = None, *, required: bool = True) -> Any:
+    """Decorate a view (``def`` or ``async def``): POST/PUT/PATCH/DELETE run once per key.
+
+    ``@idempotent_view`` requires the ``Idempotency-Key`` header (400 without
+    it); ``@idempotent_view(required=False)`` runs keyless requests normally. A
+    token from the token endpoint works as the key. Safe methods pass through.
+    """
+
+    def decorate(func: V) -> V:
+        guarded: Any = _guarded(func, Policy(required=required), header_key)
+        return guarded
+
+    return decorate(view) if view is not None else decorate
+
+
+class IdempotentMixin:
+    """Class-based-view mixin with the same behaviour as :func:`idempotent_view`."""
+
+    idempotency_required: bool = True
+
+    @classmethod
+    def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
+        view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
+        return _guarded(view, Policy(required=cls.idempotency_required), header_key)
