@@ -1,4 +1,4 @@
-"""App config of the demo project (it holds the demo's management command)."""
+"""App config of the demo project: its own order model's message types, its management command."""
 
 from django.apps import AppConfig
 
@@ -6,3 +6,23 @@ from django.apps import AppConfig
 class DemoProjectConfig(AppConfig):
     name = "demo_project"
     verbose_name = "Demo shop"
+
+    def ready(self) -> None:
+        from demo_project.models import ShopOrder
+        from idempotent_orders import get_order_model, handlers
+
+        if get_order_model() is not ShopOrder:
+            return  # the test suite runs the demo's views on the default model
+        # The recipe for a project's own order model: bind each message type to
+        # one of the model's transitions (the built-in validators check only the
+        # fields the model has). "refund" and "cancel" keep the built-in names.
+        handlers.register(
+            "payment.succeeded", transition="mark_paid", validate=handlers.validate_payment
+        )
+        handlers.register(
+            "shipment.dispatched", transition="dispatch", validate=handlers.validate_shipment
+        )
+        handlers.register(
+            "shipment.delivered", transition="deliver", validate=handlers.validate_delivery
+        )
+        handlers.register("warehouse.packed", transition="pack", consumers={"shipping"})

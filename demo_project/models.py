@@ -1,11 +1,15 @@
-"""Demo models: a loyalty account for ``@idempotent``, and the fake warehouse's tables."""
+"""Demo models: the shop's own order model, a loyalty account, the fake warehouse's tables."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 from django.db.models.functions import Now
+from django_fsm import FSMField, transition
+
+from idempotent_orders.models import AbstractOrder
 
 
 class LoyaltyAccount(models.Model):
@@ -74,3 +78,78 @@ class WebhookScript(models.Model):
 
     def __str__(self) -> str:
         return f"{self.ref}: {self.modes}"
+
+
+class ShopState(models.TextChoices):
+    AWAITING_PAYMENT = "awaiting_payment", "awaiting payment"
+    PAID = "paid", "paid"
+    PICKING = "picking", "picking"
+    PACKED = "packed", "packed"
+    IN_TRANSIT = "in_transit", "in transit"
+    DELIVERED = "delivered", "delivered"
+    CANCELLED = "cancelled", "cancelled"
+    EXPIRED = "expired", "expired"
+    REFUNDED = "refunded", "refunded"
+
+
+St = ShopState
+
+
+class ShopOrder(AbstractOrder):
+    """The demo shop's own order model, swapped in with ``IDEMPOTENT_ORDERS_ORDER_MODEL``.
+
+    Its state field is ``state`` (not ``status``), its states are the shop's own,
+    and it has a step the default model lacks (``pack``). The message types are
+    bound to these transitions in :class:`demo_project.apps.DemoProjectConfig`.
+    """
+
+    business_key = models.CharField(max_length=128, unique=True)
+    customer = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    amount = models.DecimalField(max_digits=12, decimal_places=2)
+    currency = models.CharField(max_length=3)
+    state = FSMField(choices=ShopState.choices, default=ShopState.AWAITING_PAYMENT, protected=True)
+    payment_id = models.CharField(max_length=128, blank=True, default="")
+    tracking_number = models.CharField(max_length=128, blank=True, default="")
+    carrier = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"Shop order {self.pk} ({self.state}, v{self.version})"
+
+    @transition(field=state, source=St.AWAITING_PAYMENT, target=St.PAID)
+    def mark_paid(self) -> None:
+        """Payment captured."""
+
+    @transition(field=state, source=St.PAID, target=St.PICKING)
+    def start_picking(self) -> None:
+        """The warehouse accepted the order and is picking it."""
+
+    @transition(field=state, source=St.PICKING, target=St.PACKED)
+    def pack(self) -> None:
+        """Parcel packed, waiting for the carrier."""
+
+    @transition(field=state, source=[St.PAID, St.PICKING, St.PACKED], target=St.IN_TRANSIT)
+    def dispatch(self) -> None:
+        """Parcel handed to the carrier (possibly before our own steps were recorded)."""
+
+    @transition(field=state, source=St.IN_TRANSIT, target=St.DELIVERED)
+    def deliver(self) -> None:
+        """Parcel delivered."""
+
+    @transition(field=state, source=St.AWAITING_PAYMENT, target=St.CANCELLED)
+    def cancel(self) -> None:
+        """Cancelled before payment."""
+
+    @transition(field=state, source=St.AWAITING_PAYMENT, target=St.EXPIRED)
+    def expire(self) -> None:
+        """Not paid in time."""
+
+    @transition(field=state, source=St.PAID, target=St.REFUNDED)
+    def refund(self) -> None:
+        """Payment returned before picking started."""

@@ -108,7 +108,13 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# The shop's own order model (state field `state`, its own states and a `pack`
+# step), swapped in like AUTH_USER_MODEL; set before the first migrate.
+IDEMPOTENT_ORDERS_ORDER_MODEL = "demo_project.ShopOrder"
+
 IDEMPOTENT_ORDERS: dict[str, Any] = {
+    # The fulfilment step drives ShopOrder.start_picking (paid -> picking).
+    "FULFILMENT_TRANSITION": "start_picking",
     # The fake warehouse can be told to fail, hang or lose its reply (demo_project/warehouse.py).
     "FULFILMENT_CLIENT": "demo_project.warehouse.FakeWarehouse",
     # Without REDIS_URL the embedded default has no django-redis cache: Bloom filter only.

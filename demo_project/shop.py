@@ -14,10 +14,11 @@ from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
 from demo_project.tasks import award_points
+from idempotent_orders import get_order_model
 from idempotent_orders.http.forms import idempotent_form
-from idempotent_orders.models import Order
 from idempotent_orders.outbox import publish_on_commit
 from idempotent_orders.services import create_order
+from idempotent_orders.transitions import state_field
 
 #: The demo's catalogue: sku -> (name, unit price in CNY).
 PRODUCTS = {
@@ -71,7 +72,7 @@ def checkout(request: HttpRequest) -> HttpResponse:
 
 
 def order_page(request: HttpRequest, pk: int) -> HttpResponse:
-    order = Order.objects.filter(pk=pk).first()
+    order: Any = get_order_model()._default_manager.filter(pk=pk).first()
     user = request.user
     mine = order is not None and (
         pk in request.session.get(_SESSION_ORDERS, [])
@@ -79,14 +80,16 @@ def order_page(request: HttpRequest, pk: int) -> HttpResponse:
     )
     if not mine:
         raise Http404("No such order")
-    return render(request, "shop/order.html", {"order": order})
+    state = state_field(get_order_model())
+    label = dict(state.flatchoices).get(state.value_from_object(order), "")
+    return render(request, "shop/order.html", {"order": order, "state_label": label})
 
 
 #: Loyalty points per whole unit of the order's amount.
 POINTS_PER_UNIT = 1
 
 
-def place_order(*, business_key: str, customer: str, amount: Decimal, currency: str) -> Order:
+def place_order(*, business_key: str, customer: str, amount: Decimal, currency: str) -> Any:
     """Create an order and queue its follow-ups in the same transaction.
 
     If the transaction rolls back, no follow-up is ever sent; if the process
@@ -94,7 +97,8 @@ def place_order(*, business_key: str, customer: str, amount: Decimal, currency: 
     derives from the order, so a retried publish awards the points once.
     """
     with transaction.atomic():
-        order = Order.objects.create(business_key=business_key, amount=amount, currency=currency)
+        orders: Any = get_order_model()._default_manager  # ShopOrder, or the default Order
+        order = orders.create(business_key=business_key, amount=amount, currency=currency)
         queue_follow_ups(order, customer=customer)
     return order
 
@@ -103,7 +107,7 @@ def points_message_id(order_id: int) -> str:
     return f"order-points-{order_id}"
 
 
-def queue_follow_ups(order: Order, *, customer: str) -> None:
+def queue_follow_ups(order: Any, *, customer: str) -> None:
     """Queue a new order's follow-up messages in the caller's transaction (the outbox).
 
     Call it only in the transaction that created ``order``; the message id

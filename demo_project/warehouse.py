@@ -16,7 +16,7 @@ from django.db import transaction
 
 from demo_project.models import WarehouseRequest, WarehouseScript, WebhookScript
 from idempotent_orders.fulfilment import WarehouseClient, WarehouseError
-from idempotent_orders.models import Order
+from idempotent_orders.models import AbstractOrder
 
 #: What a call can do: ``ok``; ``fail`` (refused, no effect); ``hang`` (no
 #: effect, blocks, then times out); ``lose_reply`` (effect, then the reply is
@@ -58,7 +58,7 @@ def _next_mode(order_id: int) -> str:
 
 
 class FakeWarehouse(WarehouseClient):
-    def reserve(self, order: Order, *, idempotency_key: str) -> None:
+    def reserve(self, order: AbstractOrder, *, idempotency_key: str) -> None:
         mode = _next_mode(order.pk)
         effect = mode in {"ok", "lose_reply", "effect_then_hang", "slow"}
         if mode == "slow":

@@ -22,10 +22,11 @@ from kombu import Exchange, Queue
 
 from demo_project.models import LoyaltyAccount
 from demo_project.shop import POINTS_PER_UNIT, place_order, points_message_id
+from idempotent_orders import get_order_model
 from idempotent_orders.conf import conf
+from idempotent_orders.handlers import get_handler
 from idempotent_orders.models import (
-    Order,
-    OrderStatus,
+    AbstractOrder,
     OutboxMessage,
     OutboxStatus,
     Outcome,
@@ -34,12 +35,28 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.outbox import relay_outbox
 from idempotent_orders.tasks import publish
+from idempotent_orders.transitions import edge, state_field
+
+
+def final_state() -> str:
+    """The state a delivered order ends in, read from the order model's own graph."""
+    handler = get_handler("shipment.delivered")
+    if handler is None:
+        raise CommandError("no handler is registered for shipment.delivered")
+    return edge(get_order_model(), handler.transition).target
+
+
+def in_state(ids: list[int], state: str) -> Any:
+    """The orders among ``ids`` whose state field holds ``state``."""
+    model = get_order_model()
+    return model._default_manager.filter(pk__in=ids, **{state_field(model).name: state})
+
 
 #: Demo customers per run; several orders each, so points add up across orders.
 CUSTOMERS = 10
 
 
-def build_messages(order: Order) -> list[tuple[str, dict[str, Any]]]:
+def build_messages(order: Any) -> list[tuple[str, dict[str, Any]]]:
     """The three messages of one order's life, with per-order sequence numbers."""
     money = {"amount": str(order.amount), "currency": order.currency}
     return [
@@ -192,11 +209,12 @@ class Command(BaseCommand):
         self.stdout.write(f"started {count} worker processes (logs in {log_dir}/worker-*.log)")
         return procs
 
-    def wait(self, orders: list[Order], timeout: float, started: float) -> None:
+    def wait(self, orders: list[AbstractOrder], timeout: float, started: float) -> None:
         ids = [o.pk for o in orders]
         last: tuple[int, int, int] = (-1, -1, -1)
+        final = final_state()
         while True:
-            done = Order.objects.filter(pk__in=ids, status=OrderStatus.COMPLETED).count()
+            done = in_state(ids, final).count()
             # The run is over when every order's fulfilment step was recorded and
             # its loyalty points (the outbox follow-up) were awarded too.
             steps = (
@@ -222,7 +240,7 @@ class Command(BaseCommand):
 
     def report(
         self,
-        orders: list[Order],
+        orders: list[Any],
         messages: list[tuple[str, dict[str, Any]]],
         deliveries: list[tuple[str, dict[str, Any]]],
         elapsed: float,
@@ -231,9 +249,11 @@ class Command(BaseCommand):
         problems: list[str] = []
         rows = ProcessedMessage.objects.filter(order_id__in=ids)
         outcomes = Counter(rows.values_list("outcome", flat=True))
-        not_completed = Order.objects.filter(pk__in=ids).exclude(status=OrderStatus.COMPLETED)
+        final = final_state()
+        orders_in_run = get_order_model()._default_manager.filter(pk__in=ids)
+        not_completed = orders_in_run.exclude(pk__in=in_state(ids, final).values("pk"))
         if not_completed.exists():
-            problems.append(f"{not_completed.count()} orders did not reach completed")
+            problems.append(f"{not_completed.count()} orders did not reach {final}")
         expected = {(c, m["message_id"]) for c, m in messages}
         recorded = set(rows.values_list("consumer", "message_id"))
         lost = expected - recorded
@@ -242,11 +262,11 @@ class Command(BaseCommand):
         # The inbox's unique index allows one row per message; a message counts as
         # applied at most once if every order's version equals its applied rows.
         applied = dict(
-            Order.objects.filter(pk__in=ids)
-            .annotate(n=Count("messages", filter=Q(messages__outcome=Outcome.APPLIED)))
-            .values_list("pk", "n")
+            orders_in_run.annotate(
+                n=Count("inbox_messages", filter=Q(inbox_messages__outcome=Outcome.APPLIED))
+            ).values_list("pk", "n")
         )
-        versions = dict(Order.objects.filter(pk__in=ids).values_list("pk", "version"))
+        versions = dict(orders_in_run.values_list("pk", "version"))
         inconsistent = [pk for pk in ids if versions[pk] != applied.get(pk, 0)]
         if inconsistent:
             problems.append(f"{len(inconsistent)} orders' version != applied messages")
