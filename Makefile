@@ -19,6 +19,7 @@ help:
 	@echo "make demo   run the demo on the embedded default (SQLite + filesystem broker)"
 	@echo "make test   run the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x"
 	@echo "make lint   ruff + mypy"
+	@echo "make docs   build the documentation site (MkDocs, --strict) into build/site/"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

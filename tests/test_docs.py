@@ -1,0 +1,169 @@
+"""The documentation agrees with the code: generated references, page markers, setting names."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from idempotent_orders.conf import DEFAULTS
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+CHECKS_SOURCE = ROOT / "idempotent_orders" / "checks.py"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"docs_gen_{name}", DOCS / "gen" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+hooks = _load("hooks")
+reference = hooks._reference()
+
+#: UPPER_SNAKE names the pages may show in code that are not keys of IDEMPOTENT_ORDERS,
+#: each for a reason. A new name fails the test until it is added here or to DEFAULTS.
+KNOWN_NAMES = {
+    # The app's own Django settings.
+    "IDEMPOTENT_ORDERS",
+    "IDEMPOTENT_ORDERS_ORDER_MODEL",
+    # conf.py's constant holding that name (shown in the check table's E041 message).
+    "ORDER_MODEL_SETTING",
+    # Django settings and environment.
+    "ATOMIC_REQUESTS",
+    "AUTH_USER_MODEL",
+    "DJANGO_SETTINGS_MODULE",
+    "INSTALLED_APPS",
+    "SILENCED_SYSTEM_CHECKS",
+    # Celery settings, as a Django project spells them (namespace "CELERY").
+    "CELERY_BEAT_SCHEDULE",
+    "CELERY_BROKER_URL",
+    "CELERY_DB_REUSE_MAX",
+    "CELERY_TASK_ACKS_LATE",
+    "CELERY_TASK_REJECT_ON_WORKER_LOST",
+    "CELERY_WORKER_PREFETCH_MULTIPLIER",
+    # The demo's environment variables (demo_project/settings.py).
+    "DATABASE_URL",
+    "REDIS_URL",
+    # Make variables, WSGI request keys, SQL, test-suite constants.
+    "DEMO_ARGS",
+    "HTTP_HOST",
+    "HTTP_IDEMPOTENCY_KEY",
+    "GET_LOCK",
+    "CRASH_POINTS",
+}
+#: Environment variables of the benchmark, the chaos run and the test suite.
+KNOWN_PREFIXES = ("BENCH_", "CHAOS_", "IO_")
+
+UPPER_SNAKE = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")
+CODE = re.compile(r"```.*?```|`[^`\n]+`", re.DOTALL)
+CHECK_ID = re.compile(r"\b[EW]0\d\d\b")
+
+
+def pages() -> list[Path]:
+    return sorted(p for p in DOCS.rglob("*.md") if "gen" not in p.relative_to(DOCS).parts)
+
+
+def rendered(path: Path) -> str:
+    """The page's Markdown with its generated parts filled in, as the build does."""
+    hooks.on_config({})
+    return hooks.on_page_markdown(path.read_text(), page=None, config=None, files=None)
+
+
+def unknown_setting_names(text: str) -> set[str]:
+    names: set[str] = set()
+    for span in CODE.findall(text):
+        names.update(UPPER_SNAKE.findall(span))
+    return {
+        n
+        for n in names
+        if n not in DEFAULTS and n not in KNOWN_NAMES and not n.startswith(KNOWN_PREFIXES)
+    }
+
+
+def source_check_ids() -> set[str]:
+    """Check IDs as checks.py spells them, found without the generator's parser."""
+    found = re.findall(r"""id=["']idempotent_orders\.([EW]\d{3})["']""", CHECKS_SOURCE.read_text())
+    return set(found)
+
+
+def test_settings_reference_has_every_default_with_its_value() -> None:
+    docs = reference.settings_docs()
+    assert [d.name for d in docs] == list(DEFAULTS)
+    for d in docs:
+        assert d.value == DEFAULTS[d.name], d.name
+        assert d.comment or d.described_by, f"{d.name} has no description"
+    table = reference.settings_table(docs)
+    for name in DEFAULTS:
+        assert f">{name}</code>" in table, name
+    assert table.count("\n| <code") == len(DEFAULTS)
+
+
+def test_settings_reference_takes_the_comment_above_the_key() -> None:
+    by_name = {d.name: d for d in reference.settings_docs()}
+    assert by_name["DEDUP_REDIS_RETRY_AFTER"].comment == (
+        "After a Redis error, go straight to the database for this many seconds."
+    )
+    assert by_name["DEDUP_RETENTION"].default == "7 * 24 * 3600"
+    # A key without a comment of its own points at the one it is listed under.
+    assert by_name["TASK_RETRY_BACKOFF_MAX"].comment == ""
+    assert by_name["TASK_RETRY_BACKOFF_MAX"].described_by == "TASK_MAX_RETRIES"
+
+
+def test_check_reference_has_every_check_id() -> None:
+    ids = source_check_ids()
+    assert len(ids) > 20
+    docs = reference.checks_docs()
+    assert {d.id for d in docs} == ids
+    table = reference.checks_table(docs)
+    for ident in ids:
+        assert f">{ident}</code>" in table, ident
+    by_id = {d.id: d for d in docs}
+    assert by_id["W031"].level == "Warning"
+    assert by_id["E030"].plain_message.startswith(
+        "DEDUP_RETENTION ({conf.DEDUP_RETENTION}s) is not longer than"
+    )
+
+
+def test_reference_pages_carry_their_generated_parts() -> None:
+    assert "<!-- gen:settings -->" in (DOCS / "reference" / "settings.md").read_text()
+    assert "<!-- gen:checks -->" in (DOCS / "reference" / "checks.md").read_text()
+    own = rendered(DOCS / "own-order-model.md")
+    assert "<!-- gen:" not in own
+    assert "pending_payment --> paid: pay" in own
+    assert "picking --> packed: pack" in own
+    assert ">LEASE_SECONDS</code>" in rendered(DOCS / "reference" / "settings.md")
+    assert ">E081</code>" in rendered(DOCS / "reference" / "checks.md")
+
+
+def test_an_unknown_marker_fails_the_build() -> None:
+    hooks.on_config({})
+    with pytest.raises(ValueError, match="unknown generated part"):
+        hooks.on_page_markdown("<!-- gen:nonsense -->\n", page=None, config=None, files=None)
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_pages_name_only_settings_that_exist(path: Path) -> None:
+    assert unknown_setting_names(rendered(path)) == set()
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_pages_name_only_check_ids_that_exist(path: Path) -> None:
+    named = set(CHECK_ID.findall(rendered(path)))
+    assert named - source_check_ids() == set()
+
+
+def test_the_setting_guard_catches_names_that_do_not_exist() -> None:
+    # Both were once documented in the README; neither is a setting.
+    text = '| `DEDUP_LAYERS` | `["bloom", "redis"]` |\n```python\n"CACHE_ALIAS": "default"\n```'
+    assert unknown_setting_names(text) == {"DEDUP_LAYERS", "CACHE_ALIAS"}
+    assert unknown_setting_names("`DEDUP_CACHE_ALIAS` and `LOCK_CACHE`") == set()
