@@ -167,3 +167,28 @@ def test_the_setting_guard_catches_names_that_do_not_exist() -> None:
     text = '| `DEDUP_LAYERS` | `["bloom", "redis"]` |\n```python\n"CACHE_ALIAS": "default"\n```'
     assert unknown_setting_names(text) == {"DEDUP_LAYERS", "CACHE_ALIAS"}
     assert unknown_setting_names("`DEDUP_CACHE_ALIAS` and `LOCK_CACHE`") == set()
+
+
+README = ROOT / "README.md"
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_readme_names_only_settings_and_checks_that_exist() -> None:
+    text = README.read_text()
+    assert unknown_setting_names(text) == set()
+    assert set(CHECK_ID.findall(text)) - source_check_ids() == set()
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    targets = [t for t in LINK.findall(README.read_text()) if "://" not in t]
+    assert targets, "the README links into the docs"
+    assert [t for t in targets if not (ROOT / t).exists()] == []
+
+
+def test_readme_is_a_landing_page_with_the_command_ci_runs() -> None:
+    # The long form lives in docs/; the README stays short, and CI runs the test
+    # command it tells a newcomer to run.
+    text = README.read_text()
+    assert len(text.splitlines()) <= 180
+    assert "make test" in text
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
