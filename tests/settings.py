@@ -8,6 +8,7 @@ A worker subprocess sets ``IO_WORKER_DB=1`` to open the test database itself.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from typing import Any
@@ -95,6 +96,23 @@ INSTALLED_APPS = [
     "idempotent_orders",
     "demo_project",
 ]
+# Django's task framework: the immediate backend by default, and a database
+# backend whose `db_worker` runs as a real process in tests/test_contrib_tasks.py.
+try:
+    import django_tasks_db  # noqa: F401
+except ImportError:
+    TASKS_DB_BACKEND = False
+else:
+    TASKS_DB_BACKEND = True
+    INSTALLED_APPS.append("django_tasks_db")
+TASKS = {
+    "default": {
+        "BACKEND": "django.tasks.backends.immediate.ImmediateBackend"
+        if importlib.util.find_spec("django.tasks")
+        else "django_tasks.backends.immediate.ImmediateBackend"
+    },
+    **({"db": {"BACKEND": "django_tasks_db.DatabaseBackend"}} if TASKS_DB_BACKEND else {}),
+}
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
