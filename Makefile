@@ -42,10 +42,10 @@ demo: venv
 	$(PY) manage.py run_demo $(DEMO_ARGS)
 
 # The Django 6 leg needs Python >= 3.12; without one (and outside CI) it is
-# reported as not run. tests/matrix.py decides which database legs run.
+# reported as not run. tests/support/matrix.py decides which database legs run.
 test: venv
 	@if [ -n "$(PYTHON_DJ6)" ]; then $(MAKE) --no-print-directory $(VENV_DJ6)/.installed; fi
-	$(PY) tests/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) $(MATRIX_ARGS)
+	$(PY) tests/support/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) $(MATRIX_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -22,8 +22,8 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from tests.services import ROOT
-from tests.test_shop_browser import CHROMIUM, LAUNCH_ARGS, require_chromium
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium
+from tests.support.services import ROOT
 
 APP_INDEX = "/admin/idempotent_orders/"
 SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "admin-attention.png"

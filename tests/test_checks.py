@@ -13,7 +13,7 @@ from django.core import checks
 from django.test import override_settings
 
 from idempotent_orders import checks as io_checks
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 
 pytestmark = pytest.mark.django_db
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from django.urls import include, path
 
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from idempotent_orders.idempotent import idempotent
 from idempotent_orders.models import Outcome, ProcessedMessage
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 try:
     from django.tasks import Task, task

@@ -12,8 +12,8 @@ from django.db import connection
 
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from tests import http_urls
-from tests.services import free_port, unavailable, wait_until
-from tests.test_http_live import request, session_cookie, together
+from tests.support.http import request, session_cookie, together
+from tests.support.services import free_port, unavailable, wait_until
 
 pytestmark = [
     pytest.mark.backends("postgresql", "mysql"),

@@ -13,7 +13,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from hypothesis import HealthCheck, settings
 
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 try:
     import schemathesis

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 from typing import Any
 
@@ -11,35 +9,9 @@ import pytest
 
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
-from tests.services import unavailable
-
-CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
-LAUNCH_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium
 
 pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
-
-
-def require_chromium() -> Any:
-    """Playwright's sync API, or skip (fail in CI) with the reason."""
-    missing = []
-    if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        missing.append(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    try:
-        from playwright import sync_api
-    except ImportError:
-        missing.append("Playwright is not installed (pip install -e '.[test]')")
-        sync_api = None
-    if missing:
-        unavailable("; ".join(missing), required="the browser test is required")
-    return sync_api
 
 
 def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: Any) -> None:
