@@ -190,7 +190,7 @@ def test_stats_command_counts_outcomes_and_layers(make_order, redis_server, caps
     consume_message(msg, consumer="payments")
     consume_message(msg, consumer="payments")
     consume_message(shipment(order, "delivered", seq=3), consumer="shipping")
-    call_command("stats", "--json")
+    call_command("idempotent_orders_stats", "--json")
     import json
 
     counts = json.loads(capsys.readouterr().out)
@@ -199,7 +199,7 @@ def test_stats_command_counts_outcomes_and_layers(make_order, redis_server, caps
     assert counts["outcome:parked"] == 1
     assert counts["layer:bloom-negative"] == 2
     assert counts["layer:redis-hit"] == 1
-    call_command("stats", "--reset")
+    call_command("idempotent_orders_stats", "--reset")
     assert stats.read() == {}
 
 
