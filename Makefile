@@ -11,7 +11,9 @@ VENV_DJ6 ?= .venv-dj6
 # mysqlclient compiles against libmariadb; install it where the headers are.
 HAVE_MARIADB_HEADERS := $(shell pkg-config --exists libmariadb 2>/dev/null && echo yes || (command -v mariadb_config >/dev/null && echo yes))
 comma := ,
-EXTRAS := test,postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
+EXTRAS := postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
+# Development tools come from pyproject's [dependency-groups] (pip >= 25.1).
+GROUPS := --group dev
 
 .PHONY: help venv demo test lint typecheck format clean
 
@@ -24,7 +26,7 @@ help:
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" $(GROUPS)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -33,7 +35,7 @@ $(VENV_DJ6)/.installed: pyproject.toml
 	@test -n "$(PYTHON_DJ6)" || { echo "no Python >= 3.12 found for the Django 6 leg"; exit 1; }
 	test -x $(VENV_DJ6)/bin/python || $(PYTHON_DJ6) -m venv $(VENV_DJ6)
 	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" "Django>=6.0"
+	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" $(GROUPS) "Django>=6.0"
 	touch $@
 
 demo: venv

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.http_urls")]
 @pytest.fixture(autouse=True)
 def _needs_ninja() -> None:
     if not hasattr(http_urls, "ninja_api"):
-        unavailable("django-ninja is not installed", hint="pip install -e '.[test]'")
+        unavailable("django-ninja is not installed", hint="pip install --group test")
     http_urls.RUNS.clear()
 
 

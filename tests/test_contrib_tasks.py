@@ -44,7 +44,7 @@ def _tasks(settings: Any) -> None:
     if task is None:
         unavailable(
             "neither django.tasks nor django-tasks is installed",
-            hint="Django 6, or pip install -e '.[test]'",
+            hint="Django 6, or pip install --group test",
         )
     for ran in RAN.values():
         ran.clear()

@@ -30,7 +30,7 @@ def asgi_server(transactional_db: None) -> Iterator[str]:
     try:
         import uvicorn
     except ImportError:
-        unavailable("uvicorn is not installed", hint="pip install -e '.[test]'")
+        unavailable("uvicorn is not installed", hint="pip install --group test")
     from django.core.asgi import get_asgi_application
 
     port = free_port()
@@ -138,7 +138,7 @@ def test_heartbeat_keeps_a_slow_async_view_from_running_twice(
 
 def test_concurrent_identical_requests_run_an_async_ninja_operation_once(asgi_server: str) -> None:
     if not hasattr(http_urls, "ninja_api"):
-        unavailable("django-ninja is not installed", hint="pip install -e '.[test]'")
+        unavailable("django-ninja is not installed", hint="pip install --group test")
     cookie = session_cookie("alice")
     path = "/t/ninja/athings?sleep=0.2"
     results = together(

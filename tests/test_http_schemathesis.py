@@ -39,7 +39,7 @@ def _schema() -> Any:
 if schemathesis is None:
 
     def test_schemathesis() -> None:
-        unavailable("schemathesis is not installed", hint="pip install -e '.[test]'")
+        unavailable("schemathesis is not installed", hint="pip install --group test")
 
 else:
     CHECKS = [

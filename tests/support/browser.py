@@ -28,7 +28,7 @@ def require_chromium() -> Any:
     try:
         from playwright import sync_api
     except ImportError:
-        missing.append("Playwright is not installed (pip install -e '.[test]')")
+        missing.append("Playwright is not installed (pip install --group test)")
         sync_api = None
     if missing:
         unavailable("; ".join(missing), required="the browser test is required")
