@@ -56,6 +56,7 @@ KNOWN_NAMES = {
     "REDIS_URL",
     # Make variables, WSGI request keys, SQL, test-suite constants.
     "DEMO_ARGS",
+    "DEMO_WEB_ADDR",
     "HTTP_HOST",
     "HTTP_IDEMPOTENCY_KEY",
     "GET_LOCK",

@@ -9,9 +9,13 @@ import pytest
 
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
-from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
+
+#: The shop with a basket filled in; docs/img/shop.png is a copy.
+SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "shop.png"
 
 
 def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: Any) -> None:
@@ -31,7 +35,8 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
             try:
-                page = browser.new_page()
+                page = browser.new_page(viewport={"width": 960, "height": 560})
+                page.route("**/static/**", serve_static)
                 page.on(
                     "request",
                     lambda r: posts.append(r.url) if r.method == "POST" else None,
@@ -39,6 +44,12 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
                 page.goto(f"{live_server.url}/shop/")
                 page.fill("#qty-tea-longjing", "2")
                 page.fill("#qty-cup-celadon", "1")
+                # The shop wears its own stylesheet (demo_project/static, no CDN).
+                masthead = "getComputedStyle(document.querySelector('.masthead')).backgroundColor"
+                assert page.evaluate(masthead) == "rgb(63, 107, 58)"
+                page.evaluate("document.activeElement.blur()")  # no focus ring in the picture
+                SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SCREENSHOT), full_page=True)
                 # A customer clicks "Place order", and clicks again while it loads.
                 # (A dblclick within one task is folded into one submission by
                 # Chromium itself; the second click must come once the first POST
@@ -68,3 +79,4 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
     assert len({key for key, _ in outcomes}) == 1
     assert sorted(outcome for _, outcome in outcomes) == ["executed", "redirected"], outcomes
     assert str(order.amount) == "221.50"
+    assert SCREENSHOT.stat().st_size > 10_000

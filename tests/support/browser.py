@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import mimetypes
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
-from tests.support.services import unavailable
+import django.contrib.admin
+
+from tests.support.services import ROOT, unavailable
 
 CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
 LAUNCH_ARGS = [
@@ -33,3 +37,23 @@ def require_chromium() -> Any:
     if missing:
         unavailable("; ".join(missing), required="the browser test is required")
     return sync_api
+
+
+#: Where the pages' static files are: the admin's and the demo shop's.
+STATIC_DIRS = [
+    Path(django.contrib.admin.__file__).parent / "static",
+    ROOT / "demo_project" / "static",
+]
+
+
+def serve_static(route: Any) -> None:
+    """A Playwright route handler serving ``/static/`` for the live server, which has no
+    static files app in the tests: the admin's CSS and JS, the shop's stylesheet."""
+    path = route.request.url.split("/static/", 1)[1].split("?", 1)[0]
+    for folder in STATIC_DIRS:
+        file = (folder / path).resolve()
+        if file.is_relative_to(folder) and file.is_file():
+            kind = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
+            route.fulfill(status=200, body=file.read_bytes(), headers={"Content-Type": kind})
+            return
+    route.fulfill(status=404, body="")
