@@ -11,12 +11,15 @@ VENV_DJ6 ?= .venv-dj6
 # mysqlclient compiles against libmariadb; install it where the headers are.
 HAVE_MARIADB_HEADERS := $(shell pkg-config --exists libmariadb 2>/dev/null && echo yes || (command -v mariadb_config >/dev/null && echo yes))
 comma := ,
-EXTRAS := test,postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
+EXTRAS := postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
+# Development tools come from pyproject's [dependency-groups] (pip >= 25.1).
+GROUPS := --group dev
 
-.PHONY: help venv demo test lint typecheck format clean
+.PHONY: help venv demo demo-web test lint typecheck format clean
 
 help:
 	@echo "make demo   run the demo on the embedded default (SQLite + filesystem broker)"
+	@echo "make demo-web  the demo shop at http://127.0.0.1:8000/shop/ with a Celery worker (Ctrl-C stops both)"
 	@echo "make test   run the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x"
 	@echo "make lint   ruff + mypy"
 	@echo "make docs   build the documentation site (MkDocs, --strict) into build/site/"
@@ -24,7 +27,7 @@ help:
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" $(GROUPS)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -33,7 +36,7 @@ $(VENV_DJ6)/.installed: pyproject.toml
 	@test -n "$(PYTHON_DJ6)" || { echo "no Python >= 3.12 found for the Django 6 leg"; exit 1; }
 	test -x $(VENV_DJ6)/bin/python || $(PYTHON_DJ6) -m venv $(VENV_DJ6)
 	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" "Django>=6.0"
+	$(VENV_DJ6)/bin/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" $(GROUPS) "Django>=6.0"
 	touch $@
 
 demo: venv
@@ -41,11 +44,24 @@ demo: venv
 	$(PY) manage.py migrate -v0
 	$(PY) manage.py run_demo $(DEMO_ARGS)
 
+# The shop to click through: runserver and one Celery worker (with beat: the reconciler)
+# on the same embedded default as `make demo`, kept in .demo/ between runs. Ctrl-C stops
+# the server; the trap then stops the worker (a background job ignores Ctrl-C itself).
+DEMO_WEB_ADDR ?= 127.0.0.1:8000
+
+demo-web: venv
+	$(PY) manage.py migrate -v0
+	$(PY) -m celery -A demo_project worker --beat --schedule .demo/celerybeat-schedule \
+		--concurrency 2 --loglevel warning & worker=$$!; \
+	trap 'kill -TERM $$worker 2>/dev/null; wait $$worker' EXIT INT TERM; \
+	echo "the shop: http://$(DEMO_WEB_ADDR)/shop/  (Ctrl-C stops the server and the worker)"; \
+	$(PY) manage.py runserver $(DEMO_WEB_ADDR)
+
 # The Django 6 leg needs Python >= 3.12; without one (and outside CI) it is
-# reported as not run. tests/matrix.py decides which database legs run.
+# reported as not run. tests/support/matrix.py decides which database legs run.
 test: venv
 	@if [ -n "$(PYTHON_DJ6)" ]; then $(MAKE) --no-print-directory $(VENV_DJ6)/.installed; fi
-	$(PY) tests/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) $(MATRIX_ARGS)
+	$(PY) tests/support/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) $(MATRIX_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -17,8 +17,9 @@ class IdempotentOrdersConfig(AppConfig):
         connect()  # Prometheus metrics, when prometheus-client is installed
         _register_built_in_types()
 
-        from idempotent_orders import fulfilment, transitions
+        from idempotent_orders import fulfilment, leases, transitions
 
+        leases.register_step(fulfilment.STEP)
         transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
 
 

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from idempotent_orders.conf import DEFAULTS
+from idempotent_orders.conf import DEFAULTS, Settings
+
+
+def setting_type(name: str) -> type:
+    """The type ``conf`` reads setting ``name`` as: its typed property's return annotation."""
+    hint = get_type_hints(getattr(Settings, name).fget)["return"]
+    return get_origin(hint) or hint
+
+
+def accepts(name: str, value: Any) -> bool:
+    """Whether ``value`` has the type of setting ``name`` (a float setting takes an int too)."""
+    expected = setting_type(name)
+    if isinstance(value, bool) and expected is not bool:
+        return False
+    if expected is float:
+        return isinstance(value, int | float)
+    return isinstance(value, expected)
 
 
 @register(Tags.compatibility)
@@ -32,11 +48,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
             continue
-        expected = type(DEFAULTS[name])
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        if not accepts(name, value):
             errors.append(
                 Error(
-                    f"settings.IDEMPOTENT_ORDERS[{name!r}] must be {expected.__name__}, "
+                    f"settings.IDEMPOTENT_ORDERS[{name!r}] must be {setting_type(name).__name__}, "
                     f"got {type(value).__name__}.",
                     id="idempotent_orders.E003",
                 )
@@ -218,9 +233,7 @@ def _well_typed(name: str) -> bool:
     user = _user_settings()
     if name not in user:
         return True
-    expected = type(DEFAULTS[name])
-    value = user[name]
-    return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    return accepts(name, user[name])
 
 
 @register(Tags.compatibility)

@@ -144,10 +144,10 @@ class CallInProgress(IdempotentOrdersError):
     Transient: retry later (a Celery task can list it in ``autoretry_for``).
     """
 
-    default_code = "call_in_progress"
+    default_code = "call-in-progress"
 
 
 class CallFailed(IdempotentOrdersError):
     """An ``@idempotent(external=True)`` call was marked failed for an operator."""
 
-    default_code = "call_failed"
+    default_code = "call-failed"

@@ -202,7 +202,8 @@ def _held(lease: Lease) -> bool:
     ).exists()
 
 
-STEP = leases.register_step(FulfilmentStep())
+#: The fulfilment step; the app registers it for its consumer in ``ready()``.
+STEP = FulfilmentStep()
 
 
 class QueueFulfilment:

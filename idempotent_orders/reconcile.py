@@ -17,7 +17,7 @@ from datetime import datetime
 from django.db import connection, transaction
 from django.utils import timezone
 
-from idempotent_orders import fulfilment, leases
+from idempotent_orders import leases
 from idempotent_orders.conf import conf
 from idempotent_orders.idempotent import load_step
 from idempotent_orders.leases import Lease, StepResult
@@ -27,9 +27,6 @@ from idempotent_orders.signals import message_reconciled
 __all__ = ["ReconcileReport", "complete_if_verified", "reconcile", "reconcile_row", "retry"]
 
 logger = logging.getLogger("idempotent_orders")
-
-# Imported for its side effect: it registers the fulfilment step.
-_FULFILMENT = fulfilment.STEP
 
 
 @dataclass

@@ -1,9 +1,9 @@
-# `make docs`: installs the docs extra into the venv (once per pyproject change) and builds
-# the site into build/site/. --strict turns every MkDocs warning (broken link, bad anchor,
-# docstring trouble) into a failure; the generated parts come from docs/gen/hooks.py.
+# `make docs`: installs the docs dependency group into the venv (once per pyproject change)
+# and builds the site into build/site/. --strict turns every MkDocs warning (broken link,
+# bad anchor, docstring trouble) into a failure; the generated parts come from docs/gen/hooks.py.
 
 $(VENV)/.docs-installed: $(VENV)/.installed
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[docs]'
+	$(PY) -m pip install -q --disable-pip-version-check --group docs
 	touch $@
 
 .PHONY: docs

@@ -1,25 +1,26 @@
-"""Shared fixtures: orders, message builders, service requirements and real Celery workers."""
+"""Shared fixtures (orders, real Celery workers, a fresh fast path) and collection rules."""
 
 from __future__ import annotations
 
-import itertools
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
-from django.conf import settings
 
 from idempotent_orders import get_order_model
-from idempotent_orders.models import AbstractOrder
-from tests.services import IN_CI as IN_CI
-from tests.services import ROOT as ROOT
-from tests.services import Workers, reset_broker_pools, unavailable, worker_env
-from tests.services import wait_until as wait_until
+
+# Tests import their helpers from tests.support; these names stay importable from here for
+# code written before it existed (bench/ reads BROKERS and service_reachable).
+from tests.support.messages import payment as payment
+from tests.support.messages import shipment as shipment
+from tests.support.services import BROKERS, Workers, require_service, reset_broker_pools, worker_env
+from tests.support.services import IN_CI as IN_CI
+from tests.support.services import ROOT as ROOT
+from tests.support.services import service_reachable as service_reachable
+from tests.support.services import wait_until as wait_until
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,7 +38,7 @@ def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool |
 
     The order model is chosen once per process (as the user model is), so the
     suite for a project's own model runs in its own pytest process
-    (``DJANGO_SETTINGS_MODULE=tests.settings_swapped``; tests/matrix.py runs both).
+    (``DJANGO_SETTINGS_MODULE=tests.settings_swapped``; tests/support/matrix.py runs both).
     """
     from idempotent_orders.conf import DEFAULT_ORDER_MODEL, order_model_label
 
@@ -65,30 +66,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
-def service_reachable(url: str, timeout: float = 1.0) -> bool:
-    parts = urlsplit(url)
-    default_port = {"redis": 6379, "amqp": 5672, "postgres": 5432, "mysql": 3306}.get(
-        parts.scheme, 0
-    )
-    try:
-        with socket.create_connection(
-            (parts.hostname or "127.0.0.1", parts.port or default_port), timeout
-        ):
-            return True
-    except OSError:
-        return False
-
-
-def require_service(name: str, url: str) -> None:
-    """Fail in CI, skip elsewhere, when a service the test needs is unreachable."""
-    if service_reachable(url):
-        return
-    unavailable(f"{name} is not reachable at {url}", hint="start it to run this test")
-
-
-_counter = itertools.count(1)
-
-
 @pytest.fixture
 def make_order() -> Callable[..., Any]:
     """Factory of orders of the configured order model (``shop.Order`` in the swapped suite)."""
@@ -100,53 +77,6 @@ def make_order() -> Callable[..., Any]:
         return get_order_model()._default_manager.create(**kwargs)
 
     return make
-
-
-def payment(
-    order: AbstractOrder, *, message_id: str | None = None, seq: int | None = None, **payload: Any
-) -> dict[str, Any]:
-    body = {
-        "payment_id": f"pay-{order.pk}",
-        "amount": str(order.amount),
-        "currency": order.currency,
-    }
-    body.update(payload)
-    msg: dict[str, Any] = {
-        "message_id": message_id or f"pay-msg-{order.pk}-{next(_counter)}",
-        "type": "payment.succeeded",
-        "order_id": order.pk,
-        "payload": body,
-    }
-    if seq is not None:
-        msg["seq"] = seq
-    return msg
-
-
-def shipment(
-    order: AbstractOrder,
-    kind: str = "dispatched",
-    *,
-    message_id: str | None = None,
-    seq: int | None = None,
-    **payload: Any,
-) -> dict[str, Any]:
-    body = {"tracking_number": f"TRK{order.pk}", "carrier": "sf-express"}
-    body.update(payload)
-    msg: dict[str, Any] = {
-        "message_id": message_id or f"ship-{kind}-{order.pk}-{next(_counter)}",
-        "type": f"shipment.{kind}",
-        "order_id": order.pk,
-        "payload": body,
-    }
-    if seq is not None:
-        msg["seq"] = seq
-    return msg
-
-
-BROKERS = {
-    "redis": lambda: settings.REDIS_URL.rsplit("/", 1)[0] + "/1",
-    "rabbitmq": lambda: settings.RABBITMQ_URL,
-}
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message
 from idempotent_orders.transitions import apply_transition
-from tests.conftest import payment
+from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import mimetypes
 import re
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import django.contrib.admin
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
@@ -22,12 +19,11 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from tests.services import ROOT
-from tests.test_shop_browser import CHROMIUM, LAUNCH_ARGS, require_chromium
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
+from tests.support.services import ROOT
 
 APP_INDEX = "/admin/idempotent_orders/"
 SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "admin-attention.png"
-ADMIN_STATIC = Path(django.contrib.admin.__file__).parent / "static"
 
 
 def prepare() -> dict[str, set[str]]:
@@ -125,17 +121,6 @@ def test_dashboard_shows_only_what_the_user_may_view() -> None:
     assert 'id="attention-stuck"' not in html
 
 
-def serve_admin_static(route: Any) -> None:
-    """Admin CSS and JS for the live server, which has no static files app in the tests."""
-    path = route.request.url.split("/static/", 1)[1].split("?", 1)[0]
-    file = (ADMIN_STATIC / path).resolve()
-    if not file.is_relative_to(ADMIN_STATIC) or not file.is_file():
-        route.fulfill(status=404, body="")
-        return
-    kind = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
-    route.fulfill(status=200, body=file.read_bytes(), headers={"Content-Type": kind})
-
-
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.services
 def test_dashboard_in_headless_chromium(live_server: Any, settings: Any) -> None:
@@ -148,7 +133,7 @@ def test_dashboard_in_headless_chromium(live_server: Any, settings: Any) -> None
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.route("**/static/**", serve_admin_static)
+            page.route("**/static/**", serve_static)
             page.goto(f"{live_server.url}/admin/login/?next={APP_INDEX}")
             page.fill("#id_username", "operator")
             page.fill("#id_password", "operator-pw")

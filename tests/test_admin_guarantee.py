@@ -34,7 +34,8 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message
-from tests.conftest import payment, shipment, wait_until
+from tests.support.messages import payment, shipment
+from tests.support.services import wait_until
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus

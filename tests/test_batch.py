@@ -21,7 +21,8 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
-from tests.conftest import payment, require_service, shipment, wait_until
+from tests.support.messages import payment, shipment
+from tests.support.services import require_service, wait_until
 
 S = OrderStatus
 A, D, P, R, ST = (

@@ -13,7 +13,8 @@ from django.core import checks
 from django.test import override_settings
 
 from idempotent_orders import checks as io_checks
-from tests.conftest import ROOT
+from idempotent_orders.conf import DEFAULTS, Settings, conf
+from tests.support.services import ROOT
 
 pytestmark = pytest.mark.django_db
 
@@ -62,6 +63,23 @@ def test_silent_on_the_demo_settings(tmp_path) -> None:
 )
 def test_setting_checks_fire(io, expected) -> None:
     assert expected in ids(**io)
+
+
+def test_every_setting_has_one_typed_accessor_its_default_fits() -> None:
+    accessors = {name for name, value in vars(Settings).items() if isinstance(value, property)}
+    assert accessors == set(DEFAULTS)
+    for name, default in DEFAULTS.items():
+        assert io_checks.accepts(name, default), name
+
+
+def test_a_setting_is_checked_against_the_type_conf_reads() -> None:
+    # conf reads the lease as a float: a fractional lease is fine (it was E003 when the
+    # check took the default's type, int).
+    assert ids(LEASE_SECONDS=0.5, HEARTBEAT_SECONDS=0.2) == set()
+    with override_settings(IDEMPOTENT_ORDERS={"LEASE_SECONDS": 0.5}):
+        assert conf.LEASE_SECONDS == 0.5
+    assert ids(KEY_TTL=1.5) == {"idempotent_orders.E003"}
+    assert ids(LEASE_SECONDS=True) >= {"idempotent_orders.E003"}
 
 
 def test_retention_shorter_than_the_visibility_timeout() -> None:

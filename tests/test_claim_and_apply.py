@@ -13,7 +13,7 @@ from django_fsm.signals import post_transition
 from idempotent_orders import services, statements
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
-from tests.conftest import payment, shipment
+from tests.support.messages import payment, shipment
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("postgresql")]
 

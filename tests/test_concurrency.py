@@ -17,7 +17,8 @@ from django.db import close_old_connections, connection
 
 from idempotent_orders.models import Order, OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.services import consume_message
-from tests.conftest import ROOT, payment, shipment
+from tests.support.messages import payment, shipment
+from tests.support.services import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -131,7 +132,7 @@ def test_processes_race_on_the_same_messages(make_order, tmp_path) -> None:
         path.write_text(json.dumps(deliveries))
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.consume_in_process", str(path)],
+                [sys.executable, "-m", "tests.support.consume_in_process", str(path)],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,

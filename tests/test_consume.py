@@ -16,7 +16,7 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import message_consumed, order_transitioned
-from tests.conftest import payment, shipment
+from tests.support.messages import payment, shipment
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus

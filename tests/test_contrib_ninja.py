@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from tests import http_urls
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.http_urls")]
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.http_urls")]
 @pytest.fixture(autouse=True)
 def _needs_ninja() -> None:
     if not hasattr(http_urls, "ninja_api"):
-        unavailable("django-ninja is not installed", hint="pip install -e '.[test]'")
+        unavailable("django-ninja is not installed", hint="pip install --group test")
     http_urls.RUNS.clear()
 
 
@@ -66,7 +66,7 @@ def test_under_atomic_requests_copies_wait_for_the_first(
     # commits with the request: copies wait for it and get its replay.
     from django.db import connection
 
-    from tests.test_http_live import request, session_cookie, together
+    from tests.support.http import request, session_cookie, together
 
     monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
     cookie = session_cookie("bob")

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from django.urls import include, path
 
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def spectacular_schema(settings: Any) -> dict[str, Any]:
 
         import idempotent_orders.contrib.spectacular  # noqa: F401  (registers the extension)
     except ImportError:
-        unavailable("drf-spectacular is not installed", hint="pip install -e '.[test]'")
+        unavailable("drf-spectacular is not installed", hint="pip install --group test")
     from tests.http_urls import DrfCounter, router
 
     settings.REST_FRAMEWORK = {"DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema"}

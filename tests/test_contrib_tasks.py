@@ -16,7 +16,7 @@ from django.db.models import F
 from idempotent_orders import get_order_model
 from idempotent_orders.idempotent import idempotent
 from idempotent_orders.models import Outcome, ProcessedMessage
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def _tasks(settings: Any) -> None:
     if task is None:
         unavailable(
             "neither django.tasks nor django-tasks is installed",
-            hint="Django 6, or pip install -e '.[test]'",
+            hint="Django 6, or pip install --group test",
         )
     for ran in RAN.values():
         ran.clear()

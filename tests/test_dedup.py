@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.management import call_command
@@ -22,8 +23,8 @@ from idempotent_orders.dedup.bloom import BloomLayer, stable_hash
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.services import consume_message, surface_overdue_parked
 from idempotent_orders.signals import dedup_answered, parked_overdue
-from tests.conftest import ROOT, payment, shipment
-from tests.services import RedisServer, private_redis_settings
+from tests.support.messages import payment, shipment
+from tests.support.services import ROOT, RedisServer, private_redis_settings
 
 S = OrderStatus
 
@@ -84,8 +85,13 @@ def test_bloom_rotates_buckets_out_of_the_window() -> None:
         assert bloom.might_contain("payments", "new")
         assert not bloom.might_contain("shipping", "new")
         assert bloom.bucket_count() == 2
-    with settings_with(DEDUP_WINDOW=60, DEDUP_BLOOM_BUCKET_SECONDS=3600):
-        bloom._rotate(now + 3 * 3600)
+    # Three hours later, with a one-minute window, every bucket has left it.
+    later = now + 3 * 3600
+    with (
+        settings_with(DEDUP_WINDOW=60, DEDUP_BLOOM_BUCKET_SECONDS=3600),
+        mock.patch("time.time", return_value=later),
+    ):
+        assert not bloom.might_contain("payments", "new")
         assert bloom.bucket_count() == 0
 
 
@@ -184,7 +190,7 @@ def test_stats_command_counts_outcomes_and_layers(make_order, redis_server, caps
     consume_message(msg, consumer="payments")
     consume_message(msg, consumer="payments")
     consume_message(shipment(order, "delivered", seq=3), consumer="shipping")
-    call_command("stats", "--json")
+    call_command("idempotent_orders_stats", "--json")
     import json
 
     counts = json.loads(capsys.readouterr().out)
@@ -193,7 +199,7 @@ def test_stats_command_counts_outcomes_and_layers(make_order, redis_server, caps
     assert counts["outcome:parked"] == 1
     assert counts["layer:bloom-negative"] == 2
     assert counts["layer:redis-hit"] == 1
-    call_command("stats", "--reset")
+    call_command("idempotent_orders_stats", "--reset")
     assert stats.read() == {}
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.workers, pytest.mark.backends("sqlite")]
 

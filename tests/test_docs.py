@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+from idempotent_orders.checks import setting_type
 from idempotent_orders.conf import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,7 @@ KNOWN_NAMES = {
     "REDIS_URL",
     # Make variables, WSGI request keys, SQL, test-suite constants.
     "DEMO_ARGS",
+    "DEMO_WEB_ADDR",
     "HTTP_HOST",
     "HTTP_IDEMPOTENCY_KEY",
     "GET_LOCK",
@@ -102,6 +104,8 @@ def test_settings_reference_has_every_default_with_its_value() -> None:
     for d in docs:
         assert d.value == DEFAULTS[d.name], d.name
         assert d.comment or d.described_by, f"{d.name} has no description"
+        assert d.type == setting_type(d.name).__name__ or d.type.startswith("list["), d.name
+    assert {d.name: d.type for d in docs}["LEASE_SECONDS"] == "float"
     table = reference.settings_table(docs)
     for name in DEFAULTS:
         assert f">{name}</code>" in table, name
@@ -143,6 +147,9 @@ def test_reference_pages_carry_their_generated_parts() -> None:
     assert "picking --> packed: pack" in own
     assert ">LEASE_SECONDS</code>" in rendered(DOCS / "reference" / "settings.md")
     assert ">E081</code>" in rendered(DOCS / "reference" / "checks.md")
+    operations = rendered(DOCS / "operations.md")
+    assert "| `manage.py idempotent_orders_stats` | Show how many messages" in operations
+    assert "| `manage.py reconcile_orders` |" in operations
 
 
 def test_an_unknown_marker_fails_the_build() -> None:

@@ -22,7 +22,8 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message
-from tests.conftest import payment, require_service, shipment
+from tests.support.messages import payment, shipment
+from tests.support.services import require_service
 
 
 class Crash(Exception):

@@ -17,7 +17,7 @@ from idempotent_orders.leases import Lease, StepResult, Verdict
 from idempotent_orders.models import InboxStatus, Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import lease_finished, message_reconciled
-from tests.conftest import payment, shipment
+from tests.support.messages import payment, shipment
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus

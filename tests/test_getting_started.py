@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from tests.conftest import ROOT, require_service
+from tests.support.services import ROOT, require_service
 
 pytestmark = pytest.mark.backends("postgresql")  # the page's reference setup; one leg
 

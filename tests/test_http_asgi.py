@@ -12,8 +12,8 @@ from django.db import connection
 
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from tests import http_urls
-from tests.services import free_port, unavailable, wait_until
-from tests.test_http_live import request, session_cookie, together
+from tests.support.http import request, session_cookie, together
+from tests.support.services import free_port, unavailable, wait_until
 
 pytestmark = [
     pytest.mark.backends("postgresql", "mysql"),
@@ -30,7 +30,7 @@ def asgi_server(transactional_db: None) -> Iterator[str]:
     try:
         import uvicorn
     except ImportError:
-        unavailable("uvicorn is not installed", hint="pip install -e '.[test]'")
+        unavailable("uvicorn is not installed", hint="pip install --group test")
     from django.core.asgi import get_asgi_application
 
     port = free_port()
@@ -138,7 +138,7 @@ def test_heartbeat_keeps_a_slow_async_view_from_running_twice(
 
 def test_concurrent_identical_requests_run_an_async_ninja_operation_once(asgi_server: str) -> None:
     if not hasattr(http_urls, "ninja_api"):
-        unavailable("django-ninja is not installed", hint="pip install -e '.[test]'")
+        unavailable("django-ninja is not installed", hint="pip install --group test")
     cookie = session_cookie("alice")
     path = "/t/ninja/athings?sleep=0.2"
     results = together(

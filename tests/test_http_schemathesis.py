@@ -13,7 +13,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from hypothesis import HealthCheck, settings
 
-from tests.services import unavailable
+from tests.support.services import unavailable
 
 try:
     import schemathesis
@@ -39,7 +39,7 @@ def _schema() -> Any:
 if schemathesis is None:
 
     def test_schemathesis() -> None:
-        unavailable("schemathesis is not installed", hint="pip install -e '.[test]'")
+        unavailable("schemathesis is not installed", hint="pip install --group test")
 
 else:
     CHECKS = [

@@ -16,7 +16,7 @@ from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.idempotent import idempotent
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import message_consumed
-from tests.conftest import wait_until
+from tests.support.services import wait_until
 
 calls: list[Any] = []
 

@@ -19,7 +19,8 @@ from idempotent_orders.leases import StepResult
 from idempotent_orders.models import InboxStatus, Order, OrderStatus, ProcessedMessage
 from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import fulfil_order
-from tests.conftest import ROOT, payment, wait_until
+from tests.support.messages import payment
+from tests.support.services import ROOT, wait_until
 
 S = OrderStatus
 LEASE = 3

@@ -14,7 +14,7 @@ from django_redis import get_redis_connection
 from demo_project.models import LoyaltyAccount
 from idempotent_orders.exceptions import LockLost, LockNotAcquired, LockUnavailable
 from idempotent_orders.locks import FencedLock, fenced_update, locked
-from tests.conftest import require_service, wait_until
+from tests.support.services import require_service, wait_until
 
 
 @pytest.fixture

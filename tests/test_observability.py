@@ -14,7 +14,7 @@ from idempotent_orders import reconcile
 from idempotent_orders.fulfilment import fulfil
 from idempotent_orders.observability import JsonFormatter, record_layer_hit
 from idempotent_orders.services import consume_message
-from tests.conftest import payment
+from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db
 

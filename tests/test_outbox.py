@@ -25,8 +25,7 @@ from demo_project.tasks import award_points
 from idempotent_orders.models import OutboxMessage, OutboxStatus, ProcessedMessage
 from idempotent_orders.outbox import outbox_stats, publish_on_commit, purge_outbox, relay_outbox
 from idempotent_orders.signals import outbox_relayed
-from tests.conftest import ROOT, wait_until
-from tests.services import kill_group
+from tests.support.services import ROOT, kill_group, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -232,7 +231,7 @@ def test_killed_relay_loses_nothing_and_consumers_apply_each_id_once(
     # The relay publishes 5 rows of its batch, then stalls before marking them; kill it there.
     marker = tmp_path / "stalled"
     relay = subprocess.Popen(
-        [sys.executable, "-m", "tests.outbox_crash_relay", "5", str(marker)],
+        [sys.executable, "-m", "tests.support.outbox_crash_relay", "5", str(marker)],
         cwd=ROOT,
         env=workers.env,
         start_new_session=True,

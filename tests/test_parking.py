@@ -11,8 +11,8 @@ from django.db import connection
 from idempotent_orders import services
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage
 from idempotent_orders.services import consume_message
-from tests.conftest import payment, shipment
-from tests.services import RedisServer, private_redis_settings
+from tests.support.messages import payment, shipment
+from tests.support.services import RedisServer, private_redis_settings
 
 
 @pytest.mark.backends("postgresql")

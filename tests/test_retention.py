@@ -12,7 +12,7 @@ from idempotent_orders import leases
 from idempotent_orders.models import InboxStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.retention import purge
 from idempotent_orders.services import consume_message
-from tests.conftest import payment
+from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 from typing import Any
 
@@ -11,35 +9,13 @@ import pytest
 
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
-from tests.services import unavailable
-
-CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
-LAUNCH_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
 
-
-def require_chromium() -> Any:
-    """Playwright's sync API, or skip (fail in CI) with the reason."""
-    missing = []
-    if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        missing.append(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    try:
-        from playwright import sync_api
-    except ImportError:
-        missing.append("Playwright is not installed (pip install -e '.[test]')")
-        sync_api = None
-    if missing:
-        unavailable("; ".join(missing), required="the browser test is required")
-    return sync_api
+#: The shop with a basket filled in; docs/img/shop.png is a copy.
+SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "shop.png"
 
 
 def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: Any) -> None:
@@ -59,7 +35,8 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
             try:
-                page = browser.new_page()
+                page = browser.new_page(viewport={"width": 960, "height": 560})
+                page.route("**/static/**", serve_static)
                 page.on(
                     "request",
                     lambda r: posts.append(r.url) if r.method == "POST" else None,
@@ -67,6 +44,12 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
                 page.goto(f"{live_server.url}/shop/")
                 page.fill("#qty-tea-longjing", "2")
                 page.fill("#qty-cup-celadon", "1")
+                # The shop wears its own stylesheet (demo_project/static, no CDN).
+                masthead = "getComputedStyle(document.querySelector('.masthead')).backgroundColor"
+                assert page.evaluate(masthead) == "rgb(63, 107, 58)"
+                page.evaluate("document.activeElement.blur()")  # no focus ring in the picture
+                SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SCREENSHOT), full_page=True)
                 # A customer clicks "Place order", and clicks again while it loads.
                 # (A dblclick within one task is folded into one submission by
                 # Chromium itself; the second click must come once the first POST
@@ -96,3 +79,4 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
     assert len({key for key, _ in outcomes}) == 1
     assert sorted(outcome for _, outcome in outcomes) == ["executed", "redirected"], outcomes
     assert str(order.amount) == "221.50"
+    assert SCREENSHOT.stat().st_size > 10_000

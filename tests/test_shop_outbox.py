@@ -13,7 +13,7 @@ from django.test import Client
 from demo_project.tasks import award_points
 from idempotent_orders.http.forms import FORM_FIELD
 from idempotent_orders.models import Order, OutboxMessage, OutboxStatus
-from tests.test_http_live import together
+from tests.support.http import together
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import publish
-from tests.conftest import payment, shipment, wait_until
-from tests.services import RedisServer, private_redis_settings
+from tests.support.messages import payment, shipment
+from tests.support.services import RedisServer, private_redis_settings, wait_until
 
 pytestmark = [pytest.mark.backends("postgresql"), pytest.mark.services]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 
 pytestmark = pytest.mark.backends("sqlite")  # its own database files; one leg is enough
 

@@ -9,7 +9,8 @@ import pytest
 
 from idempotent_orders.models import Order, OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.tasks import consume_payment, publish
-from tests.conftest import payment, shipment, wait_until
+from tests.support.messages import payment, shipment
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.workers, pytest.mark.backends("postgresql")]
 

@@ -5,7 +5,8 @@ A page asks for a generated part with a marker line:
 - ``<!-- gen:settings -->``: the settings table, from ``idempotent_orders/conf.py``;
 - ``<!-- gen:checks -->``: the system check table, from ``idempotent_orders/checks.py``;
 - ``<!-- gen:graph app_label.Model -->``: the model's state graph as Mermaid, by the
-  ``idempotent_orders_graph`` management command's own function.
+  ``idempotent_orders_graph`` management command's own function;
+- ``<!-- gen:commands -->``: the app's management commands with their help text.
 
 An unknown marker fails the build.
 """
@@ -74,6 +75,19 @@ def _graph(label: str | None) -> str:
     return "```mermaid\n" + render(resolve_model(label), "mermaid") + "```\n"
 
 
+def _commands() -> str:
+    from django.core.management import find_commands, load_command_class
+
+    import idempotent_orders
+
+    folder = Path(idempotent_orders.__file__).parent / "management"
+    rows = ["| command | what it does |", "|---|---|"]
+    for name in sorted(find_commands(str(folder))):
+        help_text = " ".join(str(load_command_class("idempotent_orders", name).help).split())
+        rows.append(f"| `manage.py {name}` | " + help_text.replace("|", "\\|") + " |")
+    return "\n".join(rows) + "\n"
+
+
 def _replace(match: re.Match[str]) -> str:
     reference = _reference()
     kind, arg = match["kind"], match["arg"]
@@ -83,6 +97,8 @@ def _replace(match: re.Match[str]) -> str:
         return reference.checks_table()
     if kind == "graph":
         return _graph(arg)
+    if kind == "commands" and arg is None:
+        return _commands()
     raise ValueError(f"unknown generated part: {match.group(0)}")
 
 

@@ -1,5 +1,8 @@
 """Reference tables generated from the source: settings (conf.py) and system checks (checks.py).
 
+A setting's type is its ``Settings`` property's return annotation, the type the
+system check E003 holds a configured value to.
+
 Both are read with ``ast``/``tokenize`` rather than imported, so the
 descriptions are the comments and message texts as written in the code.
 Used by the MkDocs hook (``docs/gen/hooks.py``) and by ``tests/test_docs.py``.
@@ -27,6 +30,7 @@ class SettingDoc:
     value: object  # the evaluated default
     comment: str  # the comment block directly above the key ("" when none)
     described_by: str  # the key whose comment describes this one (itself when it has one)
+    type: str = ""  # what conf reads it as: the return annotation of its Settings property
 
 
 #: Marks a run-time value inside a message text (an f-string field): ``OPEN expr CLOSE``.
@@ -73,6 +77,15 @@ def settings_docs(path: Path = CONF) -> list[SettingDoc]:
                 target = node.value
     if target is None:
         raise LookupError(f"no DEFAULTS dict literal in {path}")
+    types = {
+        fn.name: ast.unparse(fn.returns)
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "Settings"
+        for fn in node.body
+        if isinstance(fn, ast.FunctionDef)
+        and fn.returns is not None
+        and any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list)
+    }
     docs: list[SettingDoc] = []
     leader = ""
     for key, value in zip(target.keys, target.values, strict=True):
@@ -93,6 +106,7 @@ def settings_docs(path: Path = CONF) -> list[SettingDoc]:
                 value=ast.literal_eval(_folded(value)),
                 comment=comment,
                 described_by=leader,
+                type=types.get(key.value, ""),
             )
         )
     return docs
@@ -197,7 +211,7 @@ def _code(text: str) -> str:
 def settings_table(docs: list[SettingDoc] | None = None) -> str:
     """The settings reference as a Markdown table."""
     docs = settings_docs() if docs is None else docs
-    rows = ["| key | default | description |", "|---|---|---|"]
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
     for d in docs:
         default = _code(d.default)
         if isinstance(d.value, int | float) and d.default != repr(d.value):
@@ -209,7 +223,8 @@ def settings_table(docs: list[SettingDoc] | None = None) -> str:
         else:
             text = ""
         rows.append(
-            f"| <code class='io-key' id='{d.name.lower()}'>{d.name}</code> | {default} | {text} |"
+            f"| <code class='io-key' id='{d.name.lower()}'>{d.name}</code> | {_code(d.type)} "
+            f"| {default} | {text} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponseBase
 
-from idempotent_orders.http.decorators import Policy, _guarded
+from idempotent_orders.http.decorators import Policy, guard
 from idempotent_orders.http.keys import UNSAFE_METHODS, default_principal, header_key
 
 __all__ = ["IdempotentAPIViewMixin"]
@@ -31,7 +31,7 @@ class IdempotentAPIViewMixin:
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         # A ViewSet's as_view takes the router's {method: action} map first.
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
-        guarded = _guarded(view, Policy(required=cls.idempotency_required), header_key)
+        guarded = guard(view, Policy(required=cls.idempotency_required), header_key)
 
         @functools.wraps(guarded)
         def with_drf_principal(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:

@@ -58,11 +58,21 @@ KeyOf = Callable[[HttpRequest], str | None]
 
 
 @dataclass(frozen=True)
+class FormRules:
+    """What changes for a token-protected form (see :mod:`idempotent_orders.http.forms`)."""
+
+    #: The request's fingerprint from its parsed fields (a form's body may be streamed).
+    fingerprint: Callable[[HttpRequest], str]
+    #: The answer to a second submit of a completed token: where the first one went.
+    redirect: Callable[[IdempotencyKey], HttpResponseBase]
+
+
+@dataclass(frozen=True)
 class Policy:
-    """How a view treats keys: required or optional, header or form token."""
+    """How a view treats keys: required or optional; a header key, or a form's token."""
 
     required: bool = True
-    form: bool = False
+    form: FormRules | None = None
 
 
 @dataclass
@@ -90,7 +100,7 @@ def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
             # A form's fields were parsed already (maybe streamed: multipart), so
             # the limit is checked on the declared length and the fields hashed.
             check_length(request)
-            fp = _form_fp(request)
+            fp = policy.form.fingerprint(request)
         else:
             fp = fingerprint(request, read_body(request))
         outcome = claim(
@@ -99,7 +109,7 @@ def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
             method=request.method or "",
             route=request.path,
             fingerprint=fp,
-            is_form=policy.form,
+            is_form=policy.form is not None,
         )
     except IdempotencyError as exc:
         if key is not None and policy.form and isinstance(exc, KeyInFlight):
@@ -114,12 +124,6 @@ def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
     return _Start(key, held=outcome)
 
 
-def _form_fp(request: HttpRequest) -> str:
-    from idempotent_orders.http.forms import form_fingerprint
-
-    return form_fingerprint(request)
-
-
 def _announce(request: HttpRequest, key: str, outcome: str) -> None:
     idempotent_request.send(sender=IdempotencyKey, request=request, key=key, outcome=outcome)
 
@@ -128,10 +132,8 @@ def _answer_completed(
     request: HttpRequest, key: str, row: IdempotencyKey, policy: Policy
 ) -> HttpResponseBase:
     if policy.form:
-        from idempotent_orders.http.forms import redirect_to_result
-
         _announce(request, key, "redirected")
-        return redirect_to_result(row)
+        return policy.form.redirect(row)
     _announce(request, key, "replayed")
     return replay(row)
 
@@ -276,8 +278,10 @@ async def _aexecute(
     return response
 
 
-def _guarded(view: View, policy: Policy, key_of: KeyOf) -> View:
-    """``view`` running once per key under ``policy``; async if ``view`` is."""
+def guard(view: View, policy: Policy, key_of: KeyOf) -> View:
+    """``view`` running once per key under ``policy``, the key read by ``key_of``; async if
+    ``view`` is. What :func:`idempotent_view`, the mixins, the form decorator and the
+    DRF integration are built on."""
     wrapper: View
     if iscoroutinefunction(view):
 
@@ -327,7 +331,7 @@ def idempotent_view(view: V | None = None, *, required: bool = True) -> Any:
     """
 
     def decorate(func: V) -> V:
-        guarded: Any = _guarded(func, Policy(required=required), header_key)
+        guarded: Any = guard(func, Policy(required=required), header_key)
         return guarded
 
     return decorate(view) if view is not None else decorate
@@ -341,4 +345,4 @@ class IdempotentMixin:
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
-        return _guarded(view, Policy(required=cls.idempotency_required), header_key)
+        return guard(view, Policy(required=cls.idempotency_required), header_key)

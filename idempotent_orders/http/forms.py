@@ -21,7 +21,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from idempotent_orders.exceptions import KeyInvalid
-from idempotent_orders.http.decorators import Policy, _guarded
+from idempotent_orders.http.decorators import FormRules, Policy, guard
 from idempotent_orders.http.keys import HEADER, parse_key, replay
 from idempotent_orders.models import IdempotencyKey
 
@@ -74,9 +74,15 @@ def redirect_to_result(row: IdempotencyKey) -> HttpResponseBase:
     return response
 
 
+#: A form's token is required; a second submit is answered with the first one's redirect.
+FORM_POLICY = Policy(
+    required=True, form=FormRules(fingerprint=form_fingerprint, redirect=redirect_to_result)
+)
+
+
 def idempotent_form(view: Any) -> Any:
     """Decorate a view that handles a token-protected form (see the module docstring)."""
-    return _guarded(view, Policy(required=True, form=True), form_key)
+    return guard(view, FORM_POLICY, form_key)
 
 
 class IdempotentFormMixin:
@@ -85,4 +91,4 @@ class IdempotentFormMixin:
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
-        return _guarded(view, Policy(required=True, form=True), form_key)
+        return guard(view, FORM_POLICY, form_key)

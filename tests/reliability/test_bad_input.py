@@ -18,9 +18,9 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message
-from tests.chaos import Planned, build_stream, check_invariants, make_orders
-from tests.conftest import wait_until
-from tests.reliability.corpus import BadCase, corpus
+from tests.support.chaos import Planned, build_stream, check_invariants, make_orders
+from tests.support.corpus import BadCase, corpus
+from tests.support.services import wait_until
 
 S = OrderStatus
 

@@ -13,15 +13,14 @@ import pytest
 from celery import current_app
 from django.conf import settings
 
-from tests.chaos import (
-    ChaosContext,
-    build_stream,
-    make_orders,
-    rabbitmq_restart,
-    run_chaos,
+from tests.support.chaos import ChaosContext, build_stream, make_orders, rabbitmq_restart, run_chaos
+from tests.support.services import (
+    RedisServer,
+    Workers,
+    require_service,
+    reset_broker_pools,
+    worker_env,
 )
-from tests.conftest import require_service
-from tests.services import RedisServer, Workers, reset_broker_pools, worker_env
 
 pytestmark = [
     pytest.mark.backends("postgresql"),

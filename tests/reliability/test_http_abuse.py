@@ -21,7 +21,7 @@ from django.contrib.auth import get_user_model
 
 from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
-from tests.test_http_live import request, session_cookie
+from tests.support.http import request, session_cookie
 
 pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
 

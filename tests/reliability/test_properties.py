@@ -33,7 +33,7 @@ from idempotent_orders.models import (
 from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import fulfilment_message
 from idempotent_orders.transitions import TransitionStatus, classify
-from tests.chaos import Planned, check_invariants, lifecycle, make_orders
+from tests.support.chaos import Planned, check_invariants, lifecycle, make_orders
 
 
 class Crash(Exception):

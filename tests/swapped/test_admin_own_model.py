@@ -36,8 +36,8 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.models import Order as DefaultOrder
 from idempotent_orders.services import consume_message
-from tests.conftest import payment, shipment
 from tests.shop.models import Order, Phase
+from tests.support.messages import payment, shipment
 
 pytestmark = pytest.mark.django_db
 

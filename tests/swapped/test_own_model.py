@@ -34,8 +34,9 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message, create_order
 from idempotent_orders.tasks import publish
-from tests.conftest import payment, shipment, wait_until
 from tests.shop.models import Order, Phase
+from tests.support.messages import payment, shipment
+from tests.support.services import wait_until
 
 A, D, P, R, ST = (
     Outcome.APPLIED,

@@ -1,33 +1,20 @@
-"""``manage.py stats``: counters of consume outcomes and dedup layers."""
+"""Deprecated name of ``manage.py idempotent_orders_stats`` (removed in 0.3)."""
 
 from __future__ import annotations
 
-import json
+import warnings
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from idempotent_orders.management.commands import idempotent_orders_stats
 
-from idempotent_orders import stats
+MESSAGE = "`manage.py stats` is deprecated; use `manage.py idempotent_orders_stats` (same options)."
 
 
-class Command(BaseCommand):
-    help = "Show how many messages ended in each outcome and which dedup layer answered."
-
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--json", action="store_true", help="print one JSON object")
-        parser.add_argument("--reset", action="store_true", help="zero the shared counters")
+class Command(idempotent_orders_stats.Command):
+    help = "Deprecated: use idempotent_orders_stats. " + idempotent_orders_stats.Command.help
 
     def handle(self, *args: Any, **options: Any) -> None:
-        stats.flush()
-        counts = stats.read()
-        if options["reset"]:
-            stats.reset(shared=True)
-        if options["json"]:
-            self.stdout.write(json.dumps(counts, sort_keys=True))
-            return
-        if not counts:
-            self.stdout.write("no counts yet")
-            return
-        width = max(len(name) for name in counts)
-        for name in sorted(counts):
-            self.stdout.write(f"{name:<{width}}  {counts[name]:>12}")
+        # The warning is for callers of call_command(); the line on stderr for people.
+        warnings.warn(MESSAGE, DeprecationWarning, stacklevel=2)
+        self.stderr.write(MESSAGE)
+        super().handle(*args, **options)

@@ -6,8 +6,8 @@ checked by the same :func:`check_invariants`:
 
 - :func:`build_stream` plans N orders' payment and shipping messages, 1-5
   copies each, shuffled, with or without per-order ``seq`` numbers;
-- :class:`tests.services.RedisServer` is a ``redis-server`` the test owns
-  (restart, FLUSHALL), :class:`tests.services.Workers` real Celery worker
+- :class:`tests.support.services.RedisServer` is a ``redis-server`` the test owns
+  (restart, FLUSHALL), :class:`tests.support.services.Workers` real Celery worker
   processes that can be SIGKILLed and restarted;
 - :data:`INJECTORS` maps a fault's name to a function that injects it;
 - :func:`run_chaos` publishes the stream in batches, fires the faults between
@@ -37,7 +37,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.reconcile import reconcile
-from tests.services import Workers, reset_broker_pools, wait_until
+from tests.support.services import Workers, reset_broker_pools, wait_until
 
 #: Outcomes a message may finally have: every message ends in one of these, never parked.
 FINAL_OUTCOMES = {Outcome.APPLIED, Outcome.DUPLICATE, Outcome.STALE, Outcome.REJECTED}

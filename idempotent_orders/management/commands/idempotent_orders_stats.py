@@ -1,0 +1,33 @@
+"""``manage.py idempotent_orders_stats``: counters of consume outcomes and dedup layers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from idempotent_orders import stats
+
+
+class Command(BaseCommand):
+    help = "Show how many messages ended in each outcome and which dedup layer answered."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+        parser.add_argument("--reset", action="store_true", help="zero the shared counters")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        stats.flush()
+        counts = stats.read()
+        if options["reset"]:
+            stats.reset(shared=True)
+        if options["json"]:
+            self.stdout.write(json.dumps(counts, sort_keys=True))
+            return
+        if not counts:
+            self.stdout.write("no counts yet")
+            return
+        width = max(len(name) for name in counts)
+        for name in sorted(counts):
+            self.stdout.write(f"{name:<{width}}  {counts[name]:>12}")

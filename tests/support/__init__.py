@@ -1,0 +1,1 @@
+"""Helpers the tests share: processes and services, message builders, harnesses and scripts."""
