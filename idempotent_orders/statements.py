@@ -1,39 +1,125 @@
-"""SQL the consumers write by hand: the inbox claim, and claim-and-apply in one statement.
+"""SQL the consumers write by hand: the order read, the inbox claim, and claim-and-apply.
 
-Both keep the inbox's unique index the only authority on duplicates.
+The claims keep the inbox's unique index the only authority on duplicates.
 :func:`insert_inbox_rows` is the batch path's multi-row ``INSERT ... ON
 CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB).
 :func:`claim_and_apply` is the single path's PostgreSQL statement for a
 message whose verdict is "apply": the inbox insert and the order's conditional
 UPDATE in one statement, committed on its own (one round trip instead of
-BEGIN, INSERT, UPDATE, COMMIT).
+BEGIN, INSERT, UPDATE, COMMIT). :func:`read_order` is the single path's read of
+the order: the ORM's own SQL, compiled once per model and database.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from django.db import DataError, connection
+from django.db import DataError, connection, connections
 from django.db.models import Field, Model
 from django.db.models.expressions import DatabaseDefault
+from django.db.models.manager import BaseManager
 
 from idempotent_orders.models import ProcessedMessage
 
-__all__ = ["ClaimConflict", "can_claim_and_apply", "claim_and_apply", "insert_inbox_rows"]
+__all__ = [
+    "ClaimConflict",
+    "can_claim_and_apply",
+    "claim_and_apply",
+    "insert_inbox_rows",
+    "read_order",
+]
 
 
 class ClaimConflict(Exception):
     """The message was claimed but the order had moved: nothing was written; decide again."""
 
 
-def _inbox_columns(row: ProcessedMessage) -> tuple[list[Field[Any, Any]], str]:
-    """The columns an inbox INSERT writes (all but the key and database defaults)."""
-    fields = [
+@dataclass(frozen=True)
+class _ReadPlan:
+    """The compiled ``SELECT`` of one order by primary key, and how to build the instance."""
+
+    sql: str
+    attnames: tuple[str, ...]
+    #: ``(position, converters, expression)`` of the columns that need converting.
+    converters: tuple[tuple[int, tuple[Any, ...], Any], ...]
+
+
+#: Read plans by (model, database alias); None where the ORM must read itself.
+_read_plans: dict[tuple[type[Model], str], _ReadPlan | None] = {}
+
+
+def _read_plan(model: type[Model], alias: str) -> _ReadPlan | None:
+    manager = model._default_manager
+    if type(manager).get_queryset is not BaseManager.get_queryset:
+        return None  # a manager that filters may do so differently on each call
+    try:
+        compiler = manager.using(alias).filter(pk=1).query.get_compiler(alias)
+        sql, params = compiler.as_sql()
+    except Exception:  # a primary key that 1 cannot stand for: let the ORM read
+        return None
+    select, klass_info = compiler.select, compiler.klass_info
+    if len(params) != 1 or not klass_info or compiler.annotation_col_map:
+        return None
+    start, end = klass_info["select_fields"][0], klass_info["select_fields"][-1] + 1
+    if (start, end) != (0, len(select)):
+        return None
+    converters = compiler.get_converters([col for col, _, _ in select])
+    return _ReadPlan(
+        sql=sql,
+        attnames=tuple(col.target.attname for col, _, _ in select),
+        converters=tuple((pos, tuple(c), expr) for pos, (c, expr) in converters.items()),
+    )
+
+
+def read_order(model: type[Model], pk: Any) -> Model | None:
+    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it.
+
+    The same SQL, compiled once per model and database instead of per message
+    (the compile costs more than the query). A default manager with its own
+    ``get_queryset`` is read through the ORM every time.
+    """
+    manager = model._default_manager
+    alias = manager.db
+    key = (model, alias)
+    try:
+        plan = _read_plans[key]
+    except KeyError:
+        plan = _read_plans[key] = _read_plan(model, alias)
+    if plan is None:
+        return manager.filter(pk=pk).first()
+    conn = connections[alias]
+    pk_field = model._meta.pk
+    assert pk_field is not None
+    with conn.cursor() as cursor:
+        cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    if plan.converters:
+        values = list(row)
+        for pos, functions, expression in plan.converters:
+            value = values[pos]
+            for function in functions:
+                value = function(value, expression, conn)
+            values[pos] = value
+        row = values
+    return model.from_db(alias, plan.attnames, row)
+
+
+def _inbox_fields(row: ProcessedMessage) -> list[Field[Any, Any]]:
+    """The fields an inbox INSERT writes (all but the key and database defaults)."""
+    return [
         f
         for f in ProcessedMessage._meta.concrete_fields
         if not f.primary_key and not isinstance(getattr(row, f.attname), DatabaseDefault)
     ]
+
+
+def _inbox_columns(row: ProcessedMessage) -> tuple[list[Field[Any, Any]], str]:
+    """The inbox INSERT's fields and its quoted column list."""
+    fields = _inbox_fields(row)
     qn = connection.ops.quote_name
     return fields, ", ".join(qn(str(f.column)) for f in fields)
 
@@ -107,6 +193,50 @@ def can_claim_and_apply() -> bool:
 _UNDO = "22012"
 
 
+_ClaimPlan = tuple[str, list["Field[Any, Any]"], list["Field[Any, Any]"]]
+#: The claim-and-apply statement by database, model and the columns it writes and tests.
+_claim_plans: dict[tuple[Any, ...], _ClaimPlan] = {}
+
+
+def _claim_plan(
+    meta: Any,
+    fields: list[Field[Any, Any]],
+    state_column: str,
+    values: Mapping[str, Any],
+    conditions: Mapping[str, Any],
+) -> _ClaimPlan:
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(str(f.column)) for f in fields)
+    inbox, _, _ = _names()
+    table = qn(meta.db_table)
+    pk_column = qn(str(meta.pk.column if meta.pk else "id"))
+    sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
+    value_fields: list[Field[Any, Any]] = []
+    for name in values:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        sets.append(f"{qn(str(field.column))} = %s")
+        value_fields.append(field)
+    where = [f"{pk_column} = %s", f"{qn(state_column)} = ANY(%s)", f"{qn('version')} = %s"]
+    condition_fields: list[Field[Any, Any]] = []
+    for name in conditions:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        where.append(f"{qn(str(field.column))} = %s")
+        condition_fields.append(field)
+    placeholder = ", ".join(["%s"] * len(fields))
+    sql = (
+        f"WITH claim AS (INSERT INTO {inbox} ({columns}) VALUES ({placeholder})"
+        f" {_on_conflict()} RETURNING 1),"
+        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
+        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
+        " SELECT (SELECT count(*) FROM claim),"
+        " CASE WHEN (SELECT count(*) FROM claim) = 1"
+        " THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END"
+    )
+    return sql, value_fields, condition_fields
+
+
 def claim_and_apply(
     row: ProcessedMessage,
     order: Model,
@@ -128,37 +258,31 @@ def claim_and_apply(
     :class:`ClaimConflict` asks the caller to read the order and decide again.
     A duplicate inserts nothing and updates nothing.
     """
-    qn = connection.ops.quote_name
-    fields, columns = _inbox_columns(row)
-    inbox, _, _ = _names()
+    fields = _inbox_fields(row)
     meta = order._meta
-    table = qn(meta.db_table)
-    pk_column = qn(str(meta.pk.column if meta.pk else "id"))
-    sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
-    set_params: list[Any] = [target]
-    for name, value in values.items():
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        sets.append(f"{qn(str(field.column))} = %s")
-        set_params.append(field.get_db_prep_save(value, connection))
-    where = [f"{pk_column} = %s", f"{qn(state_column)} = ANY(%s)", f"{qn('version')} = %s"]
-    where_params: list[Any] = [order.pk, list(sources), version]
-    for name, value in conditions.items():
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        where.append(f"{qn(str(field.column))} = %s")
-        where_params.append(field.get_db_prep_save(value, connection))
-    placeholder = ", ".join(["%s"] * len(fields))
-    sql = (
-        f"WITH claim AS (INSERT INTO {inbox} ({columns}) VALUES ({placeholder})"
-        f" {_on_conflict()} RETURNING 1),"
-        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
-        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
-        " SELECT (SELECT count(*) FROM claim),"
-        " CASE WHEN (SELECT count(*) FROM claim) = 1"
-        " THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END"
+    key = (
+        connection.alias,
+        type(order),
+        state_column,
+        tuple(f.attname for f in fields),
+        tuple(values),
+        tuple(conditions),
     )
-    params = [*_inbox_values(fields, row), *set_params, *where_params]
+    plan = _claim_plans.get(key)
+    if plan is None:
+        plan = _claim_plans[key] = _claim_plan(meta, fields, state_column, values, conditions)
+    sql, value_fields, condition_fields = plan
+    params = _inbox_values(fields, row)
+    params.append(target)
+    params.extend(
+        f.get_db_prep_save(v, connection)
+        for f, v in zip(value_fields, values.values(), strict=True)
+    )
+    params.extend((order.pk, list(sources), version))
+    params.extend(
+        f.get_db_prep_save(v, connection)
+        for f, v in zip(condition_fields, conditions.values(), strict=True)
+    )
     try:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
