@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, OperationalError, transaction
@@ -205,7 +205,7 @@ def _consume(
     order as last read (nothing when there is no order).
     """
     for _attempt in range(conf.CONFLICT_RETRIES):
-        order = read_order(get_order_model(), envelope.order_id)
+        order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
         if order is not None and waiting is not None:
             waiting[:] = [order.has_parked]
         if order is None:

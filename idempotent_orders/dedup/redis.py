@@ -101,7 +101,7 @@ class RedisLayer:
             from django_redis.client import DefaultClient
         except ImportError:  # pragma: no cover - the dedup cache is django-redis
             return None
-        client = getattr(cache, "client", None)
+        client: Any = getattr(cache, "client", None)
         if type(client) is not DefaultClient:
             return None
         return client.get_client(write=True).connection_pool
