@@ -25,8 +25,10 @@ from idempotent_orders.models import ProcessedMessage
 
 __all__ = [
     "ClaimConflict",
+    "build",
     "can_claim_and_apply",
     "claim_and_apply",
+    "compiled_read",
     "insert_inbox_rows",
     "read_order",
 ]
@@ -46,21 +48,24 @@ class _ReadPlan:
     converters: tuple[tuple[int, tuple[Any, ...], Any], ...]
 
 
-#: Read plans by (model, database alias); None where the ORM must read itself.
-_read_plans: dict[tuple[type[Model], str], _ReadPlan | None] = {}
+#: Read plans by (model, database alias, looked-up fields); None where the ORM must read.
+_read_plans: dict[tuple[type[Model], str, tuple[str, ...]], _ReadPlan | None] = {}
 
 
-def _read_plan(model: type[Model], alias: str) -> _ReadPlan | None:
+def _read_plan(model: type[Model], alias: str, lookups: tuple[str, ...]) -> _ReadPlan | None:
     manager = model._default_manager
     if type(manager).get_queryset is not BaseManager.get_queryset:
         return None  # a manager that filters may do so differently on each call
     try:
-        compiler = manager.using(alias).filter(pk=1).query.get_compiler(alias)
+        queryset = manager.using(alias).all()
+        for name in lookups:  # one filter() each: the parameters keep the lookups' order
+            queryset = queryset.filter(**{name: _sample(model, name)})
+        compiler = queryset.query.get_compiler(alias)
         sql, params = compiler.as_sql()
-    except Exception:  # a primary key that 1 cannot stand for: let the ORM read
+    except Exception:  # a field that the sample value cannot stand for: let the ORM read
         return None
     select, klass_info = compiler.select, compiler.klass_info
-    if len(params) != 1 or not klass_info or compiler.annotation_col_map:
+    if len(params) != len(lookups) or not klass_info or compiler.annotation_col_map:
         return None
     start, end = klass_info["select_fields"][0], klass_info["select_fields"][-1] + 1
     if (start, end) != (0, len(select)):
@@ -73,30 +78,42 @@ def _read_plan(model: type[Model], alias: str) -> _ReadPlan | None:
     )
 
 
-def read_order(model: type[Model], pk: Any) -> Model | None:
-    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it.
+def _sample(model: type[Model], name: str) -> Any:
+    field = model._meta.pk if name == "pk" else model._meta.get_field(name)
+    return 1 if field.get_internal_type() in _INTEGER_TYPES else "x"
 
-    The same SQL, compiled once per model and database instead of per message
-    (the compile costs more than the query). A default manager with its own
-    ``get_queryset`` is read through the ORM every time.
+
+_INTEGER_TYPES = {
+    "AutoField",
+    "BigAutoField",
+    "SmallAutoField",
+    "IntegerField",
+    "BigIntegerField",
+    "SmallIntegerField",
+    "PositiveIntegerField",
+    "PositiveBigIntegerField",
+    "PositiveSmallIntegerField",
+}
+
+
+def compiled_read(model: type[Model], *lookups: str) -> tuple[str, _ReadPlan | None]:
+    """The database alias of ``model``'s default manager and its compiled read by ``lookups``.
+
+    The plan is the SQL of ``model._default_manager.filter(<lookup>=...)``, compiled
+    once; None when the manager has its own ``get_queryset`` (read through the ORM).
     """
-    manager = model._default_manager
-    alias = manager.db
-    key = (model, alias)
+    alias = model._default_manager.db
+    key = (model, alias, lookups)
     try:
         plan = _read_plans[key]
     except KeyError:
-        plan = _read_plans[key] = _read_plan(model, alias)
-    if plan is None:
-        return manager.filter(pk=pk).first()
+        plan = _read_plans[key] = _read_plan(model, alias, lookups)
+    return alias, plan
+
+
+def build(model: type[Model], alias: str, plan: _ReadPlan, row: Sequence[Any]) -> Model:
+    """The instance ``plan``'s SELECT returned as ``row``, as the ORM would build it."""
     conn = connections[alias]
-    pk_field = model._meta.pk
-    assert pk_field is not None
-    with conn.cursor() as cursor:
-        cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
-        row = cursor.fetchone()
-    if row is None:
-        return None
     if plan.converters:
         values = list(row)
         for pos, functions, expression in plan.converters:
@@ -106,6 +123,25 @@ def read_order(model: type[Model], pk: Any) -> Model | None:
             values[pos] = value
         row = values
     return model.from_db(alias, plan.attnames, row)
+
+
+def read_order(model: type[Model], pk: Any) -> Model | None:
+    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it.
+
+    The same SQL, compiled once per model and database instead of per message
+    (the compile costs more than the query). A default manager with its own
+    ``get_queryset`` is read through the ORM every time.
+    """
+    alias, plan = compiled_read(model, "pk")
+    if plan is None:
+        return model._default_manager.filter(pk=pk).first()
+    conn = connections[alias]
+    pk_field = model._meta.pk
+    assert pk_field is not None
+    with conn.cursor() as cursor:
+        cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
+        row = cursor.fetchone()
+    return None if row is None else build(model, alias, plan, row)
 
 
 def _inbox_fields(row: ProcessedMessage) -> list[Field[Any, Any]]:
