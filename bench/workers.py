@@ -91,6 +91,9 @@ def run() -> list[Row]:
                     f"{what}: consume_payment",
                     fmt(consume),
                     f"{consume / noop:.0%} of the no-op task ({fmt(noop)})",
+                    figure=consume,
+                    baseline=noop,
+                    baseline_what=f"no-op task, {processes} proc",
                 )
             )
     del settings
