@@ -186,11 +186,26 @@ def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
     """Insert inbox rows, skipping ids already there; ``{message_id: pk}`` of the new ones."""
     fields, columns = _inbox_columns(rows[0])
     table, pk, message_id = _names()
+    returning = f"RETURNING {pk}, {message_id}"
+    if connection.vendor == "postgresql":
+        # One array per column: the statement text is the same for any number of
+        # rows, so the driver parses it once, not a placeholder per value per call.
+        arrays: list[list[Any]] = [[] for _ in fields]
+        for row in rows:
+            for array, value in zip(arrays, _inbox_values(fields, row), strict=True):
+                array.append(value)
+        unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+        sql = (
+            f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
+            f" {_on_conflict()} {returning}"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, arrays)
+            return {mid: pk_ for pk_, mid in cursor.fetchall()}
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
     params: list[Any] = []
     for row in rows:
         params.extend(_inbox_values(fields, row))
-    returning = f"RETURNING {pk}, {message_id}"
     if connection.vendor == "mysql":
         # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
         # is ignored in practice: ids longer than the column never get here.

@@ -158,6 +158,20 @@ def test_fast_path_keys_are_sent_without_waiting_and_replies_stay_in_step(redis_
     assert 600 < redis_server.ttl(redis_server.keys("*processed:payments:m-7")[0]) <= 660
 
 
+def test_a_batch_of_keys_goes_in_one_send_and_replies_stay_in_step(redis_server) -> None:
+    from django.core.cache import caches
+
+    dedup.reset()
+    ids = [f"b-{n}" for n in range(200)]
+    dedup.remember_many("payments", ids)
+    cache = caches["dedup"]
+    cache.set("other", "value")
+    assert cache.get("other") == "value"
+    assert all(dedup.redis.contains("payments", m) for m in ids)
+    assert all(dedup.bloom.might_contain("payments", m) for m in ids)
+    assert 600 < redis_server.ttl(redis_server.keys("*processed:payments:b-199")[0]) <= 660
+
+
 def test_a_server_refusing_client_reply_gets_a_plain_set() -> None:
     from django.core.cache import caches
 
@@ -167,8 +181,9 @@ def test_a_server_refusing_client_reply_gets_a_plain_set() -> None:
         with private_redis_settings(server.url):
             dedup.reset()
             dedup.remember("payments", "m-1")
-            dedup.remember("payments", "m-2")
+            dedup.remember_many("payments", ["m-2", "m-4"])
             assert list(dedup.redis._no_reply.values()) == [False]
+            assert dedup.redis.contains("payments", "m-4")
             cache = caches["dedup"]
             cache.set("other", "value")
             assert cache.get("other") == "value"

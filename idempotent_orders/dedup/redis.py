@@ -76,18 +76,32 @@ class RedisLayer:
         ttl = conf.DEDUP_WINDOW + conf.DEDUP_REDIS_TTL_MARGIN
         self._call("set", self._set, cache, _key(consumer, message_id), ttl)
 
+    def add_many(self, consumer: str, message_ids: list[str]) -> None:
+        """Set the keys of several messages in one send; only call after their commit."""
+        cache = self._cache()
+        ttl = conf.DEDUP_WINDOW + conf.DEDUP_REDIS_TTL_MARGIN
+        keys = [_key(consumer, m) for m in message_ids]
+        self._call("set", self._set_many, cache, keys, ttl)
+
     def _set(self, cache: Any, key: str, ttl: int) -> None:
+        self._set_many(cache, [key], ttl)
+
+    def _set_many(self, cache: Any, keys: list[str], ttl: int) -> None:
         pool = self._pool(cache)
         if pool is None or not self._takes_no_reply(pool):
-            cache.set(key, 1, timeout=ttl)
+            if len(keys) == 1:
+                cache.set(keys[0], 1, timeout=ttl)
+            else:
+                cache.set_many(dict.fromkeys(keys, 1), timeout=ttl)
             return
         # The value as django-redis stores an int (unserialised), so cache.get reads 1.
-        command = ("SET", cache.client.make_key(key), 1, "EX", int(ttl))
+        commands: list[tuple[Any, ...]] = []
+        for key in keys:
+            commands.append(("CLIENT", "REPLY", "SKIP"))
+            commands.append(("SET", cache.client.make_key(key), 1, "EX", int(ttl)))
         connection = pool.get_connection()
         try:
-            connection.send_packed_command(
-                connection.pack_commands([("CLIENT", "REPLY", "SKIP"), command])
-            )
+            connection.send_packed_command(connection.pack_commands(commands))
         except BaseException:
             connection.disconnect()  # nothing half-sent stays on a pooled connection
             raise
