@@ -28,6 +28,9 @@ IDEMPOTENCY_KEY = {
         "NAME": f"bench-idempotency-key-{TEST_DB_NAME}",  # noqa: F405
         "TIMEOUT": 5,
     },
+    # A replay answers with the stored status (its default answers a replay 409),
+    # as @idempotent and drf-idempotency do.
+    "CONFLICT_STATUS_CODE": None,
 }
 # drf-idempotency's default: the database backend (its own table).
 IDEMPOTENCY = {"BACKEND": "drf_idempotency.backends.database.DatabaseBackend"}
