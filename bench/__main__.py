@@ -1,4 +1,7 @@
-"""``python -m bench``: every section in one run, one table (``-k name`` runs some)."""
+"""``python -m bench``: every section in one run, one table (``python -m bench consumer http``
+runs some). Each run is appended to ``build/bench/results.jsonl``; ``--chart`` also
+writes ``docs/img/benchmarks.png`` (each figure beside its baseline).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +11,15 @@ import platform
 import sys
 import time
 
-from bench.common import Row, na, print_table, setup
+from bench.common import Row, chart, na, print_table, record, setup
 
-SECTIONS = ["consumer", "workers", "http", "naive", "celery_once_peer", "memory"]
+SECTIONS = ["consumer", "workers", "http", "http_server", "naive", "celery_once_peer", "memory"]
 
 
 def main(argv: list[str]) -> None:
-    chosen = [s for s in SECTIONS if not argv[1:] or s in argv[1:]]
+    flags = {a for a in argv[1:] if a.startswith("--")}
+    names = [a for a in argv[1:] if not a.startswith("--")]
+    chosen = [s for s in SECTIONS if not names or s in names]
     setup()
     rows: list[Row] = []
     start = time.monotonic()
@@ -25,12 +30,24 @@ def main(argv: list[str]) -> None:
         except Exception as exc:  # a section that cannot run says why, the others go on
             rows.append(na(name, "section failed", repr(exc)[:100]))
         print(f"[bench] {name}: {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
-    print(
-        f"\nidempotent_orders benchmarks, {time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores, "
+    elapsed = time.monotonic() - start
+    title = (
+        f"idempotent_orders benchmarks, {time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, PostgreSQL; medians of "
-        f"{os.environ.get('BENCH_RUNS', '3')} runs; {time.monotonic() - start:.0f}s\n"
+        f"{os.environ.get('BENCH_RUNS', '3')} runs; {elapsed:.0f}s"
     )
+    print(f"\n{title}\n")
     print_table(rows)
+    meta = {
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "sections": chosen,
+        "runs": int(os.environ.get("BENCH_RUNS", "3")),
+        "seconds": round(elapsed),
+        "load": os.getloadavg()[0],
+    }
+    print(f"\nappended to {record(rows, meta)}", file=sys.stderr)
+    if "--chart" in flags:
+        print(f"chart: {chart(rows, title)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

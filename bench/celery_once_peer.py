@@ -41,7 +41,7 @@ def _measure(url: str, variant: str) -> tuple[int, int]:
 
     from bench import tasks
     from idempotent_orders.models import Order
-    from tests.services import Workers, worker_env
+    from tests.support.services import Workers, worker_env
 
     queue = f"bench-once-{uuid.uuid4().hex[:8]}"
     counter = f"bench-once:{queue}"

@@ -24,6 +24,11 @@ class Row:
     what: str
     value: str
     note: str = ""
+    #: The measured figure as a number (a rate), for the results file and the chart.
+    figure: float | None = None
+    #: The baseline measured in the same run that ``figure`` is compared with, and its name.
+    baseline: float | None = None
+    baseline_what: str = ""
 
 
 def setup(fresh: bool = True) -> None:
@@ -107,3 +112,59 @@ def print_table(rows: list[Row]) -> None:
             f"| {r.section:<{widths[0]}} | {r.what:<{widths[1]}} | {r.value:>{widths[2]}} | {r.note} |"
         )
     sys.stdout.flush()
+
+
+#: Where each run's figures are appended (git-ignored), one JSON object per run.
+RESULTS = ROOT / "build" / "bench" / "results.jsonl"
+#: The chart ``python -m bench --chart`` writes (each figure beside its baseline).
+CHART = ROOT / "docs" / "img" / "benchmarks.png"
+
+
+def record(rows: list[Row], meta: dict[str, Any], path: Path = RESULTS) -> Path:
+    """Append this run's rows (with their numeric figures and baselines) to ``path``."""
+    import json
+    from dataclasses import asdict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps({**meta, "rows": [asdict(r) for r in rows]}) + "\n")
+    return path
+
+
+def chart(rows: list[Row], title: str, path: Path = CHART) -> Path | None:
+    """A PNG with one panel per compared figure: the figure beside its baseline."""
+    pairs = [r for r in rows if r.figure is not None and r.baseline is not None]
+    if not pairs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 3
+    lines = -(-len(pairs) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(4.2 * cols, 2.5 * lines), squeeze=False)
+    for ax, r in zip(axes.flat, pairs, strict=False):
+        assert r.figure is not None
+        assert r.baseline is not None
+        labels = [_wrap(r.baseline_what), _wrap(r.what)]
+        bars = ax.barh(labels, [r.baseline, r.figure], color=["#9e9e9e", "#1565c0"])
+        ax.bar_label(bars, labels=[fmt(r.baseline), fmt(r.figure)], padding=3, fontsize=8)
+        ax.set_title(f"{r.section}: {r.figure / r.baseline:.2f}x", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlim(0, max(r.baseline, r.figure) * 1.35)
+    for ax in list(axes.flat)[len(pairs) :]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _wrap(text: str, width: int = 26) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)) or text

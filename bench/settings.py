@@ -28,6 +28,18 @@ IDEMPOTENCY_KEY = {
         "NAME": f"bench-idempotency-key-{TEST_DB_NAME}",  # noqa: F405
         "TIMEOUT": 5,
     },
+    # A replay answers with the stored status (its default answers a replay 409),
+    # as @idempotent and drf-idempotency do.
+    "CONFLICT_STATUS_CODE": None,
 }
 # drf-idempotency's default: the database backend (its own table).
 IDEMPOTENCY = {"BACKEND": "drf_idempotency.backends.database.DatabaseBackend"}
+
+# The real-server HTTP bench (gunicorn, bench/http_server.py): the caller is named by a
+# header (no session queries), and django-idempotency-key's middleware is installed
+# for every variant alike (it only acts on the views its decorator marks).
+if os.environ.get("BENCH_HTTP_SERVER") == "1":
+    MIDDLEWARE = [
+        "bench.http_server.HeaderUserMiddleware",
+        "idempotency_key.middleware.ExemptIdempotencyKeyMiddleware",
+    ]

@@ -18,7 +18,7 @@ def _measure(broker: str, url: str, processes: int) -> tuple[float, float]:
 
     from idempotent_orders.models import ProcessedMessage
     from idempotent_orders.tasks import consume_payment
-    from tests.services import Workers, worker_env
+    from tests.support.services import Workers, worker_env
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     env = worker_env(broker_url=url, queue=queue, settings_module="bench.settings")
@@ -91,6 +91,9 @@ def run() -> list[Row]:
                     f"{what}: consume_payment",
                     fmt(consume),
                     f"{consume / noop:.0%} of the no-op task ({fmt(noop)})",
+                    figure=consume,
+                    baseline=noop,
+                    baseline_what=f"no-op task, {processes} proc",
                 )
             )
     del settings

@@ -179,8 +179,8 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             release_parked(order_id)
     # Remembered last, as the single path does: a worker that dies before this
     # point leaves no fast-path key, so the redelivery reaches the database.
-    for message_id in items:
-        dedup.remember_on_commit(consumer, message_id)
+    remembered = list(items)
+    transaction.on_commit(lambda: dedup.remember_many(consumer, remembered))
     return outcomes
 
 
@@ -470,36 +470,40 @@ def _update_orders_from_values(
     read_version: Mapping[int, int],
     names: list[str],
 ) -> None:
-    """PostgreSQL: the same conditional UPDATE as ``UPDATE ... FROM (VALUES ...)``.
+    """PostgreSQL: the same conditional UPDATE as ``UPDATE ... FROM unnest(<arrays>)``.
 
     NULL in a row means "unchanged", so a transition cannot write NULL on this
     path (the single path can); the built-in columns are never nullable.
 
     Building a CASE per column per order costs more in Python than the
-    statement costs the database; a VALUES list costs next to nothing.
+    statement costs the database; arrays cost next to nothing.
     """
     qn = connection.ops.quote_name
     fields = [_concrete(model, name) for name in names]
     columns = [str(f.column) for f in fields]
-    row = "(%s, %s, " + ", ".join("%s" for _ in fields) + ")"
-    params: list[Any] = []
+    # One array per column (unnest): the statement text does not grow with the
+    # number of orders, so the driver does not parse a placeholder per value.
+    ids: list[int] = []
+    versions: list[int] = []
+    arrays: list[list[Any]] = [[] for _ in fields]
     for pk, values in changed.items():
-        params += [pk, read_version[pk]]
-        params += [
-            f.get_db_prep_save(values[f.name], connection) if f.name in values else None
-            for f in fields
-        ]
+        ids.append(pk)
+        versions.append(read_version[pk])
+        for array, f in zip(arrays, fields, strict=True):
+            array.append(
+                f.get_db_prep_save(values[f.name], connection) if f.name in values else None
+            )
+    params: list[Any] = [ids, versions, *arrays]
     table = qn(model._meta.db_table)
     pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
     sets = ", ".join(f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})" for c in columns)
     aliases = ", ".join(qn("new_" + c) for c in columns)
-    # The first row carries the column types; later rows follow them.
-    types = {str(f.column): f.db_type(connection) for f in fields}
-    first = "(%s::bigint, %s::bigint, " + ", ".join(f"%s::{types[c]}" for c in columns) + ")"
-    values_sql = ", ".join([first] + [row] * (len(changed) - 1))
+    unnest = ", ".join(
+        ["%s::bigint[]", "%s::bigint[]"] + [f"%s::{f.db_type(connection)}[]" for f in fields]
+    )
     sql = (
         f"UPDATE {table} AS o SET {sets}"
-        f" FROM (VALUES {values_sql}) AS v(id, read_version, {aliases})"
+        f" FROM unnest({unnest}) AS v(id, read_version, {aliases})"
         f" WHERE o.{pk_column} = v.id AND o.{qn('version')} = v.read_version"
     )
     with connection.cursor() as cursor:

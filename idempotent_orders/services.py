@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, OperationalError, transaction
@@ -44,7 +44,12 @@ from idempotent_orders.signals import (
     message_released,
     parked_overdue,
 )
-from idempotent_orders.statements import ClaimConflict, can_claim_and_apply, claim_and_apply
+from idempotent_orders.statements import (
+    ClaimConflict,
+    can_claim_and_apply,
+    claim_and_apply,
+    read_order,
+)
 from idempotent_orders.transitions import (
     advance,
     apply_transition,
@@ -200,7 +205,7 @@ def _consume(
     order as last read (nothing when there is no order).
     """
     for _attempt in range(conf.CONFLICT_RETRIES):
-        order = get_order_model()._default_manager.filter(pk=envelope.order_id).first()
+        order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
         if order is not None and waiting is not None:
             waiting[:] = [order.has_parked]
         if order is None:

@@ -1,39 +1,161 @@
-"""SQL the consumers write by hand: the inbox claim, and claim-and-apply in one statement.
+"""SQL the consumers write by hand: the order read, the inbox claim, and claim-and-apply.
 
-Both keep the inbox's unique index the only authority on duplicates.
+The claims keep the inbox's unique index the only authority on duplicates.
 :func:`insert_inbox_rows` is the batch path's multi-row ``INSERT ... ON
 CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB).
 :func:`claim_and_apply` is the single path's PostgreSQL statement for a
 message whose verdict is "apply": the inbox insert and the order's conditional
 UPDATE in one statement, committed on its own (one round trip instead of
-BEGIN, INSERT, UPDATE, COMMIT).
+BEGIN, INSERT, UPDATE, COMMIT). :func:`read_order` is the single path's read of
+the order: the ORM's own SQL, compiled once per model and database.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from django.db import DataError, connection
+from django.db import DataError, connection, connections
 from django.db.models import Field, Model
 from django.db.models.expressions import DatabaseDefault
+from django.db.models.manager import BaseManager
 
 from idempotent_orders.models import ProcessedMessage
 
-__all__ = ["ClaimConflict", "can_claim_and_apply", "claim_and_apply", "insert_inbox_rows"]
+__all__ = [
+    "ClaimConflict",
+    "build",
+    "can_claim_and_apply",
+    "claim_and_apply",
+    "compiled_read",
+    "insert_inbox_rows",
+    "read_order",
+]
 
 
 class ClaimConflict(Exception):
     """The message was claimed but the order had moved: nothing was written; decide again."""
 
 
-def _inbox_columns(row: ProcessedMessage) -> tuple[list[Field[Any, Any]], str]:
-    """The columns an inbox INSERT writes (all but the key and database defaults)."""
-    fields = [
+@dataclass(frozen=True)
+class _ReadPlan:
+    """The compiled ``SELECT`` of one order by primary key, and how to build the instance."""
+
+    sql: str
+    attnames: tuple[str, ...]
+    #: ``(position, converters, expression)`` of the columns that need converting.
+    converters: tuple[tuple[int, tuple[Any, ...], Any], ...]
+
+
+#: Read plans by (model, database alias, looked-up fields); None where the ORM must read.
+_read_plans: dict[tuple[type[Model], str, tuple[str, ...]], _ReadPlan | None] = {}
+
+
+def _read_plan(model: type[Model], alias: str, lookups: tuple[str, ...]) -> _ReadPlan | None:
+    manager = model._default_manager
+    if type(manager).get_queryset is not BaseManager.get_queryset:
+        return None  # a manager that filters may do so differently on each call
+    try:
+        queryset = manager.using(alias).all()
+        for name in lookups:  # one filter() each: the parameters keep the lookups' order
+            queryset = queryset.filter(**{name: _sample(model, name)})
+        compiler = queryset.query.get_compiler(alias)
+        sql, params = compiler.as_sql()
+    except Exception:  # a field that the sample value cannot stand for: let the ORM read
+        return None
+    select, klass_info = compiler.select, compiler.klass_info
+    if len(params) != len(lookups) or not klass_info or compiler.annotation_col_map:
+        return None
+    start, end = klass_info["select_fields"][0], klass_info["select_fields"][-1] + 1
+    if (start, end) != (0, len(select)):
+        return None
+    converters = compiler.get_converters([col for col, _, _ in select])
+    return _ReadPlan(
+        sql=sql,
+        attnames=tuple(col.target.attname for col, _, _ in select),
+        converters=tuple((pos, tuple(c), expr) for pos, (c, expr) in converters.items()),
+    )
+
+
+def _sample(model: type[Model], name: str) -> Any:
+    field = model._meta.pk if name == "pk" else model._meta.get_field(name)
+    return 1 if field.get_internal_type() in _INTEGER_TYPES else "x"
+
+
+_INTEGER_TYPES = {
+    "AutoField",
+    "BigAutoField",
+    "SmallAutoField",
+    "IntegerField",
+    "BigIntegerField",
+    "SmallIntegerField",
+    "PositiveIntegerField",
+    "PositiveBigIntegerField",
+    "PositiveSmallIntegerField",
+}
+
+
+def compiled_read(model: type[Model], *lookups: str) -> tuple[str, _ReadPlan | None]:
+    """The database alias of ``model``'s default manager and its compiled read by ``lookups``.
+
+    The plan is the SQL of ``model._default_manager.filter(<lookup>=...)``, compiled
+    once; None when the manager has its own ``get_queryset`` (read through the ORM).
+    """
+    alias = model._default_manager.db
+    key = (model, alias, lookups)
+    try:
+        plan = _read_plans[key]
+    except KeyError:
+        plan = _read_plans[key] = _read_plan(model, alias, lookups)
+    return alias, plan
+
+
+def build(model: type[Model], alias: str, plan: _ReadPlan, row: Sequence[Any]) -> Model:
+    """The instance ``plan``'s SELECT returned as ``row``, as the ORM would build it."""
+    conn = connections[alias]
+    if plan.converters:
+        values = list(row)
+        for pos, functions, expression in plan.converters:
+            value = values[pos]
+            for function in functions:
+                value = function(value, expression, conn)
+            values[pos] = value
+        row = values
+    return model.from_db(alias, plan.attnames, row)
+
+
+def read_order(model: type[Model], pk: Any) -> Model | None:
+    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it.
+
+    The same SQL, compiled once per model and database instead of per message
+    (the compile costs more than the query). A default manager with its own
+    ``get_queryset`` is read through the ORM every time.
+    """
+    alias, plan = compiled_read(model, "pk")
+    if plan is None:
+        return model._default_manager.filter(pk=pk).first()
+    conn = connections[alias]
+    pk_field = model._meta.pk
+    assert pk_field is not None
+    with conn.cursor() as cursor:
+        cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
+        row = cursor.fetchone()
+    return None if row is None else build(model, alias, plan, row)
+
+
+def _inbox_fields(row: ProcessedMessage) -> list[Field[Any, Any]]:
+    """The fields an inbox INSERT writes (all but the key and database defaults)."""
+    return [
         f
         for f in ProcessedMessage._meta.concrete_fields
         if not f.primary_key and not isinstance(getattr(row, f.attname), DatabaseDefault)
     ]
+
+
+def _inbox_columns(row: ProcessedMessage) -> tuple[list[Field[Any, Any]], str]:
+    """The inbox INSERT's fields and its quoted column list."""
+    fields = _inbox_fields(row)
     qn = connection.ops.quote_name
     return fields, ", ".join(qn(str(f.column)) for f in fields)
 
@@ -64,11 +186,26 @@ def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
     """Insert inbox rows, skipping ids already there; ``{message_id: pk}`` of the new ones."""
     fields, columns = _inbox_columns(rows[0])
     table, pk, message_id = _names()
+    returning = f"RETURNING {pk}, {message_id}"
+    if connection.vendor == "postgresql":
+        # One array per column: the statement text is the same for any number of
+        # rows, so the driver parses it once, not a placeholder per value per call.
+        arrays: list[list[Any]] = [[] for _ in fields]
+        for row in rows:
+            for array, value in zip(arrays, _inbox_values(fields, row), strict=True):
+                array.append(value)
+        unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+        sql = (
+            f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
+            f" {_on_conflict()} {returning}"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, arrays)
+            return {mid: pk_ for pk_, mid in cursor.fetchall()}
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
     params: list[Any] = []
     for row in rows:
         params.extend(_inbox_values(fields, row))
-    returning = f"RETURNING {pk}, {message_id}"
     if connection.vendor == "mysql":
         # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
         # is ignored in practice: ids longer than the column never get here.
@@ -107,6 +244,50 @@ def can_claim_and_apply() -> bool:
 _UNDO = "22012"
 
 
+_ClaimPlan = tuple[str, list["Field[Any, Any]"], list["Field[Any, Any]"]]
+#: The claim-and-apply statement by database, model and the columns it writes and tests.
+_claim_plans: dict[tuple[Any, ...], _ClaimPlan] = {}
+
+
+def _claim_plan(
+    meta: Any,
+    fields: list[Field[Any, Any]],
+    state_column: str,
+    values: Mapping[str, Any],
+    conditions: Mapping[str, Any],
+) -> _ClaimPlan:
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(str(f.column)) for f in fields)
+    inbox, _, _ = _names()
+    table = qn(meta.db_table)
+    pk_column = qn(str(meta.pk.column if meta.pk else "id"))
+    sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
+    value_fields: list[Field[Any, Any]] = []
+    for name in values:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        sets.append(f"{qn(str(field.column))} = %s")
+        value_fields.append(field)
+    where = [f"{pk_column} = %s", f"{qn(state_column)} = ANY(%s)", f"{qn('version')} = %s"]
+    condition_fields: list[Field[Any, Any]] = []
+    for name in conditions:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        where.append(f"{qn(str(field.column))} = %s")
+        condition_fields.append(field)
+    placeholder = ", ".join(["%s"] * len(fields))
+    sql = (
+        f"WITH claim AS (INSERT INTO {inbox} ({columns}) VALUES ({placeholder})"
+        f" {_on_conflict()} RETURNING 1),"
+        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
+        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
+        " SELECT (SELECT count(*) FROM claim),"
+        " CASE WHEN (SELECT count(*) FROM claim) = 1"
+        " THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END"
+    )
+    return sql, value_fields, condition_fields
+
+
 def claim_and_apply(
     row: ProcessedMessage,
     order: Model,
@@ -128,37 +309,31 @@ def claim_and_apply(
     :class:`ClaimConflict` asks the caller to read the order and decide again.
     A duplicate inserts nothing and updates nothing.
     """
-    qn = connection.ops.quote_name
-    fields, columns = _inbox_columns(row)
-    inbox, _, _ = _names()
+    fields = _inbox_fields(row)
     meta = order._meta
-    table = qn(meta.db_table)
-    pk_column = qn(str(meta.pk.column if meta.pk else "id"))
-    sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
-    set_params: list[Any] = [target]
-    for name, value in values.items():
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        sets.append(f"{qn(str(field.column))} = %s")
-        set_params.append(field.get_db_prep_save(value, connection))
-    where = [f"{pk_column} = %s", f"{qn(state_column)} = ANY(%s)", f"{qn('version')} = %s"]
-    where_params: list[Any] = [order.pk, list(sources), version]
-    for name, value in conditions.items():
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        where.append(f"{qn(str(field.column))} = %s")
-        where_params.append(field.get_db_prep_save(value, connection))
-    placeholder = ", ".join(["%s"] * len(fields))
-    sql = (
-        f"WITH claim AS (INSERT INTO {inbox} ({columns}) VALUES ({placeholder})"
-        f" {_on_conflict()} RETURNING 1),"
-        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
-        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
-        " SELECT (SELECT count(*) FROM claim),"
-        " CASE WHEN (SELECT count(*) FROM claim) = 1"
-        " THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END"
+    key = (
+        connection.alias,
+        type(order),
+        state_column,
+        tuple(f.attname for f in fields),
+        tuple(values),
+        tuple(conditions),
     )
-    params = [*_inbox_values(fields, row), *set_params, *where_params]
+    plan = _claim_plans.get(key)
+    if plan is None:
+        plan = _claim_plans[key] = _claim_plan(meta, fields, state_column, values, conditions)
+    sql, value_fields, condition_fields = plan
+    params = _inbox_values(fields, row)
+    params.append(target)
+    params.extend(
+        f.get_db_prep_save(v, connection)
+        for f, v in zip(value_fields, values.values(), strict=True)
+    )
+    params.extend((order.pk, list(sources), version))
+    params.extend(
+        f.get_db_prep_save(v, connection)
+        for f, v in zip(condition_fields, conditions.values(), strict=True)
+    )
     try:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)

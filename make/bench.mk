@@ -1,9 +1,14 @@
 # `make bench`: installs the benchmark dependency group and prints one table (under 10 minutes).
-# Needs PostgreSQL, Redis and RabbitMQ as for the tests; uses its own database BENCH_DB_NAME.
+# Needs PostgreSQL, Redis and RabbitMQ as for the tests, and wrk (Debian) for the
+# real-server HTTP section (reported n/a without it); uses its own database BENCH_DB_NAME.
+# Each run is appended to build/bench/results.jsonl; BENCH_ARGS=--chart also writes
+# docs/img/benchmarks.png. BENCH_ARGS may name sections: BENCH_ARGS="consumer http".
 BENCH_PY ?= $(PY)
 BENCH_DB_NAME ?= bench_idempotent_orders
+BENCH_ARGS ?=
 
 .PHONY: bench
 bench: venv
 	$(BENCH_PY) -m pip install -q -e '.[postgres]' --group test --group bench
-	BENCH_DB_NAME=$(BENCH_DB_NAME) IO_TEST_NAMESPACE=$(BENCH_DB_NAME) $(BENCH_PY) -m bench
+	@command -v wrk >/dev/null || echo "wrk not found: the real-server HTTP section will say n/a (apt-get install wrk)"
+	BENCH_DB_NAME=$(BENCH_DB_NAME) IO_TEST_NAMESPACE=$(BENCH_DB_NAME) $(BENCH_PY) -m bench $(BENCH_ARGS)

@@ -149,6 +149,58 @@ def test_redis_hit_answers_without_the_database(make_order, redis_server, layers
     assert 600 < ttl <= 660  # DEDUP_WINDOW + DEDUP_REDIS_TTL_MARGIN in tests/settings
 
 
+def test_fast_path_keys_are_sent_without_waiting_and_replies_stay_in_step(redis_server) -> None:
+    from django.core.cache import caches
+
+    dedup.reset()
+    for n in range(50):
+        dedup.remember("payments", f"m-{n}")
+    assert list(dedup.redis._no_reply.values()) == [True]  # CLIENT REPLY SKIP was taken
+    cache = caches["dedup"]
+    cache.set("other", "value")  # a reply left unread on the pool would answer this get
+    assert cache.get("other") == "value"
+    assert all(dedup.redis.contains("payments", f"m-{n}") for n in range(50))
+    assert not dedup.redis.contains("payments", "never")
+    assert 600 < redis_server.ttl(redis_server.keys("*processed:payments:m-7")[0]) <= 660
+
+
+def test_a_batch_of_keys_goes_in_one_send_and_replies_stay_in_step(redis_server) -> None:
+    from django.core.cache import caches
+
+    dedup.reset()
+    ids = [f"b-{n}" for n in range(200)]
+    dedup.remember_many("payments", ids)
+    cache = caches["dedup"]
+    cache.set("other", "value")
+    assert cache.get("other") == "value"
+    assert all(dedup.redis.contains("payments", m) for m in ids)
+    assert all(dedup.bloom.might_contain("payments", m) for m in ids)
+    assert 600 < redis_server.ttl(redis_server.keys("*processed:payments:b-199")[0]) <= 660
+
+
+def test_a_server_refusing_client_reply_gets_a_plain_set() -> None:
+    from django.core.cache import caches
+
+    server = RedisServer("--rename-command", "CLIENT", "")
+    server.start()
+    try:
+        with private_redis_settings(server.url):
+            dedup.reset()
+            dedup.remember("payments", "m-1")
+            dedup.remember_many("payments", ["m-2", "m-4"])
+            assert list(dedup.redis._no_reply.values()) == [False]
+            assert dedup.redis.contains("payments", "m-4")
+            cache = caches["dedup"]
+            cache.set("other", "value")
+            assert cache.get("other") == "value"
+            assert dedup.redis.contains("payments", "m-1")
+            assert dedup.redis.contains("payments", "m-2")
+            assert not dedup.redis.contains("payments", "m-3")
+    finally:
+        server.stop()
+        dedup.reset()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_redis_flushed_or_down_falls_back_to_the_database(make_order, redis_server, layers) -> None:
     order = make_order()

@@ -837,3 +837,32 @@ def test_checks(settings: Any, value: dict[str, Any], ids: list[str]) -> None:
 def test_check_warns_without_sessions(settings: Any) -> None:
     settings.MIDDLEWARE = [m for m in settings.MIDDLEWARE if "Session" not in m]
     assert [m.id for m in check_http_settings()] == ["idempotent_orders.W020"]
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)  # outside a transaction, as a request runs
+def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from idempotent_orders.http import keys
+
+    client = client_for(alice)
+    first = post(client, "/api/orders/", key="replay-once")
+    assert first.status_code == 201
+    stored = IdempotencyKey.objects.get(key="replay-once")
+    args = {
+        "principal": stored.principal,
+        "key": "replay-once",
+        "method": stored.method,
+        "route": stored.route,
+        "fingerprint": stored.fingerprint,
+    }
+    with CaptureQueriesContext(connection) as queries:
+        found = keys.claim(**args)
+    assert len(queries) == 1
+    assert isinstance(found, IdempotencyKey)
+    assert (found.pk, found.state, found.response_status) == (stored.pk, KeyState.COMPLETED, 201)
+    assert found.response_body == stored.response_body
+    assert IdempotencyKey.objects.filter(principal=stored.principal).count() == 1
+    again = post(client, "/api/orders/", key="replay-once")
+    assert (again.status_code, again.content) == (201, first.content)

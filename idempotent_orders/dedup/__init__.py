@@ -20,7 +20,7 @@ from idempotent_orders.dedup.bloom import BloomLayer
 from idempotent_orders.dedup.redis import RedisLayer, RedisUnavailable
 from idempotent_orders.signals import dedup_answered
 
-__all__ = ["Layer", "bloom", "lookup", "redis", "remember", "reset", "seen"]
+__all__ = ["Layer", "bloom", "lookup", "redis", "remember", "remember_many", "reset", "seen"]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -83,6 +83,18 @@ def remember(consumer: str, message_id: str) -> None:
         # On failure the next copy goes to the database, which still answers exactly.
         with contextlib.suppress(RedisUnavailable):
             redis.add(consumer, message_id)
+
+
+def remember_many(consumer: str, message_ids: list[str]) -> None:
+    """:func:`remember` for several messages, with one Redis send (call after commit)."""
+    if not message_ids:
+        return
+    if conf.DEDUP_BLOOM:
+        for message_id in message_ids:
+            bloom.add(consumer, message_id)
+    if redis.enabled:
+        with contextlib.suppress(RedisUnavailable):
+            redis.add_many(consumer, message_ids)
 
 
 def remember_on_commit(consumer: str, message_id: str) -> None:

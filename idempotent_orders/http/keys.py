@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.db import IntegrityError, connection, models, transaction
 from django.db.models.functions import Greatest
@@ -54,6 +54,7 @@ from idempotent_orders.exceptions import (
     TokenInvalid,
 )
 from idempotent_orders.models import IdempotencyKey, KeyState
+from idempotent_orders.statements import build, compiled_read
 
 __all__ = [
     "HEADER",
@@ -246,10 +247,10 @@ def claim(
         "expires_at": now + timedelta(seconds=conf.KEY_TTL),
     }
     for _attempt in range(5):
-        pk = _insert_within_quota(fields, now)
-        if pk is not None:
-            return Claim(IdempotencyKey(pk=pk, **fields), owner)
-        row = IdempotencyKey.objects.filter(scope=scope, key=key).first()
+        found = _insert_within_quota(fields, now)
+        if isinstance(found, int):
+            return Claim(IdempotencyKey(pk=found, **fields), owner)
+        row = found or IdempotencyKey.objects.filter(scope=scope, key=key).first()
         if row is not None and row.expires_at <= now and not _lease_live(row, now):
             # An expired key is forgotten, as if purged; the purge command does it in
             # bulk. Never a claim whose lease is live: its view is still running.
@@ -331,8 +332,12 @@ def _lock_id(principal: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | None:
+def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyKey | None:
     """Insert the claim if the key is new and the principal is under quota: its pk, else None.
+
+    On PostgreSQL (one round trip) a key that exists already comes back as its
+    row instead, read by the same query before anything else: a replay costs
+    one indexed read, takes no lock and counts nothing.
 
     One ``INSERT ... SELECT ... WHERE <live keys> < quota ON CONFLICT DO NOTHING
     RETURNING`` in its own committed transaction. The quota is exact under
@@ -374,7 +379,7 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | None:
     if vendor == "postgresql":
         lock_params = [_lock_id(fields["principal"])]
         if _one_round_trip():
-            # Both statements in one simple query: PostgreSQL runs them as one
+            # The statements in one simple query: PostgreSQL runs them as one
             # implicit transaction (the lock is held until its end, the INSERT
             # takes a fresh snapshot after it), and rolls it back on an error.
             # That transaction's commit need not wait for its WAL flush: any
@@ -382,14 +387,37 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | None:
             # flushes it first, so a crash loses the claim only together with
             # everything the view did in the database; other requests see it
             # at once either way. One fsync less per request.
+            # The key's row, if it exists, is read first; the lock and the
+            # insert then skip themselves (each statement has its own snapshot,
+            # so a key inserted meanwhile is still found by ON CONFLICT).
+            alias, plan = compiled_read(IdempotencyKey, "scope", "key")
+            if plan is None or alias != connection.alias:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_advisory_xact_lock(%s),"
+                        f" set_config('synchronous_commit', 'off', true); {sql}",
+                        lock_params + params,
+                    )
+                    cursor.nextset()
+                    found = cursor.fetchone()
+                return int(found[0]) if found else None
+            ident = [prep[_CLAIM_COLUMNS.index("scope")], prep[_CLAIM_COLUMNS.index("key")]]
+            absent = (
+                f"NOT EXISTS (SELECT 1 FROM {table} WHERE {qn('scope')} = %s AND {qn('key')} = %s)"
+            )
+            guarded = sql.replace(f" WHERE {guard} ", f" WHERE {absent} AND {guard} ", 1)
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT pg_advisory_xact_lock(%s),"
-                    f" set_config('synchronous_commit', 'off', true); {sql}",
-                    lock_params + params,
+                    f"{plan.sql}; SELECT pg_advisory_xact_lock(%s),"
+                    f" set_config('synchronous_commit', 'off', true) WHERE {absent}; {guarded}",
+                    [*ident, *lock_params, *ident, *prep, *ident, *params[len(prep) :]],
                 )
+                existing = cursor.fetchall()
+                cursor.nextset()
                 cursor.nextset()
                 found = cursor.fetchone()
+            if existing:
+                return cast(IdempotencyKey, build(IdempotencyKey, alias, plan, existing[0]))
         else:
             # Inside a caller's transaction: a savepoint, the lock held until
             # that transaction ends, and its durability left as it is.

@@ -99,7 +99,7 @@ BATCH_CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any
         batch, "_record_outcomes", _after(batch._record_outcomes)
     ),
     # Committed, but the fast-path marks (on_commit hooks, run at once) never happen.
-    "batch_after_commit": lambda: mock.patch.object(batch.dedup, "remember", _raise),
+    "batch_after_commit": lambda: mock.patch.object(batch.dedup, "remember_many", _raise),
     # Committed and marked, but the parked successors are never released by this delivery.
     "batch_before_release": lambda: mock.patch.object(batch, "release_parked", _raise),
 }

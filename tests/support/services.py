@@ -94,10 +94,12 @@ class RedisServer:
     No persistence: restarting it loses everything, like a FLUSHALL.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *options: str) -> None:
         self.port = free_port()
         self.url = self.db_url(0)
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Extra ``redis-server`` options, e.g. ``--rename-command CLIENT ""``.
+        self.options = options
 
     def db_url(self, db: int) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
@@ -119,6 +121,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 tempfile.gettempdir(),
+                *self.options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
