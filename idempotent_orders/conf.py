@@ -40,6 +40,9 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_BATCH_SIZE": 100,
     # Longest wait (seconds) between publish attempts of a row whose publish failed.
     "OUTBOX_RETRY_BACKOFF_MAX": 300,
+    # Failed publishes of an outbox row before it is dead-lettered (status "dead",
+    # requeued by an operator); a PermanentPublishError dead-letters it at once.
+    "OUTBOX_MAX_ATTEMPTS": 20,
     # Claim lease (seconds) on databases without SKIP LOCKED; longer than one batch's publish.
     "OUTBOX_CLAIM_TIMEOUT": 60,
     # Sent outbox rows older than this (seconds) are deleted by purge_outbox.
@@ -170,6 +173,10 @@ class Settings:
     @property
     def OUTBOX_RETRY_BACKOFF_MAX(self) -> int:
         return int(self._get("OUTBOX_RETRY_BACKOFF_MAX"))
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        return int(self._get("OUTBOX_MAX_ATTEMPTS"))
 
     @property
     def OUTBOX_CLAIM_TIMEOUT(self) -> int:

@@ -222,6 +222,9 @@ class ParkedMessage(models.Model):
 class OutboxStatus(models.TextChoices):
     PENDING = "pending", "pending"
     SENT = "sent", "sent"
+    #: Never published: ``OUTBOX_MAX_ATTEMPTS`` failed publishes or a permanent
+    #: error. Kept with its ``last_error`` until an operator requeues it.
+    DEAD = "dead", "dead"
 
 
 class OutboxMessage(models.Model):
@@ -249,6 +252,8 @@ class OutboxMessage(models.Model):
     last_error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
     sent_at = models.DateTimeField(null=True, blank=True)
+    #: When the row was dead-lettered (cleared by a requeue).
+    dead_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["id"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -12,24 +12,37 @@ from typing import Any
 from celery import Task, current_app
 from django.db import connections, router, transaction
 from django.db.models import Count, Min, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
+from idempotent_orders.exceptions import PermanentPublishError
 from idempotent_orders.models import OutboxMessage, OutboxStatus
-from idempotent_orders.signals import outbox_relayed
+from idempotent_orders.signals import outbox_dead, outbox_relayed
 
-__all__ = ["RelayResult", "outbox_stats", "publish_on_commit", "purge_outbox", "relay_outbox"]
+__all__ = [
+    "PermanentPublishError",
+    "RelayResult",
+    "outbox_stats",
+    "publish_on_commit",
+    "purge_outbox",
+    "relay_outbox",
+    "requeue_outbox",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
 
 @dataclass(frozen=True)
 class RelayResult:
-    """What one relay run did: rows published, rows whose publish failed, rows left pending."""
+    """What one relay run did: rows published, rows whose publish failed and will be
+    tried again, rows left pending, rows dead-lettered.
+    """
 
     published: int = 0
     retried: int = 0
     pending: int = 0
+    dead: int = 0
 
 
 def publish_on_commit(
@@ -108,24 +121,25 @@ def relay_outbox(
     size = batch_size or conf.OUTBOX_BATCH_SIZE
     features = connections[db].features
     locking = features.has_select_for_update and features.has_select_for_update_skip_locked
-    published = retried = 0
+    published = retried = dead = 0
     while True:
         if locking:
-            sent, failed = _relay_locked_batch(db, size, ids)
+            sent, failed, died = _relay_locked_batch(db, size, ids)
         else:
-            sent, failed = _relay_leased_batch(db, size, ids)
+            sent, failed, died = _relay_leased_batch(db, size, ids)
         published += sent
         retried += failed
-        if sent + failed < size:
+        dead += died
+        if sent + failed + died < size:
             break
     pending = OutboxMessage.objects.using(db).filter(status=OutboxStatus.PENDING).count()
-    result = RelayResult(published=published, retried=retried, pending=pending)
-    if published or retried:
+    result = RelayResult(published=published, retried=retried, pending=pending, dead=dead)
+    if published or retried or dead:
         outbox_relayed.send(sender=OutboxMessage, **vars(result))
     return result
 
 
-def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int]:
+def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int, int]:
     with transaction.atomic(using=db):
         rows = list(
             _due(db, ids).select_for_update(skip_locked=True).order_by("available_at", "id")[:size]
@@ -133,7 +147,7 @@ def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> tuple[int,
         return _publish_rows(db, rows)
 
 
-def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int]:
+def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int, int]:
     now = timezone.now()
     until = now + timedelta(seconds=conf.OUTBOX_CLAIM_TIMEOUT)
     candidates = list(
@@ -156,36 +170,108 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int,
     return _publish_rows(db, rows)
 
 
-def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int]:
-    sent = failed = 0
+def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int, int]:
+    sent = failed = dead = 0
     for row in rows:
         try:
             _send(row)
         except Exception as exc:
-            failed += 1
-            row.attempts += 1
-            row.available_at = timezone.now() + _backoff(row.attempts)
-            row.claimed_until = None
-            row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
-            OutboxMessage.objects.using(db).filter(pk=row.pk).update(
-                attempts=row.attempts,
-                available_at=row.available_at,
-                claimed_until=None,
-                last_error=row.last_error,
-            )
-            logger.warning(
-                "outbox: publishing %s failed (attempt %d): %r",
-                row.message_id,
-                row.attempts,
-                exc,
-                extra={"message_id": row.message_id},
-            )
+            if _failed(db, row, exc):
+                dead += 1
+            else:
+                failed += 1
         else:
             sent += 1
             OutboxMessage.objects.using(db).filter(pk=row.pk).update(
                 status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
             )
-    return sent, failed
+    return sent, failed, dead
+
+
+def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:
+    """Record a failed publish of ``row``: back off, or dead-letter it; True if dead."""
+    row.attempts += 1
+    row.claimed_until = None
+    row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+    permanent = isinstance(exc, PermanentPublishError)
+    rows = OutboxMessage.objects.using(db).filter(pk=row.pk)
+    if permanent or row.attempts >= conf.OUTBOX_MAX_ATTEMPTS:
+        row.status = OutboxStatus.DEAD
+        row.dead_at = timezone.now()
+        rows.update(
+            status=row.status,
+            attempts=row.attempts,
+            claimed_until=None,
+            last_error=row.last_error,
+            dead_at=row.dead_at,
+        )
+        logger.error(
+            "outbox: %s dead-lettered after %d attempt(s)%s: %r",
+            row.message_id,
+            row.attempts,
+            " (permanent error)" if permanent else "",
+            exc,
+            extra={"message_id": row.message_id},
+        )
+        outbox_dead.send(
+            sender=OutboxMessage,
+            message_id=row.message_id,
+            task_name=row.task_name,
+            attempts=row.attempts,
+            error=row.last_error,
+        )
+        return True
+    row.available_at = timezone.now() + _backoff(row.attempts)
+    rows.update(
+        attempts=row.attempts,
+        available_at=row.available_at,
+        claimed_until=None,
+        last_error=row.last_error,
+    )
+    logger.warning(
+        "outbox: publishing %s failed (attempt %d of %d): %r",
+        row.message_id,
+        row.attempts,
+        conf.OUTBOX_MAX_ATTEMPTS,
+        exc,
+        extra={"message_id": row.message_id},
+    )
+    return False
+
+
+def requeue_outbox(
+    *,
+    ids: Iterable[int] | None = None,
+    message_ids: Iterable[str] | None = None,
+    task_name: str | None = None,
+    dry_run: bool = False,
+    using: str | None = None,
+) -> int:
+    """Put dead rows back to pending, due now, with their attempts reset; returns how many.
+
+    Without a filter every dead row is requeued; ``ids``, ``message_ids`` and
+    ``task_name`` narrow it down (together: rows matching all of them). Only
+    dead rows change (a row that is pending or sent is left alone), and
+    ``last_error`` is kept as the record of why it died. ``dry_run`` counts
+    the rows and changes nothing.
+    """
+    db = using or router.db_for_write(OutboxMessage)
+    rows = OutboxMessage.objects.using(db).filter(status=OutboxStatus.DEAD)
+    if ids is not None:
+        rows = rows.filter(pk__in=list(ids))
+    if message_ids is not None:
+        rows = rows.filter(message_id__in=list(message_ids))
+    if task_name is not None:
+        rows = rows.filter(task_name=task_name)
+    if dry_run:
+        return rows.count()
+    return rows.update(
+        status=OutboxStatus.PENDING,
+        attempts=0,
+        available_at=Now(),
+        claimed_until=None,
+        dead_at=None,
+    )
 
 
 def purge_outbox(*, older_than: int | None = None, using: str | None = None) -> int:
@@ -202,7 +288,9 @@ def purge_outbox(*, older_than: int | None = None, using: str | None = None) -> 
 
 
 def outbox_stats(*, using: str | None = None) -> dict[str, Any]:
-    """Counters for dashboards: pending, sent, retried (rows that needed more than one try)."""
+    """Counters for dashboards: pending, sent, dead, retried (rows whose publish failed at
+    least once) and the age in seconds of the oldest pending row.
+    """
     db = using or router.db_for_write(OutboxMessage)
     rows = OutboxMessage.objects.using(db)
     counts = dict(rows.values_list("status").annotate(n=Count("id")).order_by())
@@ -210,6 +298,7 @@ def outbox_stats(*, using: str | None = None) -> dict[str, Any]:
     return {
         "pending": counts.get(OutboxStatus.PENDING, 0),
         "sent": counts.get(OutboxStatus.SENT, 0),
+        "dead": counts.get(OutboxStatus.DEAD, 0),
         "retried": rows.filter(attempts__gt=0).count(),
         "oldest_pending_age": (timezone.now() - oldest).total_seconds() if oldest else None,
     }

@@ -24,7 +24,8 @@ class Command(BaseCommand):
         while True:
             result = relay_outbox(batch_size=options["batch_size"])
             self.stdout.write(
-                f"published={result.published} retried={result.retried} pending={result.pending}"
+                f"published={result.published} retried={result.retried} "
+                f"pending={result.pending} dead={result.dead}"
             )
             if not options["loop"]:
                 return
