@@ -36,7 +36,12 @@ logger = logging.getLogger("idempotent_orders")
 @dataclass(frozen=True)
 class RelayResult:
     """What one relay run did: rows published, rows whose publish failed and will be
-    tried again, rows left pending, rows dead-lettered.
+    tried again, rows it left pending, rows dead-lettered.
+
+    ``pending`` counts the rows this run tried and left pending (its failed
+    publishes, backing off), not the whole backlog: counting every pending row
+    would cost the relay a scan of the table on each run. The backlog is
+    ``outbox_stats()["pending"]``.
     """
 
     published: int = 0
@@ -115,7 +120,8 @@ def relay_outbox(
     a batch is locked while it is published and marked in one transaction: a
     crash between publish and mark rolls the mark back, and the next run
     publishes the row again with the same id (at least once; consumers dedup).
-    Elsewhere rows are claimed with a lease (``OUTBOX_CLAIM_TIMEOUT``).
+    Elsewhere rows are claimed with a lease (``OUTBOX_CLAIM_TIMEOUT``). The rows
+    of a batch that were published are marked sent by one ``UPDATE``.
     """
     db = using or router.db_for_write(OutboxMessage)
     size = batch_size or conf.OUTBOX_BATCH_SIZE
@@ -132,8 +138,7 @@ def relay_outbox(
         dead += died
         if sent + failed + died < size:
             break
-    pending = OutboxMessage.objects.using(db).filter(status=OutboxStatus.PENDING).count()
-    result = RelayResult(published=published, retried=retried, pending=pending, dead=dead)
+    result = RelayResult(published=published, retried=retried, pending=retried, dead=dead)
     if published or retried or dead:
         outbox_relayed.send(sender=OutboxMessage, **vars(result))
     return result
@@ -171,7 +176,8 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int,
 
 
 def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int, int]:
-    sent = failed = dead = 0
+    sent: list[int] = []
+    failed = dead = 0
     for row in rows:
         try:
             _send(row)
@@ -181,11 +187,12 @@ def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int, int]:
             else:
                 failed += 1
         else:
-            sent += 1
-            OutboxMessage.objects.using(db).filter(pk=row.pk).update(
-                status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
-            )
-    return sent, failed, dead
+            sent.append(row.pk)
+    if sent:  # one statement for the batch, in the transaction that holds its locks
+        OutboxMessage.objects.using(db).filter(pk__in=sent).update(
+            status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
+        )
+    return len(sent), failed, dead
 
 
 def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:

@@ -165,7 +165,9 @@ def test_relay_command(sent: list[Any]) -> None:
     assert out.getvalue().strip() == "published=1 retried=0 pending=0 dead=0"
 
 
-def test_admin_actions(sent: list[Any], rf: Any, admin_user: Any) -> None:
+def test_admin_actions(
+    sent: list[Any], rf: Any, admin_user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with override_settings(IDEMPOTENT_ORDERS={"OUTBOX_PUBLISH_ON_COMMIT": False}):
         a, b = (
             publish_on_commit(award_points, message()),
@@ -175,7 +177,7 @@ def test_admin_actions(sent: list[Any], rf: Any, admin_user: Any) -> None:
     model_admin = site._registry[OutboxMessage]
     request = rf.post("/")
     request.user = admin_user
-    model_admin.message_user = lambda *args, **kwargs: None
+    monkeypatch.setattr(model_admin, "message_user", lambda *args, **kwargs: None)
     model_admin.publish_again(request, OutboxMessage.objects.filter(pk=a.pk))
     assert OutboxMessage.objects.get(pk=a.pk).status == OutboxStatus.PENDING
     assert OutboxMessage.objects.get(pk=b.pk).status == OutboxStatus.SENT
