@@ -940,10 +940,11 @@ class OutboxMessageAdmin(EvidenceAdmin):
         "dead_at",
     ]
     list_filter = ["status", "task_name"]
-    search_fields = ["message_id", "last_error"]
+    search_fields = ["message_id", "order_key", "last_error"]
     readonly_fields = [
         "message_id",
         "task_name",
+        "order_key",
         "payload",
         "options",
         "status",

@@ -254,12 +254,17 @@ class OutboxMessage(models.Model):
     sent_at = models.DateTimeField(null=True, blank=True)
     #: When the row was dead-lettered (cleared by a requeue).
     dead_at = models.DateTimeField(null=True, blank=True)
+    #: Rows with the same key are published in id order: one is not published
+    #: while an earlier one of its key is pending or dead. None: no order.
+    # NULL, not "": a row without a key matches no other row (order_key = NULL is never true).
+    order_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
 
     class Meta:
         ordering = ["id"]
         indexes = [
             models.Index(fields=["status", "available_at"]),
             models.Index(fields=["status", "sent_at"]),
+            models.Index(fields=["order_key", "status", "id"]),
         ]
 
     def __str__(self) -> str:

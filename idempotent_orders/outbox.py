@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import Task, current_app
 from django.db import connections, router, transaction
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Exists, Min, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -55,6 +55,7 @@ def publish_on_commit(
     message: Any,
     *,
     message_id: str | None = None,
+    order_key: str | None = None,
     using: str | None = None,
     **options: Any,
 ) -> OutboxMessage:
@@ -68,6 +69,12 @@ def publish_on_commit(
     After commit the row is published at once (``OUTBOX_PUBLISH_ON_COMMIT``);
     if that fails or the process dies first, :func:`relay_outbox` publishes it.
     ``options`` are passed to ``apply_async`` (queue, priority, countdown, ...).
+
+    ``order_key`` (an order's id, a customer, ...) keeps the messages of one key
+    in order: a row is not published while an earlier row (lower id) of its
+    key is pending, backing off or dead. Rows get their ids when written, so
+    this is commit order whenever the producers of one key serialise (they
+    update the same order row, as transitions do).
     """
     name = task if isinstance(task, str) else task.name
     if message_id is None and isinstance(message, Mapping):
@@ -75,7 +82,11 @@ def publish_on_commit(
     message_id = str(message_id) if message_id is not None else uuid.uuid4().hex
     db = using or router.db_for_write(OutboxMessage)
     row = OutboxMessage.objects.using(db).create(
-        message_id=message_id, task_name=name, payload=message, options=options
+        message_id=message_id,
+        task_name=name,
+        payload=message,
+        options=options,
+        order_key=None if order_key is None else str(order_key),
     )
     if conf.OUTBOX_PUBLISH_ON_COMMIT:
         transaction.on_commit(lambda: _publish_after_commit(row.pk, db), using=db)
@@ -103,11 +114,39 @@ def _backoff(attempts: int) -> timedelta:
     return timedelta(seconds=min(conf.OUTBOX_RETRY_BACKOFF_MAX, 2 ** min(attempts, 20)))
 
 
+#: Rows that hold back the later rows of their key.
+_BLOCKING = (OutboxStatus.PENDING, OutboxStatus.DEAD)
+
+
 def _due(db: str, ids: list[int] | None) -> Any:
+    """Due pending rows that are not behind an earlier pending or dead row of their key."""
     rows = OutboxMessage.objects.using(db).filter(
         status=OutboxStatus.PENDING, available_at__lte=timezone.now()
     )
+    earlier = OutboxMessage.objects.using(db).filter(
+        order_key=OuterRef("order_key"), status__in=_BLOCKING, pk__lt=OuterRef("pk")
+    )
+    rows = rows.filter(Q(order_key__isnull=True) | ~Exists(earlier))
     return rows.filter(pk__in=ids) if ids is not None else rows
+
+
+def _heads(db: str, rows: list[OutboxMessage]) -> list[OutboxMessage]:
+    """``rows`` without any that an earlier row of its key still holds back.
+
+    Checked again by a plain read after the rows are locked: the locking read
+    may have skipped an earlier row another relay holds (and is publishing).
+    """
+    keys = {row.order_key for row in rows if row.order_key is not None}
+    if not keys:
+        return rows
+    first = dict(
+        OutboxMessage.objects.using(db)
+        .filter(order_key__in=keys, status__in=_BLOCKING)
+        .values("order_key")
+        .annotate(first=Min("id"))
+        .values_list("order_key", "first")
+    )
+    return [row for row in rows if row.order_key is None or first.get(row.order_key) == row.pk]
 
 
 def relay_outbox(
@@ -130,13 +169,13 @@ def relay_outbox(
     published = retried = dead = 0
     while True:
         if locking:
-            sent, failed, died = _relay_locked_batch(db, size, ids)
+            sent, failed, died, more = _relay_locked_batch(db, size, ids)
         else:
-            sent, failed, died = _relay_leased_batch(db, size, ids)
+            sent, failed, died, more = _relay_leased_batch(db, size, ids)
         published += sent
         retried += failed
         dead += died
-        if sent + failed + died < size:
+        if not more:
             break
     result = RelayResult(published=published, retried=retried, pending=retried, dead=dead)
     if published or retried or dead:
@@ -144,15 +183,18 @@ def relay_outbox(
     return result
 
 
-def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int, int]:
+Batch = tuple[int, int, int, bool]
+
+
+def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> Batch:
     with transaction.atomic(using=db):
         rows = list(
             _due(db, ids).select_for_update(skip_locked=True).order_by("available_at", "id")[:size]
         )
-        return _publish_rows(db, rows)
+        return _publish_rows(db, _heads(db, rows), full=len(rows) >= size)
 
 
-def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int, int]:
+def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
     now = timezone.now()
     until = now + timedelta(seconds=conf.OUTBOX_CLAIM_TIMEOUT)
     candidates = list(
@@ -172,11 +214,22 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int,
         if won:
             claimed.append(pk)
     rows = list(OutboxMessage.objects.using(db).filter(pk__in=claimed).order_by("id"))
-    return _publish_rows(db, rows)
+    # A row claimed but held back by its key goes back to the pool with its lease lifted.
+    heads = _heads(db, rows)
+    held = [row.pk for row in rows if row not in heads]
+    if held:
+        OutboxMessage.objects.using(db).filter(pk__in=held).update(claimed_until=None)
+    return _publish_rows(db, heads, full=len(candidates) >= size)
 
 
-def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int, int]:
+def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
+    """Publish ``rows``; (sent, failed, dead, whether another batch may find rows).
+
+    Another batch is worth it when this one was full, or when it published a
+    keyed row: the next row of that key may be due now.
+    """
     sent: list[int] = []
+    keyed = False
     failed = dead = 0
     for row in rows:
         try:
@@ -188,11 +241,12 @@ def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int, int]:
                 failed += 1
         else:
             sent.append(row.pk)
+            keyed = keyed or row.order_key is not None
     if sent:  # one statement for the batch, in the transaction that holds its locks
         OutboxMessage.objects.using(db).filter(pk__in=sent).update(
             status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
         )
-    return len(sent), failed, dead
+    return len(sent), failed, dead, full or keyed
 
 
 def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:

@@ -63,6 +63,29 @@ def test_pending_counts_the_rows_this_run_left_pending(monkeypatch: pytest.Monke
     assert (result.published, result.retried, result.pending) == (2, 1, 1)
 
 
+def run_relays(
+    tmp_path: Path, count: int, *, batch: int = 10, stall_after: int = 0
+) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
+    """Start ``count`` relay processes together; the first stalls after ``stall_after``."""
+    go, log, marker = tmp_path / "go", tmp_path / "publishes.log", tmp_path / "stalled"
+    go.unlink(missing_ok=True)
+    env = worker_env(broker_url="memory://", queue=f"relay-{uuid.uuid4().hex}")
+    relays = []
+    for n in range(count):
+        args = [sys.executable, "-m", "tests.outbox_parallel_relay", str(log), str(go), str(batch)]
+        if n == 0 and stall_after:
+            args += [str(stall_after), str(marker)]
+        relays.append(subprocess.Popen(args, cwd=ROOT, env=env, start_new_session=True))
+    go.touch()
+    return relays, log, marker
+
+
+def publishes(log: Path) -> list[tuple[int, str]]:
+    """(relay pid, message id) of every publish, in the order they happened."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(int(pid), mid) for pid, mid in (line.split() for line in lines)]
+
+
 @pytest.mark.services
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.django_db(transaction=True)
@@ -70,28 +93,16 @@ def test_three_relays_in_parallel_publish_each_id_exactly_once(tmp_path: Path) -
     rows = 300
     with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE):
         ids = [publish_on_commit(award_points, message()).message_id for _ in range(rows)]
-    go = tmp_path / "go"
-    logs = [tmp_path / f"relay-{n}.log" for n in range(3)]
-    env = worker_env(broker_url="memory://", queue=f"relay-{uuid.uuid4().hex}")
-    relays = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.outbox_parallel_relay", str(log), str(go), "10"],
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,
-        )
-        for log in logs
-    ]
+    relays, log, _ = run_relays(tmp_path, 3)
     try:
-        go.touch()
         for relay in relays:
             assert relay.wait(120) == 0
     finally:
         stop_processes(relays)
-    per_relay = [log.read_text().split() if log.exists() else [] for log in logs]
-    publishes = Counter(mid for published in per_relay for mid in published)
-    assert set(publishes) == set(ids)
-    assert [mid for mid, n in publishes.items() if n != 1] == []  # each id exactly once
-    # The three really ran side by side: each published part of the batch.
-    assert all(per_relay), [len(p) for p in per_relay]
+    seen = publishes(log)
+    per_id = Counter(mid for _, mid in seen)
+    assert set(per_id) == set(ids)
+    assert [mid for mid, n in per_id.items() if n != 1] == []  # each id exactly once
+    # The three really ran side by side: each published part of the rows.
+    assert len({pid for pid, _ in seen}) == 3
     assert not OutboxMessage.objects.filter(status=OutboxStatus.PENDING).exists()
