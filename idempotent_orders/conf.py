@@ -36,6 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "LOCK_CACHE": "default",
     # Outbox: publish right after the writing transaction commits (the relay catches the rest).
     "OUTBOX_PUBLISH_ON_COMMIT": True,
+    # That publish runs in a background thread of the process (bounded queue, flushed at
+    # exit), so the committing request does not wait for the broker; False: in the caller.
+    "OUTBOX_PUBLISHER_THREAD": True,
     # Outbox rows the relay claims per transaction.
     "OUTBOX_BATCH_SIZE": 100,
     # Longest wait (seconds) between publish attempts of a row whose publish failed.
@@ -165,6 +168,10 @@ class Settings:
     @property
     def OUTBOX_PUBLISH_ON_COMMIT(self) -> bool:
         return bool(self._get("OUTBOX_PUBLISH_ON_COMMIT"))
+
+    @property
+    def OUTBOX_PUBLISHER_THREAD(self) -> bool:
+        return bool(self._get("OUTBOX_PUBLISHER_THREAD"))
 
     @property
     def OUTBOX_BATCH_SIZE(self) -> int:

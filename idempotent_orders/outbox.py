@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import queue
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -10,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery import Task, current_app
-from django.db import connections, router, transaction
+from django.db import DatabaseError, close_old_connections, connections, router, transaction
 from django.db.models import Count, Exists, Min, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -21,8 +26,10 @@ from idempotent_orders.models import OutboxMessage, OutboxStatus
 from idempotent_orders.signals import outbox_dead, outbox_relayed
 
 __all__ = [
+    "OutboxListener",
     "PermanentPublishError",
     "RelayResult",
+    "flush_publisher",
     "outbox_stats",
     "publish_on_commit",
     "purge_outbox",
@@ -66,9 +73,15 @@ def publish_on_commit(
     becomes the Celery ``task_id`` of every publish of it, so a consumer
     (``@idempotent(key=...)`` or the inbox) recognises a re-publish.
 
-    After commit the row is published at once (``OUTBOX_PUBLISH_ON_COMMIT``);
-    if that fails or the process dies first, :func:`relay_outbox` publishes it.
-    ``options`` are passed to ``apply_async`` (queue, priority, countdown, ...).
+    After commit the row is published at once (``OUTBOX_PUBLISH_ON_COMMIT``):
+    handed to this process's background publisher thread
+    (``OUTBOX_PUBLISHER_THREAD``), so the committing thread does not wait for
+    the broker, or published in the committing thread when that is off. If the
+    publish fails, the thread's queue is full or the process dies first,
+    :func:`relay_outbox` publishes the row. On PostgreSQL every insert also
+    notifies the channel ``idempotent_orders_outbox``, which wakes
+    ``relay_outbox --loop``. ``options`` are passed to ``apply_async`` (queue,
+    priority, countdown, ...).
 
     ``order_key`` (an order's id, a customer, ...) keeps the messages of one key
     in order: a row is not published while an earlier row (lower id) of its
@@ -94,11 +107,195 @@ def publish_on_commit(
 
 
 def _publish_after_commit(pk: int, db: str) -> None:
+    # Inside an atomic block here means the row is not committed for other
+    # connections yet (a test case's transaction): the thread could not see it.
+    if conf.OUTBOX_PUBLISHER_THREAD and not connections[db].in_atomic_block:
+        if publisher.submit(db, pk):
+            return
+        logger.debug("outbox: publisher queue full; the relay will send row %s", pk)
+        return
     try:
         relay_outbox(ids=[pk], using=db)
     except Exception:
         # The producer's transaction is committed; the relay will send the row.
         logger.exception("outbox: immediate publish of row %s failed; the relay will retry", pk)
+
+
+class Publisher:
+    """A daemon thread that publishes committed outbox rows for this process.
+
+    Producers hand it row ids after commit (:meth:`submit`, never blocking);
+    it drains them in batches through :func:`relay_outbox` (``ids=``), so it
+    locks, publishes and marks exactly as the relay does. Its queue is bounded
+    (:attr:`capacity`): a row that does not fit is left to the relay. It is
+    started on first use in each process (again after a fork) and flushed at
+    interpreter exit for up to :attr:`exit_timeout` seconds; rows it did not
+    reach are still pending, for the relay.
+    """
+
+    capacity = 10_000
+    exit_timeout = 5.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue(self.capacity)
+        self._thread: threading.Thread | None = None
+        self._exit_hook = False
+
+    def submit(self, db: str, pk: int) -> bool:
+        """Queue row ``pk`` of database ``db``; False when the queue is full."""
+        self._ensure_started()
+        try:
+            self._queue.put_nowait((db, pk))
+        except queue.Full:
+            return False
+        return True
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted row was handled; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline or not self._alive():
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._pid == os.getpid()
+
+    def _ensure_started(self) -> None:
+        if self._alive():
+            return
+        with self._lock:
+            if self._alive():
+                return
+            if self._pid != os.getpid():  # a forked child: the parent's queue is not ours
+                self._queue = queue.Queue(self.capacity)
+            self._pid = os.getpid()
+            self._thread = threading.Thread(
+                target=self._run, name="idempotent-orders-outbox", daemon=True
+            )
+            self._thread.start()
+            if not self._exit_hook:
+                atexit.register(self._stop)
+                self._exit_hook = True
+
+    def _stop(self) -> None:
+        if self._alive():
+            self.flush(self.exit_timeout)
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    self._queue.task_done()
+                    return
+                batch = [item]
+                while len(batch) < conf.OUTBOX_BATCH_SIZE:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self._queue.put(None)  # stop after this batch
+                        self._queue.task_done()
+                        break
+                    batch.append(more)
+                try:
+                    self._publish(batch)
+                finally:
+                    if self._queue.empty():
+                        # Idle from here: hold no database connection while waiting.
+                        connections.close_all()
+                    for _ in batch:
+                        self._queue.task_done()
+        finally:
+            connections.close_all()
+
+    def _publish(self, batch: list[tuple[str, int]]) -> None:
+        by_db: dict[str, list[int]] = {}
+        for db, pk in batch:
+            by_db.setdefault(db, []).append(pk)
+        close_old_connections()
+        for db, ids in by_db.items():
+            try:
+                relay_outbox(ids=ids, using=db)
+            except Exception:
+                logger.exception(
+                    "outbox: background publish of %d row(s) failed; the relay will retry",
+                    len(ids),
+                )
+
+
+#: PostgreSQL channel notified on every insert into the outbox (migration 0004).
+NOTIFY_CHANNEL = "idempotent_orders_outbox"
+
+
+class OutboxListener:
+    """Waits for new outbox rows: ``LISTEN`` on PostgreSQL, a plain sleep elsewhere.
+
+    :meth:`wait` returns when a row was inserted (and committed) or after
+    ``timeout`` seconds, whichever comes first; ``relay_outbox --loop`` runs
+    the relay after each wait. Uses the database connection of ``using``
+    (outside any transaction, as a management command is).
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.db = using or router.db_for_write(OutboxMessage)
+        self._listening = False
+
+    def _listen(self) -> bool:
+        connection = connections[self.db]
+        if connection.vendor != "postgresql":
+            return False
+        if not self._listening:
+            with connection.cursor() as cursor:
+                cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self._listening = True
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """True when woken by a notification, False after ``timeout`` (or without LISTEN)."""
+        try:
+            if not self._listen():
+                time.sleep(timeout)
+                return False
+            raw = connections[self.db].connection
+            woken = False
+            for _ in raw.notifies(timeout=timeout, stop_after=1):
+                woken = True
+            return woken
+        except Exception as exc:
+            if not isinstance(exc, (OSError, DatabaseError)) and not _is_driver_error(exc):
+                raise
+            logger.warning("outbox: LISTEN failed (%r); polling until it works again", exc)
+            self.close()
+            time.sleep(timeout)
+            return False
+
+    def close(self) -> None:
+        if self._listening:
+            self._listening = False
+            connections[self.db].close()
+
+
+def _is_driver_error(exc: Exception) -> bool:
+    return type(exc).__module__.startswith("psycopg")
+
+
+#: The process's background publisher (see ``OUTBOX_PUBLISHER_THREAD``).
+publisher = Publisher()
+
+
+def flush_publisher(timeout: float = 10.0) -> bool:
+    """Wait until the background publisher handled every row handed to it; False on timeout.
+
+    For scripts and tests that want the immediate publishes done before they go on.
+    """
+    return publisher.flush(timeout)
 
 
 def _send(row: OutboxMessage) -> None:
