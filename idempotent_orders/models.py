@@ -258,6 +258,9 @@ class OutboxMessage(models.Model):
     #: while an earlier one of its key is pending or dead. None: no order.
     # NULL, not "": a row without a key matches no other row (order_key = NULL is never true).
     order_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    #: The producer's W3C trace context and correlation id, sent as task headers.
+    traceparent = models.CharField(max_length=55, blank=True, default="")
+    correlation_id = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
         ordering = ["id"]

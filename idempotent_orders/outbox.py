@@ -20,6 +20,7 @@ from django.db.models import Count, Exists, Min, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from idempotent_orders import tracing
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import PermanentPublishError
 from idempotent_orders.models import OutboxMessage, OutboxStatus
@@ -63,6 +64,8 @@ def publish_on_commit(
     *,
     message_id: str | None = None,
     order_key: str | None = None,
+    traceparent: str | None = None,
+    correlation_id: str | None = None,
     using: str | None = None,
     **options: Any,
 ) -> OutboxMessage:
@@ -88,18 +91,33 @@ def publish_on_commit(
     key is pending, backing off or dead. Rows get their ids when written, so
     this is commit order whenever the producers of one key serialise (they
     update the same order row, as transitions do).
+
+    ``traceparent`` (W3C) and ``correlation_id`` default to the trace context in
+    effect (:func:`idempotent_orders.tracing.current`: a ``tracing.use()``
+    block, the running Celery task's message, OpenTelemetry); they are stored
+    with the row and sent as the task's message headers, and restored around
+    the consumer's task.
     """
     name = task if isinstance(task, str) else task.name
     if message_id is None and isinstance(message, Mapping):
         message_id = message.get("message_id")
     message_id = str(message_id) if message_id is not None else uuid.uuid4().hex
     db = using or router.db_for_write(OutboxMessage)
+    trace = tracing.current() if traceparent is None or correlation_id is None else None
+    if traceparent is None:
+        traceparent = trace.traceparent if trace else ""
+    elif not tracing.valid_traceparent(traceparent):
+        raise ValueError(f"not a W3C traceparent: {traceparent!r}")
+    if correlation_id is None:
+        correlation_id = trace.correlation_id if trace else ""
     row = OutboxMessage.objects.using(db).create(
         message_id=message_id,
         task_name=name,
         payload=message,
         options=options,
         order_key=None if order_key is None else str(order_key),
+        traceparent=traceparent,
+        correlation_id=str(correlation_id)[:255],
     )
     if conf.OUTBOX_PUBLISH_ON_COMMIT:
         transaction.on_commit(lambda: _publish_after_commit(row.pk, db), using=db)
@@ -301,6 +319,9 @@ def flush_publisher(timeout: float = 10.0) -> bool:
 def _send(row: OutboxMessage) -> None:
     task = current_app.tasks.get(row.task_name)
     options = {**row.options, "task_id": row.message_id}
+    trace = tracing.TraceContext(row.traceparent, row.correlation_id).headers()
+    if trace:
+        options["headers"] = {**options.get("headers", {}), **trace}
     if task is not None:  # keeps the task's own routing and options
         task.apply_async(args=(row.payload,), **options)
     else:
