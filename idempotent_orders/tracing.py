@@ -118,13 +118,17 @@ def _from_celery_task() -> TraceContext:
     return from_headers(request)
 
 
+try:  # looked up once: a failed import on every call would cost the producer
+    from opentelemetry.propagate import inject as _otel_inject
+except ImportError:
+    _otel_inject = None
+
+
 def _from_opentelemetry() -> str:
-    try:
-        from opentelemetry.propagate import inject
-    except ImportError:
+    if _otel_inject is None:
         return ""
     carrier: dict[str, str] = {}
-    inject(carrier)
+    _otel_inject(carrier)
     return _clean(carrier.get("traceparent", ""))
 
 

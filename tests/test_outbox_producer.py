@@ -73,6 +73,7 @@ def test_in_the_callers_thread_when_the_publisher_thread_is_off(
 def test_a_full_queue_leaves_the_row_to_the_relay(monkeypatch: pytest.MonkeyPatch) -> None:
     class Small(Publisher):
         capacity = 1
+        linger = 0.0  # publish the first row alone
 
     small = Small()
     monkeypatch.setattr("idempotent_orders.outbox.publisher", small)
