@@ -10,7 +10,7 @@ import time
 
 from bench.common import Row, na, print_table, setup
 
-SECTIONS = ["consumer", "workers", "http", "naive", "celery_once_peer", "memory"]
+SECTIONS = ["consumer", "workers", "http", "naive", "celery_once_peer", "memory", "outbox"]
 
 
 def main(argv: list[str]) -> None:

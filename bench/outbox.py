@@ -1,0 +1,184 @@
+"""Section 7: the transactional outbox — what the producer pays, and the relay's msg/s.
+
+Producer: one transaction that creates an order (the business write), alone
+(the baseline), then with ``publish_on_commit`` in its three modes: relay only
+(``OUTBOX_PUBLISH_ON_COMMIT=False``: the row insert), publish after commit in
+the caller's thread (``OUTBOX_PUBLISHER_THREAD=False``) and publish after
+commit handed to the background publisher thread (the default). The time is
+the caller's: from ``atomic()`` entered to the return after commit.
+
+Relay: ``relay_outbox()`` over a backlog of rows, beside publishing the same
+messages straight with ``apply_async`` (no outbox), on the same broker queue.
+Nothing consumes the queue; it is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from decimal import Decimal
+
+from bench.common import RUNS, Row, fmt, median, na, setup
+
+PRODUCER_TXNS = int(os.environ.get("BENCH_OUTBOX_TXNS", "300"))
+RELAY_ROWS = int(os.environ.get("BENCH_OUTBOX_ROWS", "3000"))
+SECTION = "7 outbox"
+
+
+def _broker() -> tuple[str, str] | None:
+    from tests.conftest import BROKERS, service_reachable
+
+    for name in ("rabbitmq", "redis"):
+        url = BROKERS[name]()
+        if service_reachable(url):
+            return name, url
+    return None
+
+
+def _producer_ms(mode: str, queue: str) -> float:
+    """Median milliseconds the caller spends in one order-creating transaction."""
+    from django.db import transaction
+    from django.test import override_settings
+
+    from demo_project.tasks import award_points
+    from idempotent_orders.models import Order
+    from idempotent_orders.outbox import flush_publisher, publish_on_commit
+
+    base = {
+        "outbox": {},
+        "relay only": {"OUTBOX_PUBLISH_ON_COMMIT": False},
+        "inline": {"OUTBOX_PUBLISHER_THREAD": False},
+    }.get(mode, {})
+    tag = uuid.uuid4().hex[:8]
+    times = []
+    with override_settings(IDEMPOTENT_ORDERS=base):
+        for i in range(PRODUCER_TXNS):
+            start = time.perf_counter()
+            with transaction.atomic():
+                order = Order.objects.create(
+                    business_key=f"bench-out-{tag}-{i}", amount=Decimal("12.50"), currency="CNY"
+                )
+                if mode != "baseline":
+                    publish_on_commit(
+                        award_points,
+                        {"message_id": f"pts-{tag}-{i}", "customer": "b", "points": order.pk},
+                        queue=queue,
+                    )
+            times.append(time.perf_counter() - start)
+        flush_publisher(60)  # the thread's work is not the caller's, but do not overlap runs
+    return statistics.median(times) * 1000
+
+
+def _relay_rate(queue: str, direct: bool) -> float:
+    from django.test import override_settings
+
+    from demo_project.tasks import award_points
+    from idempotent_orders.models import OutboxMessage
+    from idempotent_orders.outbox import relay_outbox
+
+    tag = uuid.uuid4().hex[:8]
+    messages = [
+        {"message_id": f"relay-{tag}-{i}", "customer": "b", "points": 1} for i in range(RELAY_ROWS)
+    ]
+    if direct:
+        start = time.perf_counter()
+        for m in messages:
+            award_points.apply_async(args=(m,), task_id=m["message_id"], queue=queue)
+        return RELAY_ROWS / (time.perf_counter() - start)
+    OutboxMessage.objects.all().delete()  # the producer runs' relay-only rows among them
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(
+            message_id=m["message_id"],
+            task_name=award_points.name,
+            payload=m,
+            options={"queue": queue},
+        )
+        for m in messages
+    )
+    with override_settings(IDEMPOTENT_ORDERS={}):
+        start = time.perf_counter()
+        result = relay_outbox()
+        elapsed = time.perf_counter() - start
+    assert result.published == RELAY_ROWS, result
+    return RELAY_ROWS / elapsed
+
+
+def run() -> list[Row]:
+    setup()
+    from celery import current_app
+
+    found = _broker()
+    if found is None:
+        return [na(SECTION, "outbox", "no RabbitMQ or Redis reachable")]
+    broker, url = found
+    queue = f"bench-outbox-{uuid.uuid4().hex[:8]}"
+    current_app.conf.broker_url = url
+    from tests.services import reset_broker_pools
+
+    reset_broker_pools(current_app)
+    rows: list[Row] = []
+    try:
+        modes = ["baseline", "relay only", "inline", "outbox"]
+        _producer_ms("outbox", queue)  # warm-up: connections, the publisher thread
+        ms: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(RUNS):
+            for mode in modes:  # interleaved, so drift hits every mode alike
+                ms[mode].append(_producer_ms(mode, queue))
+        base = median(ms["baseline"])
+        rows.append(
+            Row(
+                SECTION,
+                f"producer: order txn, no outbox ({broker})",
+                f"{base:.2f} ms",
+                "baseline: the business write alone",
+            )
+        )
+        labels = {
+            "relay only": "+ publish_on_commit, relay only (row insert)",
+            "inline": "+ publish_on_commit, publish in caller's thread",
+            "outbox": "+ publish_on_commit, default (publisher thread)",
+        }
+        for mode in ("relay only", "inline", "outbox"):
+            value = median(ms[mode])
+            rows.append(
+                Row(
+                    SECTION,
+                    f"producer: {labels[mode]}",
+                    f"{value:.2f} ms",
+                    f"+{value - base:.2f} ms over the baseline",
+                )
+            )
+        _relay_rate(queue, direct=True)  # warm-up
+        direct = median([_relay_rate(queue, direct=True) for _ in range(RUNS)])
+        relay = median([_relay_rate(queue, direct=False) for _ in range(RUNS)])
+        rows.append(
+            Row(
+                SECTION,
+                f"no outbox: apply_async in a loop, {RELAY_ROWS:,} msgs",
+                fmt(direct),
+                f"the broker's own rate ({broker}, no confirms)",
+            )
+        )
+        rows.append(
+            Row(
+                SECTION,
+                f"relay_outbox, {RELAY_ROWS:,} rows, 1 process",
+                fmt(relay),
+                f"{relay / direct:.0%} of apply_async alone",
+            )
+        )
+    finally:
+        try:
+            with current_app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(queue)
+        except Exception:
+            pass
+    return rows
+
+
+if __name__ == "__main__":
+    from bench.common import print_table
+
+    print_table(run())
