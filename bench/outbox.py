@@ -10,6 +10,11 @@ the caller's: from ``atomic()`` entered to the return after commit.
 Relay: ``relay_outbox()`` over a backlog of rows, beside publishing the same
 messages straight with ``apply_async`` (no outbox), on the same broker queue.
 Nothing consumes the queue; it is deleted afterwards.
+
+Peer, when the ``bench`` extra installed it: django-celery-outbox (its
+``OutboxCelery.send_task`` writes the row in the caller's transaction, its
+``Relay`` publishes; batch 100 as ours, idle time 0, StatsD metrics off).
+django-reliable-outbox needs Python 3.12+ and is not measured on 3.11.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import statistics
 import time
 import uuid
 from decimal import Decimal
+from typing import Any
 
 from bench.common import RUNS, Row, fmt, median, na, setup
 
@@ -35,6 +41,14 @@ def _broker() -> tuple[str, str] | None:
         if service_reachable(url):
             return name, url
     return None
+
+
+def _peer() -> Any:
+    try:
+        from bench.outbox_peer import peer_app
+    except ImportError:
+        return None
+    return peer_app
 
 
 def _producer_ms(mode: str, queue: str) -> float:
@@ -60,7 +74,13 @@ def _producer_ms(mode: str, queue: str) -> float:
                 order = Order.objects.create(
                     business_key=f"bench-out-{tag}-{i}", amount=Decimal("12.50"), currency="CNY"
                 )
-                if mode != "baseline":
+                if mode == "peer":
+                    _peer().send_task(
+                        award_points.name,
+                        args=({"message_id": f"pts-{tag}-{i}", "customer": "b", "points": 1},),
+                        queue=queue,
+                    )
+                elif mode != "baseline":
                     publish_on_commit(
                         award_points,
                         {"message_id": f"pts-{tag}-{i}", "customer": "b", "points": order.pk},
@@ -69,6 +89,30 @@ def _producer_ms(mode: str, queue: str) -> float:
             times.append(time.perf_counter() - start)
         flush_publisher(60)  # the thread's work is not the caller's, but do not overlap runs
     return statistics.median(times) * 1000
+
+
+def _peer_relay_rate(queue: str) -> float:
+    from django.db import transaction
+    from django_celery_outbox.models import CeleryOutbox
+    from django_celery_outbox.relay import Relay, RelayConfig
+
+    from demo_project.tasks import award_points
+
+    peer = _peer()
+    CeleryOutbox.objects.all().delete()
+    tag = uuid.uuid4().hex[:8]
+    with transaction.atomic():
+        for i in range(RELAY_ROWS):
+            peer.send_task(
+                award_points.name,
+                args=({"message_id": f"peer-{tag}-{i}", "customer": "b", "points": 1},),
+                queue=queue,
+            )
+    relay = Relay(peer, RelayConfig.init(batch_size=100, idle_time=0.0))
+    start = time.perf_counter()
+    while CeleryOutbox.objects.exists():
+        relay._processing()
+    return RELAY_ROWS / (time.perf_counter() - start)
 
 
 def _relay_rate(queue: str, direct: bool) -> float:
@@ -120,7 +164,8 @@ def run() -> list[Row]:
     reset_broker_pools(current_app)
     rows: list[Row] = []
     try:
-        modes = ["baseline", "relay only", "inline", "outbox"]
+        peer = _peer() is not None
+        modes = ["baseline", "relay only", "inline", "outbox", *(["peer"] if peer else [])]
         _producer_ms("outbox", queue)  # warm-up: connections, the publisher thread
         ms: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(RUNS):
@@ -139,16 +184,15 @@ def run() -> list[Row]:
             "relay only": "+ publish_on_commit, relay only (row insert)",
             "inline": "+ publish_on_commit, publish in caller's thread",
             "outbox": "+ publish_on_commit, default (publisher thread)",
+            "peer": "+ django-celery-outbox send_task (row insert)",
         }
-        for mode in ("relay only", "inline", "outbox"):
-            value = median(ms[mode])
+        added = {mode: median(ms[mode]) - base for mode in modes}
+        for mode in modes[1:]:
+            note = f"+{added[mode]:.2f} ms over the baseline"
+            if peer and mode in ("relay only", "outbox") and added["peer"] > 0:
+                note += f"; {added[mode] / added['peer']:.2f}x the peer's added cost"
             rows.append(
-                Row(
-                    SECTION,
-                    f"producer: {labels[mode]}",
-                    f"{value:.2f} ms",
-                    f"+{value - base:.2f} ms over the baseline",
-                )
+                Row(SECTION, f"producer: {labels[mode]}", f"{median(ms[mode]):.2f} ms", note)
             )
         _relay_rate(queue, direct=True)  # warm-up
         direct = median([_relay_rate(queue, direct=True) for _ in range(RUNS)])
@@ -161,14 +205,20 @@ def run() -> list[Row]:
                 f"the broker's own rate ({broker}, no confirms)",
             )
         )
-        rows.append(
-            Row(
-                SECTION,
-                f"relay_outbox, {RELAY_ROWS:,} rows, 1 process",
-                fmt(relay),
-                f"{relay / direct:.0%} of apply_async alone",
+        note = f"{relay / direct:.0%} of apply_async alone"
+        if peer:
+            peer_rate = median([_peer_relay_rate(queue) for _ in range(RUNS)])
+            note += f"; {relay / peer_rate:.2f}x django-celery-outbox"
+        rows.append(Row(SECTION, f"relay_outbox, {RELAY_ROWS:,} rows, 1 process", fmt(relay), note))
+        if peer:
+            rows.append(
+                Row(
+                    SECTION,
+                    f"django-celery-outbox Relay, {RELAY_ROWS:,} rows, 1 process",
+                    fmt(peer_rate),
+                    f"{peer_rate / direct:.0%} of apply_async alone; batch 100",
+                )
             )
-        )
     finally:
         try:
             with current_app.connection_for_write() as conn:
