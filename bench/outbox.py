@@ -91,6 +91,14 @@ def _producer_ms(mode: str, queue: str) -> float:
     return statistics.median(times) * 1000
 
 
+def _depth(queue: str) -> int:
+    """Messages waiting in ``queue`` on the broker (it proves where the publishes went)."""
+    from celery import current_app
+
+    with current_app.connection_for_write() as conn:
+        return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+
+
 def _peer_relay_rate(queue: str) -> float:
     from django.db import transaction
     from django_celery_outbox.models import CeleryOutbox
@@ -109,10 +117,14 @@ def _peer_relay_rate(queue: str) -> float:
                 queue=queue,
             )
     relay = Relay(peer, RelayConfig.init(batch_size=100, idle_time=0.0))
+    before = _depth(queue)
     start = time.perf_counter()
     while CeleryOutbox.objects.exists():
         relay._processing()
-    return RELAY_ROWS / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    published = _depth(queue) - before
+    assert published == RELAY_ROWS, f"the peer's relay put {published} messages on the queue"
+    return RELAY_ROWS / elapsed
 
 
 def _relay_rate(queue: str, direct: bool) -> float:
@@ -141,11 +153,12 @@ def _relay_rate(queue: str, direct: bool) -> float:
         )
         for m in messages
     )
+    before = _depth(queue)
     with override_settings(IDEMPOTENT_ORDERS={}):
         start = time.perf_counter()
         result = relay_outbox()
         elapsed = time.perf_counter() - start
-    assert result.published == RELAY_ROWS, result
+    assert result.published == RELAY_ROWS == _depth(queue) - before, result
     return RELAY_ROWS / elapsed
 
 
@@ -158,10 +171,12 @@ def run() -> list[Row]:
         return [na(SECTION, "outbox", "no RabbitMQ or Redis reachable")]
     broker, url = found
     queue = f"bench-outbox-{uuid.uuid4().hex[:8]}"
-    current_app.conf.broker_url = url
     from tests.services import reset_broker_pools
 
-    reset_broker_pools(current_app)
+    for app in (current_app, _peer()):
+        if app is not None:  # the peer's app too: it read the settings' in-memory broker
+            app.conf.broker_url = url
+            reset_broker_pools(app)
     rows: list[Row] = []
     try:
         peer = _peer() is not None

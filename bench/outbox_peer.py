@@ -8,5 +8,6 @@ from __future__ import annotations
 
 from django_celery_outbox import OutboxCelery
 
-peer_app = OutboxCelery("bench_outbox_peer")
+# Not the current app: the demo app stays the one our outbox and tasks publish through.
+peer_app = OutboxCelery("bench_outbox_peer", set_as_current=False)
 peer_app.config_from_object("django.conf:settings", namespace="CELERY")

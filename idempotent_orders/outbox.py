@@ -9,7 +9,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -330,9 +331,16 @@ def flush_publisher(timeout: float = 10.0) -> bool:
     return publisher.flush(timeout)
 
 
+#: The broker producer a batch publishes through (one pool checkout per batch, not per row).
+_batch = threading.local()
+
+
 def _send(row: OutboxMessage) -> None:
     task = current_app.tasks.get(row.task_name)
     options = {**row.options, "task_id": row.message_id}
+    producer = getattr(_batch, "producer", None)
+    if producer is not None:
+        options["producer"] = producer
     trace = tracing.TraceContext(row.traceparent, row.correlation_id).headers()
     if trace:
         options["headers"] = {**options.get("headers", {}), **trace}
@@ -472,22 +480,47 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
     sent: list[int] = []
     keyed = False
     failed = dead = 0
-    for row in rows:
-        try:
-            _send(row)
-        except Exception as exc:
-            if _failed(db, row, exc):
-                dead += 1
+    with _batch_producer(len(rows)):
+        for row in rows:
+            try:
+                _send(row)
+            except Exception as exc:
+                if _failed(db, row, exc):
+                    dead += 1
+                else:
+                    failed += 1
             else:
-                failed += 1
-        else:
-            sent.append(row.pk)
-            keyed = keyed or row.order_key is not None
+                sent.append(row.pk)
+                keyed = keyed or row.order_key is not None
     if sent:  # one statement for the batch, in the transaction that holds its locks
         OutboxMessage.objects.using(db).filter(pk__in=sent).update(
             status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
         )
     return len(sent), failed, dead, full or keyed
+
+
+@contextmanager
+def _batch_producer(rows: int) -> Iterator[None]:
+    """Check one producer out of the app's pool for a batch of more than one row.
+
+    Without a broker to connect to, the rows publish one by one (and fail one by
+    one, each with its own backoff) as they would without it.
+    """
+    if rows < 2:
+        yield
+        return
+    try:
+        checkout = current_app.producer_or_acquire()
+        producer = checkout.__enter__()
+    except Exception:
+        yield
+        return
+    _batch.producer = producer
+    try:
+        yield
+    finally:
+        _batch.producer = None
+        checkout.__exit__(None, None, None)
 
 
 def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:

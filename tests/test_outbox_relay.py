@@ -106,3 +106,24 @@ def test_three_relays_in_parallel_publish_each_id_exactly_once(tmp_path: Path) -
     # The three really ran side by side: each published part of the rows.
     assert len({pid for pid, _ in seen}) == 3
     assert not OutboxMessage.objects.filter(status=OutboxStatus.PENDING).exists()
+
+
+@pytest.mark.django_db
+@override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE)
+def test_a_batch_publishes_through_one_producer_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real publishes (in-memory broker): one checkout of the producer pool per batch."""
+    from celery import current_app
+
+    pool = current_app.producer_pool
+    checkouts: list[int] = []
+    acquire = pool.acquire
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        checkouts.append(1)
+        return acquire(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "acquire", counting)
+    for _ in range(5):
+        publish_on_commit(award_points, message())
+    assert relay_outbox(batch_size=10).published == 5
+    assert len(checkouts) == 1
