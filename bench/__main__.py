@@ -13,7 +13,16 @@ import time
 
 from bench.common import Row, chart, na, print_table, record, setup
 
-SECTIONS = ["consumer", "workers", "http", "http_server", "naive", "celery_once_peer", "memory"]
+SECTIONS = [
+    "consumer",
+    "workers",
+    "http",
+    "http_server",
+    "naive",
+    "celery_once_peer",
+    "memory",
+    "outbox",
+]
 
 
 def main(argv: list[str]) -> None:

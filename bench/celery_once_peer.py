@@ -88,7 +88,7 @@ def run() -> list[Row]:
     if importlib.util.find_spec("celery_once") is None:
         return [na("4 peers: celery-once", "dups after a worker kill", "celery-once not installed")]
     setup()
-    from tests.conftest import BROKERS, service_reachable
+    from tests.support.services import BROKERS, service_reachable
 
     url = BROKERS["rabbitmq"]()
     if not service_reachable(url):

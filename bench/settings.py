@@ -43,3 +43,14 @@ if os.environ.get("BENCH_HTTP_SERVER") == "1":
         "bench.http_server.HeaderUserMiddleware",
         "idempotency_key.middleware.ExemptIdempotencyKeyMiddleware",
     ]
+
+# Section 7 (outbox): django-celery-outbox, benchmark-only, driven through its own
+# OutboxCelery app; its StatsD metrics are off (nothing listens for them here).
+try:
+    import django_celery_outbox  # noqa: F401
+except ImportError:
+    pass
+else:
+    INSTALLED_APPS = [*INSTALLED_APPS, "django_celery_outbox"]
+    CELERY_OUTBOX_APP = "bench.outbox_peer.peer_app"
+    MONITORING_METRICS_ENABLED = False

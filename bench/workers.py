@@ -70,7 +70,7 @@ def run() -> list[Row]:
     setup()
     from django.conf import settings
 
-    from tests.conftest import BROKERS, service_reachable
+    from tests.support.services import BROKERS, service_reachable
 
     rows = []
     for broker in ("redis", "rabbitmq"):

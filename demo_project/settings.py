@@ -133,6 +133,10 @@ LOGGING = {
     "disable_existing_loggers": False,
     # One JSON object a line, carrying message_id and order_id where known.
     "formatters": {"json": {"()": "idempotent_orders.observability.JsonFormatter"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
+    # ... and the trace context (traceparent, correlation_id) a message carried.
+    "filters": {"trace": {"()": "idempotent_orders.tracing.TraceLogFilter"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "json", "filters": ["trace"]}
+    },
     "loggers": {"idempotent_orders": {"handlers": ["console"], "level": "INFO"}},
 }

@@ -94,7 +94,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.outbox import outbox_stats
+from idempotent_orders.outbox import outbox_stats, requeue_outbox
 from idempotent_orders.services import parse_envelope
 from idempotent_orders.transitions import (
     Edge,
@@ -290,6 +290,14 @@ def attention(user: Any) -> list[Attention]:
                 stats["pending"],
                 changelist(OutboxMessage, f"?status__exact={OutboxStatus.PENDING}"),
                 f"oldest waiting {timesince(now - timedelta(seconds=age), now)}" if age else "",
+            )
+        )
+        lines.append(
+            Attention(
+                "outbox_dead",
+                "Outbox dead letters (requeue once the cause is fixed)",
+                stats["dead"],
+                changelist(OutboxMessage, f"?status__exact={OutboxStatus.DEAD}"),
             )
         )
     return lines
@@ -929,12 +937,14 @@ class OutboxMessageAdmin(EvidenceAdmin):
         "created_at",
         "sent_at",
         "available_at",
+        "dead_at",
     ]
     list_filter = ["status", "task_name"]
-    search_fields = ["message_id", "last_error"]
+    search_fields = ["message_id", "order_key", "last_error"]
     readonly_fields = [
         "message_id",
         "task_name",
+        "order_key",
         "payload",
         "options",
         "status",
@@ -944,12 +954,51 @@ class OutboxMessageAdmin(EvidenceAdmin):
         "last_error",
         "created_at",
         "sent_at",
+        "dead_at",
     ]
-    actions = ["publish_again"]
+    actions = ["requeue_dead", "publish_again"]
+
+    @admin.action(description="Requeue dead rows (after fixing the cause)", permissions=["change"])
+    def requeue_dead(
+        self, request: HttpRequest, queryset: QuerySet[OutboxMessage]
+    ) -> TemplateResponse | None:
+        """Confirm first; then each dead row goes back to pending, audited one by one."""
+        rows = list(queryset.order_by("id"))
+        if request.POST.get("post") != "yes":
+            return TemplateResponse(
+                request,
+                "admin/idempotent_orders/outboxmessage/requeue_confirmation.html",
+                {
+                    **self.admin_site.each_context(request),
+                    "title": "Requeue dead outbox rows: are you sure?",
+                    "subtitle": None,
+                    "opts": self.opts,
+                    "rows": rows,
+                    "dead": [r for r in rows if r.status == OutboxStatus.DEAD],
+                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                },
+            )
+        results: Counter[str] = Counter()
+        for row in rows:
+            # Conditional on the row still being dead: a row requeued meanwhile is skipped.
+            done = requeue_outbox(ids=[row.pk], using=queryset.db)
+            result = "requeued" if done else "skipped"
+            results[result] += 1
+            detail = (
+                f"dead after {row.attempts} attempt(s): {row.last_error}"
+                if done
+                else f"not dead ({row.status}); nothing done"
+            )
+            audit(request, "outbox:requeue", row, result, detail)
+        level = messages.SUCCESS if not results["skipped"] else messages.WARNING
+        summary = ", ".join(f"{n} {what}" for what, n in sorted(results.items()))
+        self.message_user(request, f"Requeue: {summary or 'nothing selected'}.", level)
+        return None
 
     @admin.action(description="Publish again (same message id; consumers dedup)")
     def publish_again(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
-        count = queryset.update(
+        # Dead rows go back through the confirmed "requeue" action only.
+        count = queryset.exclude(status=OutboxStatus.DEAD).update(
             status=OutboxStatus.PENDING, available_at=timezone.now(), claimed_until=None
         )
         self.message_user(request, f"{count} outbox rows queued for the relay.", messages.SUCCESS)

@@ -138,6 +138,7 @@ def check_outbox_and_locks(app_configs: Any = None, **kwargs: Any) -> list[Check
     for name in (
         "OUTBOX_BATCH_SIZE",
         "OUTBOX_CLAIM_TIMEOUT",
+        "OUTBOX_MAX_ATTEMPTS",
         "OUTBOX_RETENTION",
         "OUTBOX_RETRY_BACKOFF_MAX",
     ):

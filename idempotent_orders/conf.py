@@ -36,10 +36,16 @@ DEFAULTS: dict[str, Any] = {
     "LOCK_CACHE": "default",
     # Outbox: publish right after the writing transaction commits (the relay catches the rest).
     "OUTBOX_PUBLISH_ON_COMMIT": True,
+    # That publish runs in a background thread of the process (bounded queue, flushed at
+    # exit), so the committing request does not wait for the broker; False: in the caller.
+    "OUTBOX_PUBLISHER_THREAD": True,
     # Outbox rows the relay claims per transaction.
     "OUTBOX_BATCH_SIZE": 100,
     # Longest wait (seconds) between publish attempts of a row whose publish failed.
     "OUTBOX_RETRY_BACKOFF_MAX": 300,
+    # Failed publishes of an outbox row before it is dead-lettered (status "dead",
+    # requeued by an operator); a PermanentPublishError dead-letters it at once.
+    "OUTBOX_MAX_ATTEMPTS": 20,
     # Claim lease (seconds) on databases without SKIP LOCKED; longer than one batch's publish.
     "OUTBOX_CLAIM_TIMEOUT": 60,
     # Sent outbox rows older than this (seconds) are deleted by purge_outbox.
@@ -164,12 +170,20 @@ class Settings:
         return bool(self._get("OUTBOX_PUBLISH_ON_COMMIT"))
 
     @property
+    def OUTBOX_PUBLISHER_THREAD(self) -> bool:
+        return bool(self._get("OUTBOX_PUBLISHER_THREAD"))
+
+    @property
     def OUTBOX_BATCH_SIZE(self) -> int:
         return int(self._get("OUTBOX_BATCH_SIZE"))
 
     @property
     def OUTBOX_RETRY_BACKOFF_MAX(self) -> int:
         return int(self._get("OUTBOX_RETRY_BACKOFF_MAX"))
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        return int(self._get("OUTBOX_MAX_ATTEMPTS"))
 
     @property
     def OUTBOX_CLAIM_TIMEOUT(self) -> int:

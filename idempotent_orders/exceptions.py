@@ -151,3 +151,15 @@ class CallFailed(IdempotentOrdersError):
     """An ``@idempotent(external=True)`` call was marked failed for an operator."""
 
     default_code = "call-failed"
+
+
+class PermanentPublishError(IdempotentOrdersError):
+    """Raised while the outbox relay publishes a row (by the task's own ``apply_async``,
+    for instance a ``Task`` subclass that validates its message): the message can never
+    be published, so the row is dead-lettered at once instead of retried. (Celery logs
+    and ignores exceptions of ``before_task_publish`` receivers: they cannot stop it.)
+
+    Also importable as ``idempotent_orders.outbox.PermanentPublishError``.
+    """
+
+    default_code = "permanent-publish-error"

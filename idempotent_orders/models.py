@@ -222,6 +222,9 @@ class ParkedMessage(models.Model):
 class OutboxStatus(models.TextChoices):
     PENDING = "pending", "pending"
     SENT = "sent", "sent"
+    #: Never published: ``OUTBOX_MAX_ATTEMPTS`` failed publishes or a permanent
+    #: error. Kept with its ``last_error`` until an operator requeues it.
+    DEAD = "dead", "dead"
 
 
 class OutboxMessage(models.Model):
@@ -249,12 +252,22 @@ class OutboxMessage(models.Model):
     last_error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
     sent_at = models.DateTimeField(null=True, blank=True)
+    #: When the row was dead-lettered (cleared by a requeue).
+    dead_at = models.DateTimeField(null=True, blank=True)
+    #: Rows with the same key are published in id order: one is not published
+    #: while an earlier one of its key is pending or dead. None: no order.
+    # NULL, not "": a row without a key matches no other row (order_key = NULL is never true).
+    order_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    #: The producer's W3C trace context and correlation id, sent as task headers.
+    traceparent = models.CharField(max_length=55, blank=True, default="")
+    correlation_id = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
         ordering = ["id"]
         indexes = [
             models.Index(fields=["status", "available_at"]),
             models.Index(fields=["status", "sent_at"]),
+            models.Index(fields=["order_key", "status", "id"]),
         ]
 
     def __str__(self) -> str:

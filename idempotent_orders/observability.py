@@ -14,7 +14,11 @@ Metrics, when ``prometheus-client`` is installed (connected in ``AppConfig.ready
   ``idempotent_orders_stuck_processing`` (expired leases),
   ``idempotent_orders_failed_messages``, ``idempotent_orders_parked_messages``
   and ``idempotent_orders_consumer_lag_seconds{consumer}`` (age of the oldest
-  message a consumer has not finished: parked or processing).
+  message a consumer has not finished: parked or processing);
+  ``idempotent_orders_outbox_pending``, ``idempotent_orders_outbox_dead`` and
+  ``idempotent_orders_outbox_oldest_pending_seconds`` (the outbox's backlog);
+- ``idempotent_orders_outbox_published_total`` and
+  ``idempotent_orders_outbox_dead_lettered_total``: counted by the relays.
 
 Counters live in the process that counts them: scrape the workers too, or use
 prometheus-client's multiprocess mode.
@@ -84,6 +88,9 @@ class DatabaseCollector:
             "idempotent_orders_stuck_processing",
             "idempotent_orders_failed_messages",
             "idempotent_orders_parked_messages",
+            "idempotent_orders_outbox_pending",
+            "idempotent_orders_outbox_dead",
+            "idempotent_orders_outbox_oldest_pending_seconds",
         ):
             yield GaugeMetricFamily(name, "")
         yield GaugeMetricFamily("idempotent_orders_consumer_lag_seconds", "", labels=["consumer"])
@@ -128,6 +135,27 @@ class DatabaseCollector:
         for consumer, since in sorted(oldest.items()):
             lag.add_metric([consumer], max(0.0, (now - since).total_seconds()))
         yield lag
+        yield from self.collect_outbox()
+
+    def collect_outbox(self) -> Iterator[Any]:
+        from idempotent_orders.outbox import outbox_stats
+
+        outbox = outbox_stats()
+        yield GaugeMetricFamily(
+            "idempotent_orders_outbox_pending",
+            "Outbox rows not published yet (due or backing off).",
+            value=outbox["pending"],
+        )
+        yield GaugeMetricFamily(
+            "idempotent_orders_outbox_dead",
+            "Outbox rows dead-lettered, waiting for an operator to requeue them.",
+            value=outbox["dead"],
+        )
+        yield GaugeMetricFamily(
+            "idempotent_orders_outbox_oldest_pending_seconds",
+            "Age of the oldest pending outbox row (0 when none).",
+            value=outbox["oldest_pending_age"] or 0.0,
+        )
 
 
 def _on_consumed(sender: Any, consumer: str, outcome: Any, **kwargs: Any) -> None:
@@ -140,6 +168,11 @@ def _on_lease(sender: Any, consumer: str, result: str, **kwargs: Any) -> None:
 
 def _on_reconciled(sender: Any, consumer: str, action: str, **kwargs: Any) -> None:
     _metrics["idempotent_orders_reconciled"].labels(consumer=consumer, action=action).inc()
+
+
+def _on_relayed(sender: Any, published: int, dead: int = 0, **kwargs: Any) -> None:
+    _metrics["idempotent_orders_outbox_published"].inc(published)
+    _metrics["idempotent_orders_outbox_dead_lettered"].inc(dead)
 
 
 def connect() -> bool:
@@ -158,10 +191,13 @@ def connect() -> bool:
     _counter(
         "idempotent_orders_reconciled", "Reconciler actions, by action.", ["consumer", "action"]
     )
+    _counter("idempotent_orders_outbox_published", "Outbox rows published by relays.", [])
+    _counter("idempotent_orders_outbox_dead_lettered", "Outbox rows dead-lettered by relays.", [])
     prometheus_client.REGISTRY.register(DatabaseCollector())
     signals.message_consumed.connect(_on_consumed, dispatch_uid="io_metrics_consumed")
     signals.lease_finished.connect(_on_lease, dispatch_uid="io_metrics_lease")
     signals.message_reconciled.connect(_on_reconciled, dispatch_uid="io_metrics_reconciled")
+    signals.outbox_relayed.connect(_on_relayed, dispatch_uid="io_metrics_outbox_relayed")
     return True
 
 

@@ -2,34 +2,61 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import queue
+import threading
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from celery import Task, current_app
-from django.db import connections, router, transaction
-from django.db.models import Count, Min, Q
+from django.db import DatabaseError, close_old_connections, connections, router, transaction
+from django.db.models import Count, Exists, Min, OuterRef, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
+from idempotent_orders import tracing
 from idempotent_orders.conf import conf
+from idempotent_orders.exceptions import PermanentPublishError
 from idempotent_orders.models import OutboxMessage, OutboxStatus
-from idempotent_orders.signals import outbox_relayed
+from idempotent_orders.signals import outbox_dead, outbox_relayed
 
-__all__ = ["RelayResult", "outbox_stats", "publish_on_commit", "purge_outbox", "relay_outbox"]
+__all__ = [
+    "OutboxListener",
+    "PermanentPublishError",
+    "RelayResult",
+    "flush_publisher",
+    "outbox_stats",
+    "publish_on_commit",
+    "purge_outbox",
+    "relay_outbox",
+    "requeue_outbox",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
 
 @dataclass(frozen=True)
 class RelayResult:
-    """What one relay run did: rows published, rows whose publish failed, rows left pending."""
+    """What one relay run did: rows published, rows whose publish failed and will be
+    tried again, rows it left pending, rows dead-lettered.
+
+    ``pending`` counts the rows this run tried and left pending (its failed
+    publishes, backing off), not the whole backlog: counting every pending row
+    would cost the relay a scan of the table on each run. The backlog is
+    ``outbox_stats()["pending"]``.
+    """
 
     published: int = 0
     retried: int = 0
     pending: int = 0
+    dead: int = 0
 
 
 def publish_on_commit(
@@ -37,6 +64,9 @@ def publish_on_commit(
     message: Any,
     *,
     message_id: str | None = None,
+    order_key: str | None = None,
+    traceparent: str | None = None,
+    correlation_id: str | None = None,
     using: str | None = None,
     **options: Any,
 ) -> OutboxMessage:
@@ -47,17 +77,48 @@ def publish_on_commit(
     becomes the Celery ``task_id`` of every publish of it, so a consumer
     (``@idempotent(key=...)`` or the inbox) recognises a re-publish.
 
-    After commit the row is published at once (``OUTBOX_PUBLISH_ON_COMMIT``);
-    if that fails or the process dies first, :func:`relay_outbox` publishes it.
-    ``options`` are passed to ``apply_async`` (queue, priority, countdown, ...).
+    After commit the row is published at once (``OUTBOX_PUBLISH_ON_COMMIT``):
+    handed to this process's background publisher thread
+    (``OUTBOX_PUBLISHER_THREAD``), so the committing thread does not wait for
+    the broker, or published in the committing thread when that is off. If the
+    publish fails, the thread's queue is full or the process dies first,
+    :func:`relay_outbox` publishes the row. On PostgreSQL every insert also
+    notifies the channel ``idempotent_orders_outbox``, which wakes
+    ``relay_outbox --loop``. ``options`` are passed to ``apply_async`` (queue,
+    priority, countdown, ...).
+
+    ``order_key`` (an order's id, a customer, ...) keeps the messages of one key
+    in order: a row is not published while an earlier row (lower id) of its
+    key is pending, backing off or dead. Rows get their ids when written, so
+    this is commit order whenever the producers of one key serialise (they
+    update the same order row, as transitions do).
+
+    ``traceparent`` (W3C) and ``correlation_id`` default to the trace context in
+    effect (:func:`idempotent_orders.tracing.current`: a ``tracing.use()``
+    block, the running Celery task's message, OpenTelemetry); they are stored
+    with the row and sent as the task's message headers, and restored around
+    the consumer's task.
     """
     name = task if isinstance(task, str) else task.name
     if message_id is None and isinstance(message, Mapping):
         message_id = message.get("message_id")
     message_id = str(message_id) if message_id is not None else uuid.uuid4().hex
     db = using or router.db_for_write(OutboxMessage)
+    trace = tracing.current() if traceparent is None or correlation_id is None else None
+    if traceparent is None:
+        traceparent = trace.traceparent if trace else ""
+    elif not tracing.valid_traceparent(traceparent):
+        raise ValueError(f"not a W3C traceparent: {traceparent!r}")
+    if correlation_id is None:
+        correlation_id = trace.correlation_id if trace else ""
     row = OutboxMessage.objects.using(db).create(
-        message_id=message_id, task_name=name, payload=message, options=options
+        message_id=message_id,
+        task_name=name,
+        payload=message,
+        options=options,
+        order_key=None if order_key is None else str(order_key),
+        traceparent=traceparent,
+        correlation_id=str(correlation_id)[:255],
     )
     if conf.OUTBOX_PUBLISH_ON_COMMIT:
         transaction.on_commit(lambda: _publish_after_commit(row.pk, db), using=db)
@@ -65,6 +126,13 @@ def publish_on_commit(
 
 
 def _publish_after_commit(pk: int, db: str) -> None:
+    # Inside an atomic block here means the row is not committed for other
+    # connections yet (a test case's transaction): the thread could not see it.
+    if conf.OUTBOX_PUBLISHER_THREAD and not connections[db].in_atomic_block:
+        if publisher.submit(db, pk):
+            return
+        logger.debug("outbox: publisher queue full; the relay will send row %s", pk)
+        return
     try:
         relay_outbox(ids=[pk], using=db)
     except Exception:
@@ -72,9 +140,210 @@ def _publish_after_commit(pk: int, db: str) -> None:
         logger.exception("outbox: immediate publish of row %s failed; the relay will retry", pk)
 
 
+class Publisher:
+    """A daemon thread that publishes committed outbox rows for this process.
+
+    Producers hand it row ids after commit (:meth:`submit`, never blocking);
+    it drains them in batches through :func:`relay_outbox` (``ids=``), so it
+    locks, publishes and marks exactly as the relay does. Its queue is bounded
+    (:attr:`capacity`): a row that does not fit is left to the relay. It is
+    started on first use in each process (again after a fork) and flushed at
+    interpreter exit for up to :attr:`exit_timeout` seconds; rows it did not
+    reach are still pending, for the relay.
+    """
+
+    capacity = 10_000
+    exit_timeout = 5.0
+    #: Seconds the thread waits for more ids after the first, to publish them as one batch.
+    linger = 0.02
+    #: Seconds without work after which the thread closes its database connection.
+    idle_close = 1.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue(self.capacity)
+        self._thread: threading.Thread | None = None
+        self._exit_hook = False
+
+    def submit(self, db: str, pk: int) -> bool:
+        """Queue row ``pk`` of database ``db``; False when the queue is full."""
+        self._ensure_started()
+        try:
+            self._queue.put_nowait((db, pk))
+        except queue.Full:
+            return False
+        return True
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted row was handled; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline or not self._alive():
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._pid == os.getpid()
+
+    def _ensure_started(self) -> None:
+        if self._alive():
+            return
+        with self._lock:
+            if self._alive():
+                return
+            if self._pid != os.getpid():  # a forked child: the parent's queue is not ours
+                self._queue = queue.Queue(self.capacity)
+            self._pid = os.getpid()
+            self._thread = threading.Thread(
+                target=self._run, name="idempotent-orders-outbox", daemon=True
+            )
+            self._thread.start()
+            if not self._exit_hook:
+                atexit.register(self._stop)
+                self._exit_hook = True
+
+    def _stop(self) -> None:
+        if self._alive():
+            self.flush(self.exit_timeout)
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=self.idle_close)
+                except queue.Empty:
+                    connections.close_all()  # idle: hold no database connection
+                    continue
+                if item is None:
+                    self._queue.task_done()
+                    return
+                batch = [item]
+                stop = self._collect(batch)
+                try:
+                    self._publish(batch)
+                finally:
+                    for _ in batch:
+                        self._queue.task_done()
+                if stop:
+                    self._queue.task_done()
+                    return
+        finally:
+            connections.close_all()
+
+    def _collect(self, batch: list[tuple[str, int]]) -> bool:
+        """Add the ids that arrive within :attr:`linger` seconds to ``batch`` (one relay
+        call publishes them all); True when the stop marker came.
+        """
+        deadline = time.monotonic() + self.linger
+        while len(batch) < conf.OUTBOX_BATCH_SIZE:
+            try:
+                more = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False
+            if more is None:
+                return True
+            batch.append(more)
+        return False
+
+    def _publish(self, batch: list[tuple[str, int]]) -> None:
+        by_db: dict[str, list[int]] = {}
+        for db, pk in batch:
+            by_db.setdefault(db, []).append(pk)
+        close_old_connections()
+        for db, ids in by_db.items():
+            try:
+                relay_outbox(ids=ids, using=db)
+            except Exception:
+                logger.exception(
+                    "outbox: background publish of %d row(s) failed; the relay will retry",
+                    len(ids),
+                )
+
+
+#: PostgreSQL channel notified on every insert into the outbox (migration 0004).
+NOTIFY_CHANNEL = "idempotent_orders_outbox"
+
+
+class OutboxListener:
+    """Waits for new outbox rows: ``LISTEN`` on PostgreSQL, a plain sleep elsewhere.
+
+    :meth:`wait` returns when a row was inserted (and committed) or after
+    ``timeout`` seconds, whichever comes first; ``relay_outbox --loop`` runs
+    the relay after each wait. Uses the database connection of ``using``
+    (outside any transaction, as a management command is).
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.db = using or router.db_for_write(OutboxMessage)
+        self._listening = False
+
+    def _listen(self) -> bool:
+        connection = connections[self.db]
+        if connection.vendor != "postgresql":
+            return False
+        if not self._listening:
+            with connection.cursor() as cursor:
+                cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self._listening = True
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """True when woken by a notification, False after ``timeout`` (or without LISTEN)."""
+        try:
+            if not self._listen():
+                time.sleep(timeout)
+                return False
+            raw = connections[self.db].connection
+            woken = False
+            for _ in raw.notifies(timeout=timeout, stop_after=1):
+                woken = True
+            return woken
+        except Exception as exc:
+            if not isinstance(exc, (OSError, DatabaseError)) and not _is_driver_error(exc):
+                raise
+            logger.warning("outbox: LISTEN failed (%r); polling until it works again", exc)
+            self.close()
+            time.sleep(timeout)
+            return False
+
+    def close(self) -> None:
+        if self._listening:
+            self._listening = False
+            connections[self.db].close()
+
+
+def _is_driver_error(exc: Exception) -> bool:
+    return type(exc).__module__.startswith("psycopg")
+
+
+#: The process's background publisher (see ``OUTBOX_PUBLISHER_THREAD``).
+publisher = Publisher()
+
+
+def flush_publisher(timeout: float = 10.0) -> bool:
+    """Wait until the background publisher handled every row handed to it; False on timeout.
+
+    For scripts and tests that want the immediate publishes done before they go on.
+    """
+    return publisher.flush(timeout)
+
+
+#: The broker producer a batch publishes through (one pool checkout per batch, not per row).
+_batch = threading.local()
+
+
 def _send(row: OutboxMessage) -> None:
     task = current_app.tasks.get(row.task_name)
     options = {**row.options, "task_id": row.message_id}
+    producer = getattr(_batch, "producer", None)
+    if producer is not None:
+        options["producer"] = producer
+    trace = tracing.TraceContext(row.traceparent, row.correlation_id).headers()
+    if trace:
+        options["headers"] = {**options.get("headers", {}), **trace}
     if task is not None:  # keeps the task's own routing and options
         task.apply_async(args=(row.payload,), **options)
     else:
@@ -85,11 +354,39 @@ def _backoff(attempts: int) -> timedelta:
     return timedelta(seconds=min(conf.OUTBOX_RETRY_BACKOFF_MAX, 2 ** min(attempts, 20)))
 
 
+#: Rows that hold back the later rows of their key.
+_BLOCKING = (OutboxStatus.PENDING, OutboxStatus.DEAD)
+
+
 def _due(db: str, ids: list[int] | None) -> Any:
+    """Due pending rows that are not behind an earlier pending or dead row of their key."""
     rows = OutboxMessage.objects.using(db).filter(
         status=OutboxStatus.PENDING, available_at__lte=timezone.now()
     )
+    earlier = OutboxMessage.objects.using(db).filter(
+        order_key=OuterRef("order_key"), status__in=_BLOCKING, pk__lt=OuterRef("pk")
+    )
+    rows = rows.filter(Q(order_key__isnull=True) | ~Exists(earlier))
     return rows.filter(pk__in=ids) if ids is not None else rows
+
+
+def _heads(db: str, rows: list[OutboxMessage]) -> list[OutboxMessage]:
+    """``rows`` without any that an earlier row of its key still holds back.
+
+    Checked again by a plain read after the rows are locked: the locking read
+    may have skipped an earlier row another relay holds (and is publishing).
+    """
+    keys = {row.order_key for row in rows if row.order_key is not None}
+    if not keys:
+        return rows
+    first = dict(
+        OutboxMessage.objects.using(db)
+        .filter(order_key__in=keys, status__in=_BLOCKING)
+        .values("order_key")
+        .annotate(first=Min("id"))
+        .values_list("order_key", "first")
+    )
+    return [row for row in rows if row.order_key is None or first.get(row.order_key) == row.pk]
 
 
 def relay_outbox(
@@ -102,38 +399,51 @@ def relay_outbox(
     a batch is locked while it is published and marked in one transaction: a
     crash between publish and mark rolls the mark back, and the next run
     publishes the row again with the same id (at least once; consumers dedup).
-    Elsewhere rows are claimed with a lease (``OUTBOX_CLAIM_TIMEOUT``).
+    Elsewhere rows are claimed with a lease (``OUTBOX_CLAIM_TIMEOUT``). The rows
+    of a batch that were published are marked sent by one ``UPDATE``; on
+    PostgreSQL that commit does not wait for the WAL flush (``synchronous_commit
+    = off`` for the relay's transaction only), since a mark lost in a server
+    crash only means one more publish of the same id.
     """
     db = using or router.db_for_write(OutboxMessage)
     size = batch_size or conf.OUTBOX_BATCH_SIZE
     features = connections[db].features
     locking = features.has_select_for_update and features.has_select_for_update_skip_locked
-    published = retried = 0
+    published = retried = dead = 0
     while True:
         if locking:
-            sent, failed = _relay_locked_batch(db, size, ids)
+            sent, failed, died, more = _relay_locked_batch(db, size, ids)
         else:
-            sent, failed = _relay_leased_batch(db, size, ids)
+            sent, failed, died, more = _relay_leased_batch(db, size, ids)
         published += sent
         retried += failed
-        if sent + failed < size:
+        dead += died
+        if not more:
             break
-    pending = OutboxMessage.objects.using(db).filter(status=OutboxStatus.PENDING).count()
-    result = RelayResult(published=published, retried=retried, pending=pending)
-    if published or retried:
+    result = RelayResult(published=published, retried=retried, pending=retried, dead=dead)
+    if published or retried or dead:
         outbox_relayed.send(sender=OutboxMessage, **vars(result))
     return result
 
 
-def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int]:
+Batch = tuple[int, int, int, bool]
+
+
+def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> Batch:
     with transaction.atomic(using=db):
+        connection = connections[db]
+        if connection.vendor == "postgresql":
+            # The commit need not wait for the WAL flush: a mark lost in a server crash
+            # only makes the row be published again, with the same id (consumers dedup).
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL synchronous_commit TO OFF")
         rows = list(
             _due(db, ids).select_for_update(skip_locked=True).order_by("available_at", "id")[:size]
         )
-        return _publish_rows(db, rows)
+        return _publish_rows(db, _heads(db, rows), full=len(rows) >= size)
 
 
-def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int, int]:
+def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
     now = timezone.now()
     until = now + timedelta(seconds=conf.OUTBOX_CLAIM_TIMEOUT)
     candidates = list(
@@ -153,39 +463,150 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> tuple[int,
         if won:
             claimed.append(pk)
     rows = list(OutboxMessage.objects.using(db).filter(pk__in=claimed).order_by("id"))
-    return _publish_rows(db, rows)
+    # A row claimed but held back by its key goes back to the pool with its lease lifted.
+    heads = _heads(db, rows)
+    held = [row.pk for row in rows if row not in heads]
+    if held:
+        OutboxMessage.objects.using(db).filter(pk__in=held).update(claimed_until=None)
+    return _publish_rows(db, heads, full=len(candidates) >= size)
 
 
-def _publish_rows(db: str, rows: list[OutboxMessage]) -> tuple[int, int]:
-    sent = failed = 0
-    for row in rows:
-        try:
-            _send(row)
-        except Exception as exc:
-            failed += 1
-            row.attempts += 1
-            row.available_at = timezone.now() + _backoff(row.attempts)
-            row.claimed_until = None
-            row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
-            OutboxMessage.objects.using(db).filter(pk=row.pk).update(
-                attempts=row.attempts,
-                available_at=row.available_at,
-                claimed_until=None,
-                last_error=row.last_error,
-            )
-            logger.warning(
-                "outbox: publishing %s failed (attempt %d): %r",
-                row.message_id,
-                row.attempts,
-                exc,
-                extra={"message_id": row.message_id},
-            )
-        else:
-            sent += 1
-            OutboxMessage.objects.using(db).filter(pk=row.pk).update(
-                status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
-            )
-    return sent, failed
+def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
+    """Publish ``rows``; (sent, failed, dead, whether another batch may find rows).
+
+    Another batch is worth it when this one was full, or when it published a
+    keyed row: the next row of that key may be due now.
+    """
+    sent: list[int] = []
+    keyed = False
+    failed = dead = 0
+    with _batch_producer(len(rows)):
+        for row in rows:
+            try:
+                _send(row)
+            except Exception as exc:
+                if _failed(db, row, exc):
+                    dead += 1
+                else:
+                    failed += 1
+            else:
+                sent.append(row.pk)
+                keyed = keyed or row.order_key is not None
+    if sent:  # one statement for the batch, in the transaction that holds its locks
+        OutboxMessage.objects.using(db).filter(pk__in=sent).update(
+            status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
+        )
+    return len(sent), failed, dead, full or keyed
+
+
+@contextmanager
+def _batch_producer(rows: int) -> Iterator[None]:
+    """Check one producer out of the app's pool for a batch of more than one row.
+
+    Without a broker to connect to, the rows publish one by one (and fail one by
+    one, each with its own backoff) as they would without it.
+    """
+    if rows < 2:
+        yield
+        return
+    try:
+        checkout = current_app.producer_or_acquire()
+        producer = checkout.__enter__()
+    except Exception:
+        yield
+        return
+    _batch.producer = producer
+    try:
+        yield
+    finally:
+        _batch.producer = None
+        checkout.__exit__(None, None, None)
+
+
+def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:
+    """Record a failed publish of ``row``: back off, or dead-letter it; True if dead."""
+    row.attempts += 1
+    row.claimed_until = None
+    row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+    permanent = isinstance(exc, PermanentPublishError)
+    rows = OutboxMessage.objects.using(db).filter(pk=row.pk)
+    if permanent or row.attempts >= conf.OUTBOX_MAX_ATTEMPTS:
+        row.status = OutboxStatus.DEAD
+        row.dead_at = timezone.now()
+        rows.update(
+            status=row.status,
+            attempts=row.attempts,
+            claimed_until=None,
+            last_error=row.last_error,
+            dead_at=row.dead_at,
+        )
+        logger.error(
+            "outbox: %s dead-lettered after %d attempt(s)%s: %r",
+            row.message_id,
+            row.attempts,
+            " (permanent error)" if permanent else "",
+            exc,
+            extra={"message_id": row.message_id},
+        )
+        outbox_dead.send(
+            sender=OutboxMessage,
+            message_id=row.message_id,
+            task_name=row.task_name,
+            attempts=row.attempts,
+            error=row.last_error,
+        )
+        return True
+    row.available_at = timezone.now() + _backoff(row.attempts)
+    rows.update(
+        attempts=row.attempts,
+        available_at=row.available_at,
+        claimed_until=None,
+        last_error=row.last_error,
+    )
+    logger.warning(
+        "outbox: publishing %s failed (attempt %d of %d): %r",
+        row.message_id,
+        row.attempts,
+        conf.OUTBOX_MAX_ATTEMPTS,
+        exc,
+        extra={"message_id": row.message_id},
+    )
+    return False
+
+
+def requeue_outbox(
+    *,
+    ids: Iterable[int] | None = None,
+    message_ids: Iterable[str] | None = None,
+    task_name: str | None = None,
+    dry_run: bool = False,
+    using: str | None = None,
+) -> int:
+    """Put dead rows back to pending, due now, with their attempts reset; returns how many.
+
+    Without a filter every dead row is requeued; ``ids``, ``message_ids`` and
+    ``task_name`` narrow it down (together: rows matching all of them). Only
+    dead rows change (a row that is pending or sent is left alone), and
+    ``last_error`` is kept as the record of why it died. ``dry_run`` counts
+    the rows and changes nothing.
+    """
+    db = using or router.db_for_write(OutboxMessage)
+    rows = OutboxMessage.objects.using(db).filter(status=OutboxStatus.DEAD)
+    if ids is not None:
+        rows = rows.filter(pk__in=list(ids))
+    if message_ids is not None:
+        rows = rows.filter(message_id__in=list(message_ids))
+    if task_name is not None:
+        rows = rows.filter(task_name=task_name)
+    if dry_run:
+        return rows.count()
+    return rows.update(
+        status=OutboxStatus.PENDING,
+        attempts=0,
+        available_at=Now(),
+        claimed_until=None,
+        dead_at=None,
+    )
 
 
 def purge_outbox(*, older_than: int | None = None, using: str | None = None) -> int:
@@ -202,7 +623,9 @@ def purge_outbox(*, older_than: int | None = None, using: str | None = None) -> 
 
 
 def outbox_stats(*, using: str | None = None) -> dict[str, Any]:
-    """Counters for dashboards: pending, sent, retried (rows that needed more than one try)."""
+    """Counters for dashboards: pending, sent, dead, retried (rows whose publish failed at
+    least once) and the age in seconds of the oldest pending row.
+    """
     db = using or router.db_for_write(OutboxMessage)
     rows = OutboxMessage.objects.using(db)
     counts = dict(rows.values_list("status").annotate(n=Count("id")).order_by())
@@ -210,6 +633,7 @@ def outbox_stats(*, using: str | None = None) -> dict[str, Any]:
     return {
         "pending": counts.get(OutboxStatus.PENDING, 0),
         "sent": counts.get(OutboxStatus.SENT, 0),
+        "dead": counts.get(OutboxStatus.DEAD, 0),
         "retried": rows.filter(attempts__gt=0).count(),
         "oldest_pending_age": (timezone.now() - oldest).total_seconds() if oldest else None,
     }

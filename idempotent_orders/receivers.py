@@ -64,3 +64,30 @@ def recycle_db_connections(**kwargs: Any) -> None:
     if task is not None and getattr(task.request, "is_eager", False):
         return
     close_old_connections()
+
+
+# -- trace context of the message, current while its task runs -----------------------------
+
+
+@task_prerun.connect(dispatch_uid="idempotent_orders.trace_prerun")
+def restore_trace(task_id: str = "", task: Any = None, **kwargs: Any) -> None:
+    """Make the message's ``traceparent`` / ``correlation_id`` current for the task."""
+    from idempotent_orders import tracing
+
+    if task is None or getattr(task.request, "is_eager", False):
+        return  # an eager task runs in its caller's context already
+    context = tracing.restore_for_task(task_id, task.request)
+    if context:
+        logger.debug(
+            "task %s runs in trace %s",
+            task_id,
+            context.traceparent or "-",
+            extra={"message_id": task_id, **context.headers()},
+        )
+
+
+@task_postrun.connect(dispatch_uid="idempotent_orders.trace_postrun")
+def forget_trace(task_id: str = "", task: Any = None, **kwargs: Any) -> None:
+    from idempotent_orders import tracing
+
+    tracing.forget_for_task(task_id)

@@ -16,8 +16,13 @@ message_consumed = Signal()
 message_released = Signal()
 
 #: Sent by relay_outbox() after a run that published or failed to publish rows.
-#: Arguments: ``published``, ``retried`` (failed publishes, to be tried again), ``pending``.
+#: Arguments: ``published``, ``retried`` (failed publishes, to be tried again), ``pending``,
+#: ``dead`` (rows dead-lettered by this run).
 outbox_relayed = Signal()
+#: Sent when the relay dead-letters an outbox row (``OUTBOX_MAX_ATTEMPTS`` failed
+#: publishes, or a ``PermanentPublishError``).
+#: Arguments: ``message_id``, ``task_name``, ``attempts``, ``error`` (the last one).
+outbox_dead = Signal()
 #: Sent for every dedup decision, saying which layer answered.
 #: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
 #: redis-hit, redis-miss, redis-down, disabled, database-conflict), ``consumer``, ``message_id``.

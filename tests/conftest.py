@@ -11,16 +11,14 @@ from typing import Any
 import pytest
 
 from idempotent_orders import get_order_model
-
-# Tests import their helpers from tests.support; these names stay importable from here for
-# code written before it existed (bench/ reads BROKERS and service_reachable).
-from tests.support.messages import payment as payment
-from tests.support.messages import shipment as shipment
-from tests.support.services import BROKERS, Workers, require_service, reset_broker_pools, worker_env
-from tests.support.services import IN_CI as IN_CI
-from tests.support.services import ROOT as ROOT
-from tests.support.services import service_reachable as service_reachable
-from tests.support.services import wait_until as wait_until
+from tests.support.services import (
+    BROKERS,
+    ROOT,
+    Workers,
+    require_service,
+    reset_broker_pools,
+    worker_env,
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -32,6 +32,7 @@ def test_every_command_name_says_whose_it_is() -> None:
     assert generic == set()
 
 
+@pytest.mark.django_db  # the command reads the outbox rows too
 def test_the_old_stats_name_warns_and_still_works(settings: Any) -> None:
     settings.IDEMPOTENT_ORDERS = {"DEDUP_CACHE_ALIAS": ""}  # counts stay in this process
     stats.reset()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 import pytest
 from django.test import Client
@@ -15,16 +14,9 @@ from idempotent_orders.fulfilment import fulfil
 from idempotent_orders.observability import JsonFormatter, record_layer_hit
 from idempotent_orders.services import consume_message
 from tests.support.messages import payment
+from tests.support.metrics import sample
 
 pytestmark = pytest.mark.django_db
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in the Prometheus text format (0 when absent)."""
-    label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = re.escape(name) + (r"\{" + re.escape(label) + r"\}" if labels else "") + r" (\S+)"
-    found = re.search(r"^" + pattern + "$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
 
 
 def test_json_logs_carry_message_and_order_ids(make_order, caplog) -> None:

@@ -153,7 +153,7 @@ def test_purge_deletes_only_old_sent_rows(sent: list[Any]) -> None:
     assert set(OutboxMessage.objects.values_list("pk", flat=True)) == {new.pk, pending.pk}
     out = StringIO()
     call_command("purge_outbox", "--older-than", "0", stdout=out)
-    assert "deleted=1 pending=1" in out.getvalue()
+    assert "deleted=1 pending=1 sent=0 dead=0" in out.getvalue()
 
 
 @override_settings(IDEMPOTENT_ORDERS={"OUTBOX_PUBLISH_ON_COMMIT": False})
@@ -161,10 +161,12 @@ def test_relay_command(sent: list[Any]) -> None:
     publish_on_commit(award_points, message())
     out = StringIO()
     call_command("relay_outbox", stdout=out)
-    assert out.getvalue().strip() == "published=1 retried=0 pending=0"
+    assert out.getvalue().strip() == "published=1 retried=0 pending=0 dead=0"
 
 
-def test_admin_actions(sent: list[Any], rf: Any, admin_user: Any) -> None:
+def test_admin_actions(
+    sent: list[Any], rf: Any, admin_user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with override_settings(IDEMPOTENT_ORDERS={"OUTBOX_PUBLISH_ON_COMMIT": False}):
         a, b = (
             publish_on_commit(award_points, message()),
@@ -174,7 +176,7 @@ def test_admin_actions(sent: list[Any], rf: Any, admin_user: Any) -> None:
     model_admin = site._registry[OutboxMessage]
     request = rf.post("/")
     request.user = admin_user
-    model_admin.message_user = lambda *args, **kwargs: None
+    monkeypatch.setattr(model_admin, "message_user", lambda *args, **kwargs: None)
     model_admin.publish_again(request, OutboxMessage.objects.filter(pk=a.pk))
     assert OutboxMessage.objects.get(pk=a.pk).status == OutboxStatus.PENDING
     assert OutboxMessage.objects.get(pk=b.pk).status == OutboxStatus.SENT

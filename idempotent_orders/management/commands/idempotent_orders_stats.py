@@ -1,4 +1,4 @@
-"""``manage.py idempotent_orders_stats``: counters of consume outcomes and dedup layers."""
+"""``manage.py idempotent_orders_stats``: consume outcomes, dedup layers, outbox rows."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 from idempotent_orders import stats
+from idempotent_orders.outbox import outbox_stats
 
 
 class Command(BaseCommand):
-    help = "Show how many messages ended in each outcome and which dedup layer answered."
+    help = (
+        "Show how many messages ended in each outcome and which dedup layer answered, "
+        "and the outbox's pending, sent, dead and retried rows (read from the database)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -22,11 +26,11 @@ class Command(BaseCommand):
         counts = stats.read()
         if options["reset"]:
             stats.reset(shared=True)
+        outbox = outbox_stats()
+        for name in ("pending", "sent", "dead", "retried"):
+            counts[f"outbox:{name}"] = outbox[name]
         if options["json"]:
             self.stdout.write(json.dumps(counts, sort_keys=True))
-            return
-        if not counts:
-            self.stdout.write("no counts yet")
             return
         width = max(len(name) for name in counts)
         for name in sorted(counts):

@@ -20,5 +20,5 @@ class Command(BaseCommand):
         stats = outbox_stats()
         self.stdout.write(
             f"deleted={deleted} pending={stats['pending']} sent={stats['sent']} "
-            f"retried={stats['retried']}"
+            f"dead={stats['dead']} retried={stats['retried']}"
         )

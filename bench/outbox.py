@@ -1,0 +1,249 @@
+"""Section 7: the transactional outbox — what the producer pays, and the relay's msg/s.
+
+Producer: one transaction that creates an order (the business write), alone
+(the baseline), then with ``publish_on_commit`` in its three modes: relay only
+(``OUTBOX_PUBLISH_ON_COMMIT=False``: the row insert), publish after commit in
+the caller's thread (``OUTBOX_PUBLISHER_THREAD=False``) and publish after
+commit handed to the background publisher thread (the default). The time is
+the caller's: from ``atomic()`` entered to the return after commit.
+
+Relay: ``relay_outbox()`` over a backlog of rows, beside publishing the same
+messages straight with ``apply_async`` (no outbox), on the same broker queue.
+Nothing consumes the queue; it is deleted afterwards.
+
+Peer, when the ``bench`` extra installed it: django-celery-outbox (its
+``OutboxCelery.send_task`` writes the row in the caller's transaction, its
+``Relay`` publishes; batch 100 as ours, idle time 0, StatsD metrics off).
+django-reliable-outbox needs Python 3.12+ and is not measured on 3.11.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from decimal import Decimal
+from typing import Any
+
+from bench.common import RUNS, Row, fmt, median, na, setup
+
+PRODUCER_TXNS = int(os.environ.get("BENCH_OUTBOX_TXNS", "300"))
+RELAY_ROWS = int(os.environ.get("BENCH_OUTBOX_ROWS", "3000"))
+SECTION = "7 outbox"
+
+
+def _broker() -> tuple[str, str] | None:
+    from tests.support.services import BROKERS, service_reachable
+
+    for name in ("rabbitmq", "redis"):
+        url = BROKERS[name]()
+        if service_reachable(url):
+            return name, url
+    return None
+
+
+def _peer() -> Any:
+    try:
+        from bench.outbox_peer import peer_app
+    except ImportError:
+        return None
+    return peer_app
+
+
+def _producer_ms(mode: str, queue: str) -> float:
+    """Median milliseconds the caller spends in one order-creating transaction."""
+    from django.db import transaction
+    from django.test import override_settings
+
+    from demo_project.tasks import award_points
+    from idempotent_orders.models import Order
+    from idempotent_orders.outbox import flush_publisher, publish_on_commit
+
+    base = {
+        "outbox": {},
+        "relay only": {"OUTBOX_PUBLISH_ON_COMMIT": False},
+        "inline": {"OUTBOX_PUBLISHER_THREAD": False},
+    }.get(mode, {})
+    tag = uuid.uuid4().hex[:8]
+    times = []
+    with override_settings(IDEMPOTENT_ORDERS=base):
+        for i in range(PRODUCER_TXNS):
+            start = time.perf_counter()
+            with transaction.atomic():
+                order = Order.objects.create(
+                    business_key=f"bench-out-{tag}-{i}", amount=Decimal("12.50"), currency="CNY"
+                )
+                if mode == "peer":
+                    _peer().send_task(
+                        award_points.name,
+                        args=({"message_id": f"pts-{tag}-{i}", "customer": "b", "points": 1},),
+                        queue=queue,
+                    )
+                elif mode != "baseline":
+                    publish_on_commit(
+                        award_points,
+                        {"message_id": f"pts-{tag}-{i}", "customer": "b", "points": order.pk},
+                        queue=queue,
+                    )
+            times.append(time.perf_counter() - start)
+        flush_publisher(60)  # the thread's work is not the caller's, but do not overlap runs
+    return statistics.median(times) * 1000
+
+
+def _depth(queue: str) -> int:
+    """Messages waiting in ``queue`` on the broker (it proves where the publishes went)."""
+    from celery import current_app
+
+    with current_app.connection_for_write() as conn:
+        return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+
+
+def _peer_relay_rate(queue: str) -> float:
+    from django.db import transaction
+    from django_celery_outbox.models import CeleryOutbox
+    from django_celery_outbox.relay import Relay, RelayConfig
+
+    from demo_project.tasks import award_points
+
+    peer = _peer()
+    CeleryOutbox.objects.all().delete()
+    tag = uuid.uuid4().hex[:8]
+    with transaction.atomic():
+        for i in range(RELAY_ROWS):
+            peer.send_task(
+                award_points.name,
+                args=({"message_id": f"peer-{tag}-{i}", "customer": "b", "points": 1},),
+                queue=queue,
+            )
+    relay = Relay(peer, RelayConfig.init(batch_size=100, idle_time=0.0))
+    before = _depth(queue)
+    start = time.perf_counter()
+    while CeleryOutbox.objects.exists():
+        relay._processing()
+    elapsed = time.perf_counter() - start
+    published = _depth(queue) - before
+    assert published == RELAY_ROWS, f"the peer's relay put {published} messages on the queue"
+    return RELAY_ROWS / elapsed
+
+
+def _relay_rate(queue: str, direct: bool) -> float:
+    from django.test import override_settings
+
+    from demo_project.tasks import award_points
+    from idempotent_orders.models import OutboxMessage
+    from idempotent_orders.outbox import relay_outbox
+
+    tag = uuid.uuid4().hex[:8]
+    messages = [
+        {"message_id": f"relay-{tag}-{i}", "customer": "b", "points": 1} for i in range(RELAY_ROWS)
+    ]
+    if direct:
+        start = time.perf_counter()
+        for m in messages:
+            award_points.apply_async(args=(m,), task_id=m["message_id"], queue=queue)
+        return RELAY_ROWS / (time.perf_counter() - start)
+    OutboxMessage.objects.all().delete()  # the producer runs' relay-only rows among them
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(
+            message_id=m["message_id"],
+            task_name=award_points.name,
+            payload=m,
+            options={"queue": queue},
+        )
+        for m in messages
+    )
+    before = _depth(queue)
+    with override_settings(IDEMPOTENT_ORDERS={}):
+        start = time.perf_counter()
+        result = relay_outbox()
+        elapsed = time.perf_counter() - start
+    assert result.published == RELAY_ROWS == _depth(queue) - before, result
+    return RELAY_ROWS / elapsed
+
+
+def run() -> list[Row]:
+    setup()
+    from celery import current_app
+
+    found = _broker()
+    if found is None:
+        return [na(SECTION, "outbox", "no RabbitMQ or Redis reachable")]
+    broker, url = found
+    queue = f"bench-outbox-{uuid.uuid4().hex[:8]}"
+    from tests.support.services import reset_broker_pools
+
+    for app in (current_app, _peer()):
+        if app is not None:  # the peer's app too: it read the settings' in-memory broker
+            app.conf.broker_url = url
+            reset_broker_pools(app)
+    rows: list[Row] = []
+    try:
+        peer = _peer() is not None
+        modes = ["baseline", "relay only", "inline", "outbox", *(["peer"] if peer else [])]
+        _producer_ms("outbox", queue)  # warm-up: connections, the publisher thread
+        ms: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(RUNS):
+            for mode in modes:  # interleaved, so drift hits every mode alike
+                ms[mode].append(_producer_ms(mode, queue))
+        base = median(ms["baseline"])
+        rows.append(
+            Row(
+                SECTION,
+                f"producer: order txn, no outbox ({broker})",
+                f"{base:.2f} ms",
+                "baseline: the business write alone",
+            )
+        )
+        labels = {
+            "relay only": "+ publish_on_commit, relay only (row insert)",
+            "inline": "+ publish_on_commit, publish in caller's thread",
+            "outbox": "+ publish_on_commit, default (publisher thread)",
+            "peer": "+ django-celery-outbox send_task (row insert)",
+        }
+        added = {mode: median(ms[mode]) - base for mode in modes}
+        for mode in modes[1:]:
+            note = f"+{added[mode]:.2f} ms over the baseline"
+            if peer and mode in ("relay only", "outbox") and added["peer"] > 0:
+                note += f"; {added[mode] / added['peer']:.2f}x the peer's added cost"
+            rows.append(
+                Row(SECTION, f"producer: {labels[mode]}", f"{median(ms[mode]):.2f} ms", note)
+            )
+        _relay_rate(queue, direct=True)  # warm-up
+        direct = median([_relay_rate(queue, direct=True) for _ in range(RUNS)])
+        relay = median([_relay_rate(queue, direct=False) for _ in range(RUNS)])
+        rows.append(
+            Row(
+                SECTION,
+                f"no outbox: apply_async in a loop, {RELAY_ROWS:,} msgs",
+                fmt(direct),
+                f"the broker's own rate ({broker}, no confirms)",
+            )
+        )
+        note = f"{relay / direct:.0%} of apply_async alone"
+        if peer:
+            peer_rate = median([_peer_relay_rate(queue) for _ in range(RUNS)])
+            note += f"; {relay / peer_rate:.2f}x django-celery-outbox"
+        rows.append(Row(SECTION, f"relay_outbox, {RELAY_ROWS:,} rows, 1 process", fmt(relay), note))
+        if peer:
+            rows.append(
+                Row(
+                    SECTION,
+                    f"django-celery-outbox Relay, {RELAY_ROWS:,} rows, 1 process",
+                    fmt(peer_rate),
+                    f"{peer_rate / direct:.0%} of apply_async alone; batch 100",
+                )
+            )
+    finally:
+        try:
+            with current_app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(queue)
+        except Exception:
+            pass
+    return rows
+
+
+if __name__ == "__main__":
+    from bench.common import print_table
+
+    print_table(run())

@@ -1,0 +1,131 @@
+"""The cheap producer: publishing after commit happens off the caller's thread; a looping
+relay wakes on PostgreSQL NOTIFY and stops cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+
+from demo_project.tasks import award_points
+from idempotent_orders.models import OutboxMessage, OutboxStatus
+from idempotent_orders.outbox import Publisher, flush_publisher, publish_on_commit
+from tests.support.services import ROOT, stop_processes, wait_until, worker_env
+
+
+def message() -> dict[str, Any]:
+    return {"message_id": f"out-{uuid.uuid4().hex}", "customer": "erin", "points": 5}
+
+
+def status(row: OutboxMessage) -> str:
+    return OutboxMessage.objects.get(pk=row.pk).status
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_committing_thread_does_not_wait_for_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    broker_answers = threading.Event()
+    threads: list[str] = []
+
+    def slow_broker(args: Any = None, task_id: str | None = None, **options: Any) -> None:
+        threads.append(threading.current_thread().name)
+        assert broker_answers.wait(60)
+
+    monkeypatch.setattr(award_points, "apply_async", slow_broker)
+    with transaction.atomic():
+        row = publish_on_commit(award_points, message())
+    # Committed and returned while the broker has not answered: the publish is elsewhere.
+    assert wait_until(lambda: threads != [], timeout=30)
+    assert status(row) == OutboxStatus.PENDING
+    broker_answers.set()
+    assert flush_publisher(timeout=30)
+    assert status(row) == OutboxStatus.SENT
+    assert threads == ["idempotent-orders-outbox"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_in_the_callers_thread_when_the_publisher_thread_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads: list[str] = []
+    monkeypatch.setattr(
+        award_points, "apply_async", lambda **kw: threads.append(threading.current_thread().name)
+    )
+    off = override_settings(IDEMPOTENT_ORDERS={"OUTBOX_PUBLISHER_THREAD": False})
+    with off, transaction.atomic():
+        row = publish_on_commit(award_points, message())
+    assert threads == [threading.current_thread().name]
+    assert status(row) == OutboxStatus.SENT
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_full_queue_leaves_the_row_to_the_relay(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Small(Publisher):
+        capacity = 1
+        linger = 0.0  # publish the first row alone
+
+    small = Small()
+    monkeypatch.setattr("idempotent_orders.outbox.publisher", small)
+    release = threading.Event()
+    sent: list[str | None] = []
+
+    def blocked(args: Any = None, task_id: str | None = None, **options: Any) -> None:
+        assert release.wait(60)
+        sent.append(task_id)
+
+    monkeypatch.setattr(award_points, "apply_async", blocked)
+    first = publish_on_commit(award_points, message())  # autocommit: handed over at once
+    assert wait_until(lambda: small._queue.unfinished_tasks == 1 and small._queue.empty())
+    second = publish_on_commit(award_points, message())  # fills the queue
+    third = publish_on_commit(award_points, message())  # does not fit: left to the relay
+    release.set()
+    assert small.flush(30)
+    assert sent == [first.message_id, second.message_id]
+    assert status(third) == OutboxStatus.PENDING
+
+
+@pytest.mark.services
+@pytest.mark.django_db(transaction=True)
+def test_looping_relay_wakes_on_notify_beats_and_stops_cleanly_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    postgres = connection.vendor == "postgresql"
+    # On PostgreSQL it polls once an hour: only NOTIFY can wake it for the new row.
+    interval = "3600" if postgres else "0.2"
+    heartbeat, out = tmp_path / "alive", tmp_path / "relay.out"
+    env = worker_env(broker_url="memory://", queue=f"relay-{uuid.uuid4().hex}")
+    with out.open("wb") as handle:
+        relay = subprocess.Popen(
+            [
+                *(sys.executable, "-u", "manage.py", "relay_outbox", "--loop"),
+                *("--interval", interval, "--heartbeat-file", str(heartbeat)),
+            ],
+            cwd=ROOT,
+            env={**env, "DJANGO_SETTINGS_MODULE": "tests.settings"},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        assert wait_until(heartbeat.exists, timeout=60), out.read_text()
+        beat = heartbeat.read_text()
+        relay_only = override_settings(IDEMPOTENT_ORDERS={"OUTBOX_PUBLISH_ON_COMMIT": False})
+        with relay_only, transaction.atomic():
+            row = publish_on_commit(award_points, message())
+        assert wait_until(lambda: status(row) == OutboxStatus.SENT, timeout=60), out.read_text()
+        assert heartbeat.read_text() != beat  # it beat again after that run
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(60) == 0
+    finally:
+        stop_processes([relay])
+    assert out.read_text().splitlines()[-1] == "stopped"
