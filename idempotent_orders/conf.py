@@ -126,6 +126,37 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Numeric settings that must be greater than zero: one system check (E036) holds them all.
+POSITIVE: frozenset[str] = frozenset(
+    {
+        "LEASE_SECONDS",
+        "HEARTBEAT_SECONDS",
+        "RECONCILE_MAX_STALLS",
+        "RECONCILE_BATCH_SIZE",
+        "PARKED_RETENTION",
+        "PURGE_BATCH_SIZE",
+        "DEDUP_RETENTION",
+        "DEDUP_WINDOW",
+        "DEDUP_BLOOM_CAPACITY",
+        "DEDUP_BLOOM_BUCKET_SECONDS",
+        "PARKED_TIMEOUT",
+        "KEY_MAX_LENGTH",
+        "KEY_TTL",
+        "KEY_LEASE",
+        "TOKEN_TTL",
+        "KEY_QUOTA",
+        "TOKEN_QUOTA",
+        "MAX_REQUEST_BYTES",
+        "ORDER_WINDOW",
+        "OUTBOX_BATCH_SIZE",
+        "OUTBOX_CLAIM_TIMEOUT",
+        "OUTBOX_MAX_ATTEMPTS",
+        "OUTBOX_RETENTION",
+        "OUTBOX_RETRY_BACKOFF_MAX",
+    }
+)
+
+
 class Settings:
     """Typed accessors; each property reads Django settings when it is used."""
 

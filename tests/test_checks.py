@@ -13,7 +13,7 @@ from django.core import checks
 from django.test import override_settings
 
 from idempotent_orders import checks as io_checks
-from idempotent_orders.conf import DEFAULTS, Settings, conf
+from idempotent_orders.conf import DEFAULTS, POSITIVE, Settings, conf
 from tests.support.services import ROOT
 
 pytestmark = pytest.mark.django_db
@@ -80,6 +80,23 @@ def test_a_setting_is_checked_against_the_type_conf_reads() -> None:
         assert conf.LEASE_SECONDS == 0.5
     assert ids(KEY_TTL=1.5) == {"idempotent_orders.E003"}
     assert ids(LEASE_SECONDS=True) >= {"idempotent_orders.E003"}
+
+
+@pytest.mark.parametrize("name", sorted(POSITIVE))
+def test_one_rule_holds_every_positive_setting(name: str) -> None:
+    assert isinstance(DEFAULTS[name], int | float)
+    assert DEFAULTS[name] > 0
+    with override_settings(IDEMPOTENT_ORDERS={name: 0}):
+        found = [m for m in checks.run_checks() if m.id == "idempotent_orders.E036"]
+    assert [m.msg for m in found] == [
+        f"settings.IDEMPOTENT_ORDERS[{name!r}] must be positive, got 0."
+    ]
+
+
+def test_no_other_check_says_must_be_positive() -> None:
+    # One rule, one ID: the "must be positive" message lives in one place in checks.py.
+    source = (ROOT / "idempotent_orders" / "checks.py").read_text()
+    assert source.count("must be positive") == 1
 
 
 def test_retention_shorter_than_the_visibility_timeout() -> None:

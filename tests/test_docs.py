@@ -146,7 +146,7 @@ def test_reference_pages_carry_their_generated_parts() -> None:
     assert "pending_payment --> paid: pay" in own
     assert "picking --> packed: pack" in own
     assert ">LEASE_SECONDS</code>" in rendered(DOCS / "reference" / "settings.md")
-    assert ">E081</code>" in rendered(DOCS / "reference" / "checks.md")
+    assert ">E080</code>" in rendered(DOCS / "reference" / "checks.md")
     operations = rendered(DOCS / "operations.md")
     assert "| `manage.py idempotent_orders_stats` | Show how many messages" in operations
     assert "| `manage.py reconcile_orders` |" in operations

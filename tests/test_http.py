@@ -16,7 +16,7 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
-from idempotent_orders.checks import check_http_settings
+from idempotent_orders.checks import check_http_settings, check_setting_values
 from idempotent_orders.exceptions import KeyInvalid
 from idempotent_orders.http.forms import FORM_FIELD
 from idempotent_orders.http.keys import TOKEN_PREFIX, parse_key, scope_of
@@ -821,7 +821,7 @@ def test_expired_key_is_forgotten_and_purged(alice: Any) -> None:
 @pytest.mark.parametrize(
     ("value", "ids"),
     [
-        ({"KEY_LEASE": 0}, ["idempotent_orders.E020"]),
+        ({"KEY_LEASE": 0}, ["idempotent_orders.E036"]),
         ({"KEY_MAX_LENGTH": 300}, ["idempotent_orders.E021"]),
         ({"PRINCIPAL_RESOLVER": "nowhere.resolver"}, ["idempotent_orders.E022"]),
         ({"KEY_TTL": 10, "KEY_LEASE": 30}, ["idempotent_orders.E023"]),
@@ -831,7 +831,7 @@ def test_expired_key_is_forgotten_and_purged(alice: Any) -> None:
 )
 def test_checks(settings: Any, value: dict[str, Any], ids: list[str]) -> None:
     settings.IDEMPOTENT_ORDERS = value
-    assert [m.id for m in check_http_settings()] == ids
+    assert [m.id for m in [*check_http_settings(), *check_setting_values()]] == ids
 
 
 def test_check_warns_without_sessions(settings: Any) -> None:

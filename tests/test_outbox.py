@@ -205,8 +205,8 @@ def test_demo_order_creation_publishes_its_follow_up_through_the_outbox(
     ("value", "check_id"),
     [
         ({"LOCK_CACHE": "nope"}, "idempotent_orders.E080"),
-        ({"OUTBOX_BATCH_SIZE": 0}, "idempotent_orders.E081"),
-        ({"OUTBOX_RETENTION": -1}, "idempotent_orders.E081"),
+        ({"OUTBOX_BATCH_SIZE": 0}, "idempotent_orders.E036"),
+        ({"OUTBOX_RETENTION": -1}, "idempotent_orders.E036"),
     ],
 )
 def test_checks(value: dict[str, Any], check_id: str) -> None:

@@ -238,4 +238,4 @@ def test_dead_rows_in_stats_command_dashboard_and_metrics() -> None:
 
 def test_max_attempts_below_one_is_an_error() -> None:
     with override_settings(IDEMPOTENT_ORDERS={"OUTBOX_MAX_ATTEMPTS": 0}):
-        assert "idempotent_orders.E081" in [m.id for m in run_checks()]
+        assert "idempotent_orders.E036" in [m.id for m in run_checks()]
