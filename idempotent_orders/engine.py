@@ -253,14 +253,38 @@ def is_retryable(exc: OperationalError) -> bool:
     return bool(exc.args) and exc.args[0] in _RETRYABLE_MYSQL_ERRORS
 
 
-def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:
-    """Send :data:`~idempotent_orders.signals.message_consumed` for one consumed message."""
+def consumed(
+    consumer: str,
+    message_id: str,
+    outcome: Outcome,
+    *,
+    message_type: str = "",
+    order_id: Any = None,
+    reason: str = "",
+) -> None:
+    """Send :data:`~idempotent_orders.signals.message_consumed`: the one place that does.
+
+    Every path that decides a message (single, batch, parked release, the
+    fulfilment step, ``@idempotent``) reports its outcome through here.
+    """
     message_consumed.send(
         sender=ProcessedMessage,
         consumer=consumer,
-        message_id=envelope.message_id,
+        message_id=message_id,
+        message_type=message_type,
+        order_id=order_id,
+        outcome=outcome,
+        reason=reason,
+    )
+
+
+def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:
+    """:func:`consumed` for a parsed envelope."""
+    consumed(
+        consumer,
+        envelope.message_id,
+        outcome,
         message_type=envelope.message_type,
         order_id=envelope.order_id,
-        outcome=outcome,
         reason=reason,
     )

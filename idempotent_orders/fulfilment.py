@@ -20,10 +20,10 @@ from django.utils.module_loading import import_string
 
 from idempotent_orders import get_order_model, leases
 from idempotent_orders.conf import conf
+from idempotent_orders.engine import consumed
 from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
 from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import release_parked
-from idempotent_orders.signals import message_consumed
 from idempotent_orders.transitions import (
     TransitionResult,
     TransitionStatus,
@@ -179,13 +179,12 @@ class FulfilmentStep(LeasedStep):
         return StepResult.FAILED
 
     def _announce(self, lease: Lease, outcome: Outcome, reason: str) -> None:
-        message_consumed.send(
-            sender=ProcessedMessage,
-            consumer=lease.consumer,
-            message_id=lease.message_id,
+        consumed(
+            lease.consumer,
+            lease.message_id,
+            outcome,
             message_type="order.fulfilment",
             order_id=lease.order_id,
-            outcome=outcome,
             reason=reason,
         )
 
@@ -252,13 +251,12 @@ def _record(order: AbstractOrder | None, order_id: int, outcome: Outcome, reason
             )
     except IntegrityError:
         outcome, reason = Outcome.DUPLICATE, "already in the inbox"
-    message_consumed.send(
-        sender=ProcessedMessage,
-        consumer=CONSUMER,
-        message_id=message_id,
+    consumed(
+        CONSUMER,
+        message_id,
+        outcome,
         message_type="order.fulfilment",
         order_id=order_id,
-        outcome=outcome,
         reason=reason,
     )
     return outcome

@@ -18,10 +18,10 @@ from django.db import IntegrityError, transaction
 
 from idempotent_orders import leases
 from idempotent_orders.conf import conf
+from idempotent_orders.engine import consumed
 from idempotent_orders.exceptions import CallFailed, CallInProgress, InvalidMessage
 from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
-from idempotent_orders.signals import message_consumed
 
 __all__ = ["ExternalCall", "Verify", "idempotent", "load_step", "message_key"]
 
@@ -268,13 +268,10 @@ def _is_django_task(obj: Any) -> bool:
 
 
 def _consumed(consumer: str, message_id: str, outcome: Outcome) -> None:
-    message_consumed.send(
-        sender=ProcessedMessage,
-        consumer=consumer,
-        message_id=message_id,
-        message_type="",
-        order_id=None,
-        outcome=outcome,
+    consumed(
+        consumer,
+        message_id,
+        outcome,
         reason="already processed" if outcome is Outcome.DUPLICATE else "",
     )
 

@@ -263,7 +263,7 @@ class Publisher:
                 )
 
 
-#: PostgreSQL channel notified on every insert into the outbox (migration 0004).
+#: PostgreSQL channel notified on every insert into the outbox (migration 0002_outbox).
 NOTIFY_CHANNEL = "idempotent_orders_outbox"
 
 

@@ -21,6 +21,7 @@ from idempotent_orders.engine import (
     Envelope,
     Verdict,
     announce,
+    consumed,
     decide,
     has_nul,
     is_retryable,
@@ -40,7 +41,6 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.signals import (
     dedup_answered,
-    message_consumed,
     message_released,
     parked_overdue,
 )
@@ -178,13 +178,12 @@ def _reject(
             reason,
             extra={"message_id": message_id, "order_id": order.pk if order else None},
         )
-    message_consumed.send(
-        sender=ProcessedMessage,
-        consumer=consumer,
-        message_id=message_id,
+    consumed(
+        consumer,
+        message_id,
+        outcome,
         message_type=message_type,
         order_id=order.pk if order else None,
-        outcome=outcome,
         reason=reason,
     )
     return outcome

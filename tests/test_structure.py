@@ -87,3 +87,14 @@ def test_error_codes_are_kebab_case() -> None:
     assert {
         name: code for name, code in codes.items() if not re.fullmatch(r"[a-z]+(-[a-z]+)*", code)
     } == {}
+
+
+def test_one_function_sends_message_consumed() -> None:
+    # Every path reports a decided message through engine.consumed(); a second
+    # sender would drift from it (arguments, sender) as the copies once did.
+    senders = [
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        for _ in re.finditer(r"message_consumed\.send", path.read_text())
+    ]
+    assert senders == ["engine.py"]
