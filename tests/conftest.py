@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
 
 from idempotent_orders import get_order_model
 from tests.support.services import (
@@ -62,6 +64,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     reason=f"runs on {', '.join(marker.args)}; this matrix leg is {vendor}"
                 )
             )
+
+
+@pytest.fixture
+def staff() -> Client:
+    """A test client logged in as a superuser (the admin's operator)."""
+    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    return client
 
 
 @pytest.fixture

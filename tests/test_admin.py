@@ -23,18 +23,11 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message
 from idempotent_orders.transitions import apply_transition
+from tests.support.admin import shown
 from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus
-
-
-@pytest.fixture
-def staff() -> Client:
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture
@@ -67,10 +60,6 @@ def transition(client: Client, action: str, order: Order) -> Any:
         f"version-{order.pk}": str(Order.objects.get(pk=order.pk).version),
     }
     return client.post(changelist("order"), data, follow=True)
-
-
-def shown(response: Any) -> list[str]:
-    return [str(m) for m in response.context["messages"]]
 
 
 def stuck_fulfilment(order: Order, *modes: str) -> ProcessedMessage:

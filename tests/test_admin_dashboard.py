@@ -87,12 +87,10 @@ def prepare() -> dict[str, set[str]]:
 
 
 @pytest.mark.django_db
-def test_dashboard_counts_and_links_match_the_rows(settings: Any) -> None:
+def test_dashboard_counts_and_links_match_the_rows(settings: Any, staff: Client) -> None:
     settings.IDEMPOTENT_ORDERS = {**settings.IDEMPOTENT_ORDERS, "PARKED_TIMEOUT": 3600}
     expected = prepare()
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
+    client = staff
     page = client.get(APP_INDEX)
     assert page.status_code == 200
     html = page.content.decode()

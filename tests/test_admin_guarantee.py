@@ -34,6 +34,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message
+from tests.support.admin import form_data, shown
 from tests.support.messages import payment, shipment
 from tests.support.services import wait_until
 
@@ -41,20 +42,8 @@ pytestmark = pytest.mark.django_db
 S = OrderStatus
 
 
-@pytest.fixture
-def staff() -> Client:
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
-    return client
-
-
 def url(model: str, view: str, *args: Any) -> str:
     return reverse(f"admin:idempotent_orders_{model}_{view}", args=args)
-
-
-def shown(response: Any) -> list[str]:
-    return [str(m) for m in response.context["messages"]]
 
 
 def action_choices(page: Any) -> dict[str, str]:
@@ -63,16 +52,6 @@ def action_choices(page: Any) -> dict[str, str]:
     if action_form is None:
         return {}
     return {name: str(label) for name, label in action_form.fields["action"].choices}
-
-
-def form_data(page: Any) -> dict[str, Any]:
-    """What a browser posts back for the change form as rendered (unchanged)."""
-    form = page.context["adminform"].form
-    data: dict[str, Any] = {}
-    for name in form.fields:
-        value = form[name].value()
-        data[name] = "" if value is None else value
-    return data
 
 
 # -- 5. the order form never overwrites what messages wrote ---------------------------------

@@ -26,6 +26,7 @@ from idempotent_orders.outbox import (
     requeue_outbox,
 )
 from idempotent_orders.signals import outbox_dead
+from tests.support.admin import shown
 from tests.support.metrics import sample
 
 pytestmark = pytest.mark.django_db
@@ -163,12 +164,10 @@ def changelist() -> str:
     return reverse("admin:idempotent_orders_outboxmessage_changelist")
 
 
-def test_admin_requeue_confirms_then_requeues_and_audits() -> None:
+def test_admin_requeue_confirms_then_requeues_and_audits(staff: Client) -> None:
     dead, sent = _dead_row(), _dead_row()
     OutboxMessage.objects.filter(pk=sent.pk).update(status=OutboxStatus.SENT)
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
+    client = staff
     selected = {"action": "requeue_dead", "_selected_action": [dead.pk, sent.pk]}
 
     page = client.post(changelist(), selected)
@@ -178,7 +177,7 @@ def test_admin_requeue_confirms_then_requeues_and_audits() -> None:
     assert OutboxMessage.objects.get(pk=dead.pk).status == OutboxStatus.DEAD  # not yet
 
     done = client.post(changelist(), {**selected, "post": "yes"}, follow=True)
-    assert "Requeue: 1 requeued, 1 skipped." in [str(m) for m in done.context["messages"]]
+    assert "Requeue: 1 requeued, 1 skipped." in shown(done)
     assert OutboxMessage.objects.get(pk=dead.pk).status == OutboxStatus.PENDING
     assert OutboxMessage.objects.get(pk=sent.pk).status == OutboxStatus.SENT
     entries = {(e.action, e.object_id, e.result, e.username) for e in AuditEntry.objects.all()}
@@ -208,16 +207,14 @@ def test_admin_requeue_needs_the_change_permission() -> None:
     assert not AuditEntry.objects.exists()
 
 
-def test_admin_publish_again_leaves_dead_rows_to_the_requeue_action() -> None:
+def test_admin_publish_again_leaves_dead_rows_to_the_requeue_action(staff: Client) -> None:
     dead = _dead_row()
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
+    client = staff
     client.post(changelist(), {"action": "publish_again", "_selected_action": [dead.pk]})
     assert OutboxMessage.objects.get(pk=dead.pk).status == OutboxStatus.DEAD
 
 
-def test_dead_rows_in_stats_command_dashboard_and_metrics() -> None:
+def test_dead_rows_in_stats_command_dashboard_and_metrics(staff: Client) -> None:
     _dead_row()
     _dead_row()
     out = StringIO()
@@ -229,9 +226,7 @@ def test_dead_rows_in_stats_command_dashboard_and_metrics() -> None:
     assert sample(text, "idempotent_orders_outbox_pending") == 0
     assert "idempotent_orders_outbox_oldest_pending_seconds 0.0" in text
 
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
+    client = staff
     html = client.get(reverse("admin:app_list", args=["idempotent_orders"])).content.decode()
     assert 'id="attention-outbox_dead"' in html
 

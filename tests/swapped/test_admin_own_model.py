@@ -37,35 +37,14 @@ from idempotent_orders.models import (
 from idempotent_orders.models import Order as DefaultOrder
 from idempotent_orders.services import consume_message
 from tests.shop.models import Order, Phase
+from tests.support.admin import form_data, shown
 from tests.support.messages import payment, shipment
 
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def staff() -> Client:
-    user = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
-    client = Client()
-    client.force_login(user)
-    return client
-
-
 def url(view: str, *args: Any) -> str:
     return reverse(f"admin:shop_order_{view}", args=args)
-
-
-def shown(response: Any) -> list[str]:
-    return [str(m) for m in response.context["messages"]]
-
-
-def form_data(page: Any) -> dict[str, Any]:
-    """What a browser posts back for the change form as rendered (unchanged)."""
-    form = page.context["adminform"].form
-    data: dict[str, Any] = {}
-    for name in form.fields:
-        value = form[name].value()
-        data[name] = "" if value is None else value
-    return data
 
 
 def ask(client: Client, action: str, *orders: Order) -> Any:
