@@ -7,18 +7,18 @@ import os
 import random
 import subprocess
 import sys
-import threading
 from collections import Counter
 from decimal import Decimal
 from typing import Any
 
 import pytest
-from django.db import close_old_connections, connection
+from django.db import connection
 
 from idempotent_orders.models import Order, OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.services import consume_message
 from tests.support.messages import payment, shipment
 from tests.support.services import ROOT
+from tests.support.threads import run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -29,35 +29,6 @@ def lifecycle(order: Order) -> list[tuple[str, dict[str, Any]]]:
         ("shipping", shipment(order, message_id=f"d-{order.pk}", seq=2)),
         ("shipping", shipment(order, "delivered", message_id=f"c-{order.pk}", seq=3)),
     ]
-
-
-def run_threads(deliveries: list[tuple[str, dict[str, Any]]], threads: int) -> Counter[str]:
-    outcomes: Counter[str] = Counter()
-    lock = threading.Lock()
-    barrier = threading.Barrier(threads)
-    chunks = [deliveries[i::threads] for i in range(threads)]
-    errors: list[BaseException] = []
-
-    def work(chunk: list[tuple[str, dict[str, Any]]]) -> None:
-        try:
-            barrier.wait()
-            for consumer, message in chunk:
-                outcome = consume_message(message, consumer=consumer)
-                with lock:
-                    outcomes[outcome.value] += 1
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            close_old_connections()
-            connection.close()
-
-    pool = [threading.Thread(target=work, args=(c,)) for c in chunks]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    assert not errors, errors
-    return outcomes
 
 
 def assert_exactly_once(orders: list[Order], n_messages: int) -> None:

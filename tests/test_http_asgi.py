@@ -12,7 +12,7 @@ from django.db import connection
 
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from tests import http_urls
-from tests.support.http import request, session_cookie, together
+from tests.support.http import assert_one_execution, request, session_cookie, together
 from tests.support.services import free_port, unavailable, wait_until
 
 pytestmark = [
@@ -67,22 +67,11 @@ def test_concurrent_identical_requests_run_an_async_view_once(asgi_server: str) 
     results = together(COPIES, lambda _i: request(asgi_server, path, cookie=cookie, key="same"))
     assert not [r for r in results if isinstance(r, Exception)], results
     assert http_urls.RUNS["aorder"] == 1
-    order = Order.objects.get()
-    originals = [r for r in results if r[0] == 201 and "Idempotent-Replayed" not in r[1]]
-    replays = [r for r in results if r[0] == 201 and r[1].get("Idempotent-Replayed") == "true"]
-    conflicts = [r for r in results if r[0] == 409]
-    assert len(originals) == 1
-    assert len(originals) + len(replays) + len(conflicts) == COPIES, [r[0] for r in results]
-    for _status, _headers, body in originals + replays:
-        assert json.loads(body)["id"] == order.pk
-    for _status, headers, body in conflicts:
-        assert headers["Content-Type"] == "application/problem+json"
-        assert headers["Retry-After"] == "1"
-        assert json.loads(body)["code"] == "key-in-flight"
+    original = assert_one_execution(results, Order.objects.get().pk, COPIES)
     assert IdempotencyKey.objects.get().state == KeyState.COMPLETED
     # The replay path: a retry after the storm gets the original, marked.
     status, headers, body = request(asgi_server, path, cookie=cookie, key="same")
-    assert (status, headers["Idempotent-Replayed"], body) == (201, "true", originals[0][2])
+    assert (status, headers["Idempotent-Replayed"], body) == (201, "true", original[2])
     # Same key, other body: 422; no key: 400. Neither runs the view.
     status, _headers, body = request(asgi_server, path, cookie=cookie, key="same", body={})
     assert (status, json.loads(body)["code"]) == (422, "key-mismatch")

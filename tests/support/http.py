@@ -66,3 +66,28 @@ def together(n: int, call: Callable[[int], Any]) -> list[Any]:
     for thread in threads:
         thread.join(120)
     return results
+
+
+def assert_one_execution(results: list[Any], order_pk: Any, copies: int) -> Any:
+    """Identical keyed requests fired together: one original, the rest replays or 409.
+
+    Every answer is the original's order or a ``key-in-flight`` problem with
+    ``Retry-After``. Returns the original's (status, headers, body).
+    """
+    assert not [r for r in results if isinstance(r, Exception)], results
+    originals = [r for r in results if r[0] == 201 and "Idempotent-Replayed" not in r[1]]
+    replays = [r for r in results if r[0] == 201 and r[1].get("Idempotent-Replayed") == "true"]
+    conflicts = [r for r in results if r[0] == 409]
+    print(
+        f"{copies} identical: {len(originals)} original, {len(replays)} replayed, "
+        f"{len(conflicts)} in flight (409)"
+    )
+    assert len(originals) == 1
+    assert len(originals) + len(replays) + len(conflicts) == copies, [r[0] for r in results]
+    for _status, _headers, body in originals + replays:
+        assert json.loads(body)["id"] == order_pk
+    for _status, headers, body in conflicts:
+        assert headers["Content-Type"] == "application/problem+json"
+        assert headers["Retry-After"] == "1"
+        assert json.loads(body)["code"] == "key-in-flight"
+    return originals[0]

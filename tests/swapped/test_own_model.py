@@ -8,15 +8,13 @@ This module runs in its own pytest process under ``tests.settings_swapped``.
 from __future__ import annotations
 
 import random
-import threading
-from collections import Counter
 from io import StringIO
 from typing import Any
 
 import pytest
 from django.conf import settings
 from django.core.management import call_command
-from django.db import close_old_connections, connection
+from django.db import connection
 from django_fsm.signals import post_transition, pre_transition
 
 from idempotent_orders import get_order_model, handlers
@@ -37,6 +35,7 @@ from idempotent_orders.tasks import publish
 from tests.shop.models import Order, Phase
 from tests.support.messages import payment, shipment
 from tests.support.services import wait_until
+from tests.support.threads import run_threads
 
 A, D, P, R, ST = (
     Outcome.APPLIED,
@@ -221,31 +220,7 @@ def test_create_order_uses_the_swapped_model() -> None:
 def test_threads_deliver_a_storm_exactly_once(make_order) -> None:
     orders = [make_order() for _ in range(6)]
     deliveries = storm(orders, seed=3)
-    threads = 4
-    errors: list[BaseException] = []
-    outcomes: Counter[str] = Counter()
-    lock = threading.Lock()
-    barrier = threading.Barrier(threads)
-
-    def work(chunk: list[tuple[str, dict[str, Any]]]) -> None:
-        try:
-            barrier.wait()
-            for consumer, message in chunk:
-                outcome = consume_message(message, consumer=consumer)
-                with lock:
-                    outcomes[outcome.value] += 1
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            close_old_connections()
-            connection.close()
-
-    pool = [threading.Thread(target=work, args=(deliveries[i::threads],)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    assert not errors, errors
+    outcomes = run_threads(deliveries, 4)
     assert sum(outcomes.values()) == len(deliveries)
     assert_all_received_once(orders)
 

@@ -1,0 +1,44 @@
+"""Deliver messages from several threads at once, each with its own database connection."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from django.db import close_old_connections, connection
+
+from idempotent_orders.services import consume_message
+
+
+def run_threads(deliveries: list[tuple[str, dict[str, Any]]], threads: int) -> Counter[str]:
+    """Consume ``deliveries`` (consumer, message) on ``threads`` threads started together.
+
+    Returns the count of each outcome; fails if any thread raised.
+    """
+    outcomes: Counter[str] = Counter()
+    lock = threading.Lock()
+    barrier = threading.Barrier(threads)
+    chunks = [deliveries[i::threads] for i in range(threads)]
+    errors: list[BaseException] = []
+
+    def work(chunk: list[tuple[str, dict[str, Any]]]) -> None:
+        try:
+            barrier.wait()
+            for consumer, message in chunk:
+                outcome = consume_message(message, consumer=consumer)
+                with lock:
+                    outcomes[outcome.value] += 1
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            close_old_connections()
+            connection.close()
+
+    pool = [threading.Thread(target=work, args=(c,)) for c in chunks]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors, errors
+    return outcomes
