@@ -15,6 +15,7 @@ from bench.common import Row, chart, na, print_table, record, setup
 
 SECTIONS = [
     "consumer",
+    "vendors",
     "workers",
     "http",
     "http_server",
