@@ -145,7 +145,7 @@ def idempotent(
     :class:`~idempotent_orders.exceptions.MessageDead` (chained from the
     cause), ``message_dead`` is sent, and every later delivery raises
     ``MessageDead`` without running the function, until an operator requeues
-    the row (:func:`requeue_inbox`, the admin, ``manage.py requeue_inbox``).
+    the row (:func:`requeue_inbox`, the admin, ``manage.py requeue_idempotent``).
     ``MessageDead`` is Celery's ``Ignore``, so a task is never retried for it.
     Inside a caller's transaction the failure is recorded in that transaction:
     if the caller rolls back, the run is not counted.

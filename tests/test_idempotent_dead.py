@@ -223,20 +223,25 @@ def test_requeue_command() -> None:
         with pytest.raises(MessageDead):
             flaky(m)
     with pytest.raises(CommandError, match="--all-dead"):
-        call_command("requeue_inbox")
+        call_command("requeue_idempotent")
     with pytest.raises(CommandError, match="--consumer"):
-        call_command("requeue_inbox", "--message-id", a["message_id"])
+        call_command("requeue_idempotent", "--message-id", a["message_id"])
     out = StringIO()
-    call_command("requeue_inbox", "--all-dead", "--dry-run", stdout=out)
+    call_command("requeue_idempotent", "--all-dead", "--dry-run", stdout=out)
     assert out.getvalue().strip() == "would requeue=2"
     out = StringIO()
     call_command(
-        "requeue_inbox", "--consumer", "test-flaky", "--message-id", a["message_id"], stdout=out
+        "requeue_idempotent",
+        "--consumer",
+        "test-flaky",
+        "--message-id",
+        a["message_id"],
+        stdout=out,
     )
     assert out.getvalue().strip() == "requeued=1"
     assert (row(a).status, row(b).status) == (InboxStatus.PROCESSING, InboxStatus.DEAD)
     out = StringIO()
-    call_command("requeue_inbox", "--consumer", "test-flaky", "--all-dead", stdout=out)
+    call_command("requeue_idempotent", "--consumer", "test-flaky", "--all-dead", stdout=out)
     assert out.getvalue().strip() == "requeued=1"
     assert inbox_stats()["dead"] == 0
 
@@ -433,7 +438,7 @@ def test_real_worker_dead_once_never_retried_then_requeued_runs_once(
     for msg in messages.values():
         Path(msg["switch"]).write_text("ok")
     out = StringIO()
-    call_command("requeue_inbox", "--consumer", "test-fragile", "--all-dead", stdout=out)
+    call_command("requeue_idempotent", "--consumer", "test-fragile", "--all-dead", stdout=out)
     assert out.getvalue().strip() == "requeued=2"
     for msg in messages.values():
         for _ in range(5):

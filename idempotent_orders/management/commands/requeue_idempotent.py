@@ -1,4 +1,4 @@
-"""``manage.py requeue_inbox``: dead ``@idempotent`` messages run again on their next delivery."""
+"""``manage.py requeue_idempotent``: dead ``@idempotent`` messages run on their next delivery."""
 
 from __future__ import annotations
 
