@@ -248,13 +248,18 @@ class _Recorded:
     result: Any
 
 
+#: Rows a delivery does not answer from the recorded result.
+_NOT_FINISHED = (InboxStatus.PROCESSING, InboxStatus.DEAD, InboxStatus.FAILED)
+
+
 def _claim(name: str, message_id: str, using: str | None) -> ProcessedMessage | _Recorded | None:
     """The inbox row to run under, in the caller's transaction; or the recorded answer.
 
     A new key inserts the row (a concurrent duplicate waits on the unique index).
     A row that earlier runs left ``processing`` (they failed, or it was requeued)
     is taken with a locking read, so of concurrent deliveries one runs at a time.
-    A dead row raises :class:`MessageDead`.
+    A dead row raises :class:`MessageDead`, and so does a row an operator marked
+    ``failed`` in the admin (its way back is the admin's *Retry*).
     """
     rows = ProcessedMessage.objects.using(using)
     try:
@@ -263,14 +268,14 @@ def _claim(name: str, message_id: str, using: str | None) -> ProcessedMessage | 
     except IntegrityError:
         pass
     found = rows.filter(consumer=name, message_id=message_id).values("status", "result").first()
-    if found is not None and found["status"] not in (InboxStatus.PROCESSING, InboxStatus.DEAD):
+    if found is not None and found["status"] not in _NOT_FINISHED:
         return _Recorded(found["result"])  # the common duplicate: no lock taken
     # Locked: the latest committed state, and no other run until this one ends.
     row = rows.select_for_update().filter(consumer=name, message_id=message_id).first()
     if row is None:  # deleted meanwhile (retention): nothing to answer from
         return None
-    if row.status == InboxStatus.DEAD:
-        raise MessageDead(f"{name}: {message_id} is dead: {row.error}"[:500])
+    if row.status in (InboxStatus.DEAD, InboxStatus.FAILED):
+        raise MessageDead(f"{name}: {message_id} is {row.status}: {row.error}"[:500])
     if row.status != InboxStatus.PROCESSING:
         return _Recorded(row.result)
     row.attempts += 1

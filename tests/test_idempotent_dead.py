@@ -20,6 +20,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from demo_project.models import LoyaltyAccount
+from idempotent_orders import leases
 from idempotent_orders.exceptions import MessageDead, PermanentFailure
 from idempotent_orders.idempotent import idempotent, inbox_stats, requeue_inbox
 from idempotent_orders.models import AuditEntry, InboxStatus, Outcome, ProcessedMessage
@@ -143,6 +144,19 @@ def test_max_attempts_failures_make_the_row_dead_and_redeliveries_do_not_run(
     assert len(runs) == 3
     assert len(dead_signals) == 1
     assert points(msg) == 0
+
+
+@pytest.mark.django_db
+def test_a_failing_row_an_operator_marked_failed_does_not_run() -> None:
+    msg = new_message()
+    behaviour["next"] = RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        flaky(msg)
+    assert leases.fail(row(msg).pk, reason="failed by an operator")
+    behaviour["next"] = "ok"
+    with pytest.raises(MessageDead, match="is failed: failed by an operator"):
+        flaky(msg)
+    assert len(runs) == 1
 
 
 @pytest.mark.django_db
