@@ -82,6 +82,7 @@ from idempotent_orders import fulfilment, get_order_model, leases, reconcile
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.handlers import registered
+from idempotent_orders.idempotent import requeue_inbox
 from idempotent_orders.leases import StepResult
 from idempotent_orders.models import (
     AuditEntry,
@@ -146,6 +147,7 @@ class AttentionFilter(admin.SimpleListFilter):
             ("rejected", "rejected"),
             ("rejected_today", "rejected today"),
             ("failed", "failed"),
+            ("dead", "dead (@idempotent work that keeps failing)"),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -156,7 +158,7 @@ class AttentionFilter(admin.SimpleListFilter):
             )
         if value == "rejected_today":
             return queryset.filter(status=InboxStatus.REJECTED, created_at__gte=_start_of_today())
-        if value in {"processing", "rejected", "failed"}:
+        if value in {"processing", "rejected", "failed", "dead"}:
             return queryset.filter(status=value)
         return queryset
 
@@ -259,6 +261,12 @@ def attention(user: Any) -> list[Attention]:
                 "Failed, waiting for an operator",
                 inbox.filter(status=InboxStatus.FAILED).count(),
                 changelist(ProcessedMessage, "?attention=failed"),
+            ),
+            Attention(
+                "inbox_dead",
+                "Inbox dead letters (requeue once the cause is fixed)",
+                inbox.filter(status=InboxStatus.DEAD).count(),
+                changelist(ProcessedMessage, "?attention=dead"),
             ),
             Attention(
                 "rejected_today",
@@ -874,6 +882,7 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
         "created_at",
         "attempts",
         "lease_expires_at",
+        "dead_at",
         "error",
     ]
     list_filter = [AttentionFilter, "consumer", "outcome", "status", "message_type"]
@@ -887,7 +896,48 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
             "Complete after verification",
         ),
         _row_action("fail", _fail, "Mark failed"),
+        "requeue_dead",
     ]
+
+    @admin.action(description="Requeue dead rows (after fixing the cause)", permissions=["operate"])
+    def requeue_dead(
+        self, request: HttpRequest, queryset: QuerySet[ProcessedMessage]
+    ) -> TemplateResponse | None:
+        """Confirm first; then each dead row goes back to processing, audited one by one.
+
+        The next delivery of its message runs the work again.
+        """
+        rows = list(queryset.order_by("id"))
+        if request.POST.get("post") != "yes":
+            return TemplateResponse(
+                request,
+                "admin/idempotent_orders/processedmessage/requeue_confirmation.html",
+                {
+                    **self.admin_site.each_context(request),
+                    "title": "Requeue dead inbox rows: are you sure?",
+                    "subtitle": None,
+                    "opts": self.opts,
+                    "rows": rows,
+                    "dead": [r for r in rows if r.status == InboxStatus.DEAD],
+                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                },
+            )
+        results: Counter[str] = Counter()
+        for row in rows:
+            # Conditional on the row still being dead: a row requeued meanwhile is skipped.
+            done = requeue_inbox(ids=[row.pk], using=queryset.db)
+            result = "requeued" if done else "skipped"
+            results[result] += 1
+            detail = (
+                f"dead after {row.attempts} attempt(s): {row.error}"
+                if done
+                else f"not dead ({row.status}); nothing done"
+            )
+            audit(request, "inbox:requeue", row, result, detail)
+        level = messages.SUCCESS if not results["skipped"] else messages.WARNING
+        summary = ", ".join(f"{n} {what}" for what, n in sorted(results.items()))
+        self.message_user(request, f"Requeue: {summary or 'nothing selected'}.", level)
+        return None
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
         """The row actions: retry, complete, fail (each through the reconciler's functions)."""

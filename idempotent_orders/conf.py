@@ -46,6 +46,9 @@ DEFAULTS: dict[str, Any] = {
     # Failed publishes of an outbox row before it is dead-lettered (status "dead",
     # requeued by an operator); a PermanentPublishError dead-letters it at once.
     "OUTBOX_MAX_ATTEMPTS": 20,
+    # Failed runs of an @idempotent function (or task) for one key before its inbox row is
+    # dead (not run again until requeued); a PermanentFailure makes it dead at once.
+    "IDEMPOTENT_MAX_ATTEMPTS": 10,
     # Claim lease (seconds) on databases without SKIP LOCKED; longer than one batch's publish.
     "OUTBOX_CLAIM_TIMEOUT": 60,
     # Sent outbox rows older than this (seconds) are deleted by purge_outbox.
@@ -153,6 +156,7 @@ POSITIVE: frozenset[str] = frozenset(
         "OUTBOX_MAX_ATTEMPTS",
         "OUTBOX_RETENTION",
         "OUTBOX_RETRY_BACKOFF_MAX",
+        "IDEMPOTENT_MAX_ATTEMPTS",
     }
 )
 
@@ -215,6 +219,10 @@ class Settings:
     @property
     def OUTBOX_MAX_ATTEMPTS(self) -> int:
         return int(self._get("OUTBOX_MAX_ATTEMPTS"))
+
+    @property
+    def IDEMPOTENT_MAX_ATTEMPTS(self) -> int:
+        return int(self._get("IDEMPOTENT_MAX_ATTEMPTS"))
 
     @property
     def OUTBOX_CLAIM_TIMEOUT(self) -> int:

@@ -7,6 +7,8 @@ instead of raising it.
 
 from __future__ import annotations
 
+from celery.exceptions import Ignore
+
 
 class IdempotentOrdersError(Exception):
     """Base class of every exception this app raises.
@@ -163,3 +165,26 @@ class PermanentPublishError(IdempotentOrdersError):
     """
 
     default_code = "permanent-publish-error"
+
+
+class PermanentFailure(IdempotentOrdersError):
+    """Raised by ``@idempotent`` work that can never succeed for this message (bad data,
+    a deleted object): the run rolls back and its inbox row is dead at once, instead of
+    running again on every delivery up to ``IDEMPOTENT_MAX_ATTEMPTS``. (The decorator's
+    ``permanent=(ExcType, ...)`` names more exception types that do the same.)
+    """
+
+    default_code = "permanent-failure"
+
+
+class MessageDead(IdempotentOrdersError, Ignore):
+    """An ``@idempotent`` message is dead: its work failed ``IDEMPOTENT_MAX_ATTEMPTS``
+    times or permanently, and it does not run again until an operator requeues it.
+
+    Raised by the run that makes the row dead (chained from the work's exception)
+    and by every later delivery, which does not run the work. It is also Celery's
+    ``Ignore``: a task that raises it is acknowledged and never retried, not even
+    by ``autoretry_for=(Exception,)``; the inbox row is the record.
+    """
+
+    default_code = "message-dead"

@@ -9,21 +9,41 @@ import inspect
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar, overload
 
 from celery import Task, current_app
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, router, transaction
+from django.db.models import Count, F, Q
+from django.utils import timezone
 
 from idempotent_orders import leases
 from idempotent_orders.conf import conf
 from idempotent_orders.engine import consumed
-from idempotent_orders.exceptions import CallFailed, CallInProgress, InvalidMessage
+from idempotent_orders.exceptions import (
+    CallFailed,
+    CallInProgress,
+    InvalidMessage,
+    MessageDead,
+    PermanentFailure,
+)
 from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
+from idempotent_orders.signals import message_dead
 
-__all__ = ["ExternalCall", "Verify", "idempotent", "load_step", "message_key"]
+__all__ = [
+    "ExternalCall",
+    "MessageDead",
+    "PermanentFailure",
+    "Verify",
+    "idempotent",
+    "inbox_stats",
+    "load_step",
+    "message_key",
+    "requeue_inbox",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -82,6 +102,8 @@ def idempotent(
     using: str | None = ...,
     external: bool = ...,
     verify: Verify | None = ...,
+    permanent: tuple[type[BaseException], ...] = ...,
+    max_attempts: int | None = ...,
 ) -> Callable[..., Any]: ...
 @overload
 def idempotent(
@@ -92,6 +114,8 @@ def idempotent(
     using: str | None = ...,
     external: bool = ...,
     verify: Verify | None = ...,
+    permanent: tuple[type[BaseException], ...] = ...,
+    max_attempts: int | None = ...,
 ) -> Callable[[Callable[P, R]], Callable[..., Any]]: ...
 def idempotent(
     func: Callable[P, R] | None = None,
@@ -101,6 +125,8 @@ def idempotent(
     using: str | None = None,
     external: bool = False,
     verify: Verify | None = None,
+    permanent: tuple[type[BaseException], ...] = (),
+    max_attempts: int | None = None,
 ) -> Any:
     """Run the decorated function at most once per key; a repeat returns the first result.
 
@@ -109,8 +135,20 @@ def idempotent(
     ``using``: either both commit or neither does. A concurrent duplicate waits
     on the unique index until the first call commits (then returns its result)
     or rolls back (then runs itself). If the function raises, nothing is
-    recorded and a retry runs it again, which is what Celery's ``acks_late``
-    redelivery and ``self.retry()`` need.
+    recorded but the failure: the inbox row is committed (after the rollback)
+    as ``processing`` with ``attempts`` and the ``error``, and the next
+    delivery (Celery's ``acks_late`` redelivery, ``self.retry()``) runs it
+    again. After ``max_attempts`` failed runs (default
+    ``IDEMPOTENT_MAX_ATTEMPTS``), or at once when it raises
+    :class:`~idempotent_orders.exceptions.PermanentFailure` or one of the
+    ``permanent`` exception types, the row is **dead**: that run raises
+    :class:`~idempotent_orders.exceptions.MessageDead` (chained from the
+    cause), ``message_dead`` is sent, and every later delivery raises
+    ``MessageDead`` without running the function, until an operator requeues
+    the row (:func:`requeue_inbox`, the admin, ``manage.py requeue_idempotent``).
+    ``MessageDead`` is Celery's ``Ignore``, so a task is never retried for it.
+    Inside a caller's transaction the failure is recorded in that transaction:
+    if the caller rolls back, the run is not counted.
 
     The result is stored as JSON (``DjangoJSONEncoder``) and every call gets
     that JSON form back, first run or duplicate alike, so return JSON-able
@@ -140,50 +178,277 @@ def idempotent(
         if len(name) > 64:
             raise ValueError(f"consumer name {name!r} is longer than 64 characters")
         if external:
+            if permanent or max_attempts is not None:
+                # Its failures are the reconciler's (RECONCILE_MAX_STALLS, then failed).
+                raise ValueError("permanent= and max_attempts= do not apply to external=True")
             if using is not None:
                 raise ValueError("external=True calls keep their leases in the default database")
             return _external(fn, key=key, name=name, verify=verify)
         if verify is not None:
             raise ValueError("verify= only applies to external=True")
 
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        give_up: tuple[type[BaseException], ...] = (PermanentFailure, *permanent)
+
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
             message_id = message_key(key, args, kwargs)
-            with transaction.atomic(using=using):
-                try:
-                    with transaction.atomic(using=using):
-                        row = ProcessedMessage.objects.using(using).create(
-                            consumer=name,
-                            message_id=message_id,
-                            status=InboxStatus.PROCESSING,
+            ran = False
+            try:
+                with transaction.atomic(using=using):
+                    row = _claim(name, message_id, using)
+                    if row is None or isinstance(row, _Recorded):
+                        outcome = Outcome.DUPLICATE
+                        result = row.result if row is not None else None
+                    else:
+                        ran = True
+                        result = _recorded(fn(*args, **kwargs))
+                        row.status, row.outcome, row.result = (
+                            InboxStatus.DONE,
+                            Outcome.APPLIED,
+                            result,
                         )
-                except IntegrityError:
-                    first = (
-                        ProcessedMessage.objects.using(using)
-                        .filter(consumer=name, message_id=message_id)
-                        .values_list("result", flat=True)
-                        .first()
+                        row.save(update_fields=["status", "outcome", "result", "updated_at"])
+                        outcome = Outcome.APPLIED
+                    # Sent once the caller's outer transaction (if any) has committed too.
+                    transaction.on_commit(
+                        functools.partial(_consumed, name, message_id, outcome), using=using
                     )
-                    outcome, result = Outcome.DUPLICATE, first
-                else:
-                    result = _recorded(fn(*args, **kwargs))
-                    row.status, row.outcome, row.result = (
-                        InboxStatus.DONE,
-                        Outcome.APPLIED,
-                        result,
-                    )
-                    row.save(update_fields=["status", "outcome", "result", "updated_at"])
-                    outcome = Outcome.APPLIED
-                # Sent once the caller's outer transaction (if any) has committed too.
-                transaction.on_commit(
-                    functools.partial(_consumed, name, message_id, outcome), using=using
-                )
+            except MessageDead:
+                raise
+            except Exception as exc:
+                if not ran:
+                    # The claim failed (a lost connection, a deadlock): the work did
+                    # not run, so no attempt is counted; the delivery is retried as is.
+                    raise
+                limit = conf.IDEMPOTENT_MAX_ATTEMPTS if max_attempts is None else max_attempts
+                if _record_failure(
+                    name,
+                    message_id,
+                    exc,
+                    permanent=isinstance(exc, give_up),
+                    limit=limit,
+                    using=using,
+                ):
+                    raise MessageDead(f"{name}: {message_id} is dead: {exc!r}"[:500]) from exc
+                raise
             return result
 
         wrapper.consumer = name  # type: ignore[attr-defined]
         return wrapper
 
     return decorate if func is None else decorate(func)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recorded:
+    """An inbox row that answers a delivery without a run: a duplicate of finished work."""
+
+    result: Any
+
+
+#: Rows a delivery does not answer from the recorded result.
+_NOT_FINISHED = (InboxStatus.PROCESSING, InboxStatus.DEAD, InboxStatus.FAILED)
+
+
+def _claim(name: str, message_id: str, using: str | None) -> ProcessedMessage | _Recorded | None:
+    """The inbox row to run under, in the caller's transaction; or the recorded answer.
+
+    A new key inserts the row (a concurrent duplicate waits on the unique index).
+    A row that earlier runs left ``processing`` (they failed, or it was requeued)
+    is taken with a locking read, so of concurrent deliveries one runs at a time.
+    A dead row raises :class:`MessageDead`, and so does a row an operator marked
+    ``failed`` in the admin (its way back is the admin's *Retry*).
+    """
+    rows = ProcessedMessage.objects.using(using)
+    try:
+        with transaction.atomic(using=using):
+            return rows.create(consumer=name, message_id=message_id, status=InboxStatus.PROCESSING)
+    except IntegrityError:
+        pass
+    found = rows.filter(consumer=name, message_id=message_id).values("status", "result").first()
+    if found is not None and found["status"] not in _NOT_FINISHED:
+        return _Recorded(found["result"])  # the common duplicate: no lock taken
+    # Locked: the latest committed state, and no other run until this one ends.
+    row = rows.select_for_update().filter(consumer=name, message_id=message_id).first()
+    if row is None:  # deleted meanwhile (retention): nothing to answer from
+        return None
+    if row.status in (InboxStatus.DEAD, InboxStatus.FAILED):
+        raise MessageDead(f"{name}: {message_id} is {row.status}: {row.error}"[:500])
+    if row.status != InboxStatus.PROCESSING:
+        return _Recorded(row.result)
+    row.attempts += 1
+    rows.filter(pk=row.pk).update(attempts=F("attempts") + 1, updated_at=timezone.now())
+    return row
+
+
+def _record_failure(
+    name: str,
+    message_id: str,
+    exc: Exception,
+    *,
+    permanent: bool,
+    limit: int,
+    using: str | None,
+) -> bool:
+    """Count a failed run on the inbox row (the run's own write rolled back); True if dead.
+
+    Never raises: when the failure cannot be recorded (the database is down) it
+    is logged and the run's exception goes on as before.
+    """
+    error = f"{type(exc).__name__}: {exc}"[:2000]
+    # Concurrent recorders of one key can deadlock (MySQL's gap locks); try again,
+    # unless a caller's transaction is open (the deadlock rolled it back).
+    tries = 1 if transaction.get_connection(using).in_atomic_block else 5
+    try:
+        for attempt in range(1, tries + 1):
+            try:
+                return _count_failure(
+                    name, message_id, error, permanent=permanent, limit=limit, using=using
+                )
+            except OperationalError:
+                if attempt == tries:
+                    raise
+                time.sleep(0.01 * attempt)
+        return False  # pragma: no cover - the loop returns or raises
+    except Exception:
+        logger.exception(
+            "%s: could not record the failure of %s",
+            name,
+            message_id,
+            extra={"message_id": message_id},
+        )
+        return False
+
+
+def _count_failure(
+    name: str, message_id: str, error: str, *, permanent: bool, limit: int, using: str | None
+) -> bool:
+    rows = ProcessedMessage.objects.using(using)
+    now = timezone.now()
+    with transaction.atomic(using=using):
+        row = (
+            rows.select_for_update()
+            .filter(consumer=name, message_id=message_id)
+            .values_list("pk", "status", "attempts")
+            .first()
+        )
+        if row is not None and row[1] != InboxStatus.PROCESSING:
+            # Finished (or dead) by another delivery meanwhile.
+            return bool(row[1] == InboxStatus.DEAD)
+        attempts = 1 if row is None else row[2] + 1
+        dead = permanent or attempts >= limit
+        values: dict[str, Any] = {
+            "status": InboxStatus.DEAD if dead else InboxStatus.PROCESSING,
+            "attempts": attempts,
+            "error": error,
+            "dead_at": now if dead else None,
+            "lease_expires_at": None,
+        }
+        if row is None:
+            try:
+                with transaction.atomic(using=using):
+                    rows.create(consumer=name, message_id=message_id, **values)
+            except IntegrityError:  # another delivery's failure got there first
+                return _count_failure(
+                    name, message_id, error, permanent=permanent, limit=limit, using=using
+                )
+        else:
+            rows.filter(pk=row[0]).update(**values, updated_at=now)
+        if dead:
+            transaction.on_commit(
+                functools.partial(_died, name, message_id, attempts, error, permanent),
+                using=using,
+            )
+        else:
+            logger.warning(
+                "%s: run %d of %s failed (of %d before it is dead): %s",
+                name,
+                attempts,
+                message_id,
+                limit,
+                error,
+                extra={"message_id": message_id},
+            )
+    return dead
+
+
+def _died(name: str, message_id: str, attempts: int, error: str, permanent: bool) -> None:
+    logger.error(
+        "%s: %s is dead after %d run(s)%s: %s",
+        name,
+        message_id,
+        attempts,
+        " (permanent failure)" if permanent else "",
+        error,
+        extra={"message_id": message_id},
+    )
+    message_dead.send(
+        sender=ProcessedMessage,
+        consumer=name,
+        message_id=message_id,
+        attempts=attempts,
+        error=error,
+    )
+
+
+def requeue_inbox(
+    *,
+    consumer: str | None = None,
+    message_ids: Iterable[str] | None = None,
+    ids: Iterable[int] | None = None,
+    dry_run: bool = False,
+    using: str | None = None,
+) -> int:
+    """Put dead ``@idempotent`` rows back to ``processing`` with no attempts; returns how many.
+
+    The next delivery of the message runs the work again (the row holds no
+    arguments to run it with: deliver the message again, e.g. requeue its
+    dead outbox row or ``apply_async(..., task_id=message_id)``). Without a
+    filter every dead row is requeued; ``consumer``, ``message_ids`` and ``ids``
+    narrow it down (together: rows matching all). Only dead rows change, and
+    ``error`` is kept as the record of why it died. ``dry_run`` counts and
+    changes nothing.
+    """
+    db = using or router.db_for_write(ProcessedMessage)
+    rows = ProcessedMessage.objects.using(db).filter(status=InboxStatus.DEAD)
+    if consumer is not None:
+        rows = rows.filter(consumer=consumer)
+    if message_ids is not None:
+        rows = rows.filter(message_id__in=list(message_ids))
+    if ids is not None:
+        rows = rows.filter(pk__in=list(ids))
+    if dry_run:
+        return rows.count()
+    return rows.update(
+        status=InboxStatus.PROCESSING,
+        attempts=0,
+        dead_at=None,
+        lease_expires_at=None,
+        updated_at=timezone.now(),
+    )
+
+
+def inbox_stats(*, using: str | None = None) -> dict[str, int]:
+    """Counters for dashboards: dead ``@idempotent`` rows, and rows whose last run failed
+    and that wait for their next delivery (``failing``: ``processing`` without a lease).
+    """
+    db = using or router.db_for_write(ProcessedMessage)
+    counts = dict(
+        ProcessedMessage.objects.using(db)
+        .filter(
+            Q(status=InboxStatus.DEAD)
+            | Q(status=InboxStatus.PROCESSING, lease_expires_at__isnull=True)
+        )
+        .values_list("status")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return {
+        "dead": counts.get(InboxStatus.DEAD, 0),
+        "failing": counts.get(InboxStatus.PROCESSING, 0),
+    }
 
 
 class ExternalCall(LeasedStep):

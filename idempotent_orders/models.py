@@ -125,6 +125,10 @@ class InboxStatus(models.TextChoices):
     DONE = "done", "done"
     FAILED = "failed", "failed"
     REJECTED = "rejected", "rejected"
+    #: ``@idempotent`` work that failed ``IDEMPOTENT_MAX_ATTEMPTS`` times or
+    #: permanently; nothing of it was committed. Not run again until an operator
+    #: requeues it (back to ``processing``).
+    DEAD = "dead", "dead"
 
 
 class Outcome(models.TextChoices):
@@ -166,6 +170,8 @@ class ProcessedMessage(models.Model):
     error = models.TextField(blank=True, default="")
     #: The raw envelope of rejected messages (escaped, truncated), for operators.
     body = models.TextField(blank=True, default="")
+    #: When ``@idempotent`` work was dead-lettered (cleared by a requeue).
+    dead_at = models.DateTimeField(null=True, blank=True)
     #: JSON form of what an ``@idempotent`` function returned the first time; duplicates get it.
     result: models.JSONField[Any] = models.JSONField(
         null=True, blank=True, encoder=DjangoJSONEncoder

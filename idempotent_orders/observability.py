@@ -17,8 +17,11 @@ Metrics, when ``prometheus-client`` is installed (connected in ``AppConfig.ready
   message a consumer has not finished: parked or processing);
   ``idempotent_orders_outbox_pending``, ``idempotent_orders_outbox_dead`` and
   ``idempotent_orders_outbox_oldest_pending_seconds`` (the outbox's backlog);
+  ``idempotent_orders_inbox_dead`` (dead ``@idempotent`` rows);
 - ``idempotent_orders_outbox_published_total`` and
-  ``idempotent_orders_outbox_dead_lettered_total``: counted by the relays.
+  ``idempotent_orders_outbox_dead_lettered_total``: counted by the relays;
+- ``idempotent_orders_inbox_dead_lettered_total{consumer}``: ``@idempotent``
+  rows that went dead.
 
 Counters live in the process that counts them: scrape the workers too, or use
 prometheus-client's multiprocess mode.
@@ -88,6 +91,7 @@ class DatabaseCollector:
             "idempotent_orders_stuck_processing",
             "idempotent_orders_failed_messages",
             "idempotent_orders_parked_messages",
+            "idempotent_orders_inbox_dead",
             "idempotent_orders_outbox_pending",
             "idempotent_orders_outbox_dead",
             "idempotent_orders_outbox_oldest_pending_seconds",
@@ -111,6 +115,11 @@ class DatabaseCollector:
             "idempotent_orders_failed_messages",
             "Inbox rows marked failed, waiting for an operator.",
             value=ProcessedMessage.objects.filter(status=InboxStatus.FAILED).count(),
+        )
+        yield GaugeMetricFamily(
+            "idempotent_orders_inbox_dead",
+            "@idempotent inbox rows dead-lettered, waiting for an operator to requeue them.",
+            value=ProcessedMessage.objects.filter(status=InboxStatus.DEAD).count(),
         )
         yield GaugeMetricFamily(
             "idempotent_orders_parked_messages",
@@ -175,6 +184,10 @@ def _on_relayed(sender: Any, published: int, dead: int = 0, **kwargs: Any) -> No
     _metrics["idempotent_orders_outbox_dead_lettered"].inc(dead)
 
 
+def _on_dead(sender: Any, consumer: str, **kwargs: Any) -> None:
+    _metrics["idempotent_orders_inbox_dead_lettered"].labels(consumer=consumer).inc()
+
+
 def connect() -> bool:
     """Create the metrics and connect them to the app's signals; False without the extra."""
     if prometheus_client is None:
@@ -193,11 +206,17 @@ def connect() -> bool:
     )
     _counter("idempotent_orders_outbox_published", "Outbox rows published by relays.", [])
     _counter("idempotent_orders_outbox_dead_lettered", "Outbox rows dead-lettered by relays.", [])
+    _counter(
+        "idempotent_orders_inbox_dead_lettered",
+        "@idempotent inbox rows dead-lettered, by consumer.",
+        ["consumer"],
+    )
     prometheus_client.REGISTRY.register(DatabaseCollector())
     signals.message_consumed.connect(_on_consumed, dispatch_uid="io_metrics_consumed")
     signals.lease_finished.connect(_on_lease, dispatch_uid="io_metrics_lease")
     signals.message_reconciled.connect(_on_reconciled, dispatch_uid="io_metrics_reconciled")
     signals.outbox_relayed.connect(_on_relayed, dispatch_uid="io_metrics_outbox_relayed")
+    signals.message_dead.connect(_on_dead, dispatch_uid="io_metrics_inbox_dead")
     return True
 
 

@@ -23,6 +23,10 @@ outbox_relayed = Signal()
 #: publishes, or a ``PermanentPublishError``).
 #: Arguments: ``message_id``, ``task_name``, ``attempts``, ``error`` (the last one).
 outbox_dead = Signal()
+#: Sent when ``@idempotent`` work is dead-lettered (``IDEMPOTENT_MAX_ATTEMPTS`` failed
+#: runs, or a ``PermanentFailure``), once per dead row, after the failure is recorded.
+#: Arguments: ``consumer``, ``message_id``, ``attempts``, ``error`` (the last one).
+message_dead = Signal()
 #: Sent for every dedup decision, saying which layer answered.
 #: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
 #: redis-hit, redis-miss, redis-down, disabled, database-conflict), ``consumer``, ``message_id``.

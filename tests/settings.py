@@ -79,8 +79,8 @@ if os.environ.get("IO_TEST_DEDUP_REDIS_URL"):
 CELERY_BROKER_URL = os.environ.get("IO_TEST_BROKER_URL", "memory://")
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("IO_TEST_QUEUE", f"{TEST_DB_NAME}-tasks")
 CELERY_TASK_ACKS_LATE = True
-# Test-only tasks the workers must know (the trace tests).
-CELERY_IMPORTS = ("tests.support.trace_tasks",)
+# Test-only tasks the workers must know (the trace and dead-letter tests).
+CELERY_IMPORTS = ("tests.support.trace_tasks", "tests.support.dead_tasks")
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Keep database connections across tasks (idempotent_orders recycles broken ones).

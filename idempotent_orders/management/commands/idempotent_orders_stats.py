@@ -1,4 +1,4 @@
-"""``manage.py idempotent_orders_stats``: consume outcomes, dedup layers, outbox rows."""
+"""``manage.py idempotent_orders_stats``: consume outcomes, dedup layers, outbox and dead rows."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 
 from idempotent_orders import stats
+from idempotent_orders.idempotent import inbox_stats
 from idempotent_orders.outbox import outbox_stats
 
 
 class Command(BaseCommand):
     help = (
         "Show how many messages ended in each outcome and which dedup layer answered, "
-        "and the outbox's pending, sent, dead and retried rows (read from the database)."
+        "the outbox's pending, sent, dead and retried rows and the inbox's dead and failing "
+        "@idempotent rows (read from the database)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -29,6 +31,8 @@ class Command(BaseCommand):
         outbox = outbox_stats()
         for name in ("pending", "sent", "dead", "retried"):
             counts[f"outbox:{name}"] = outbox[name]
+        for name, count in inbox_stats().items():
+            counts[f"inbox:{name}"] = count
         if options["json"]:
             self.stdout.write(json.dumps(counts, sort_keys=True))
             return
