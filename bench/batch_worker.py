@@ -1,4 +1,4 @@
-"""Section 2b: the batch consumer (``consume_batches``) beside the per-message Celery task.
+"""Section 2b: the batch consumer (``consume_orders_in_batches``) beside the per-message Celery task.
 
 Both consume the same kind of ``consume_payment`` task messages, published to
 the queue before the consumers start; the clock starts when the first consumer
@@ -89,7 +89,7 @@ def run() -> list[Row]:
     return [
         Row(
             section,
-            f"rabbitmq, {PROCESSES} proc, {N:,} msgs: consume_batches --batch-size {BATCH_SIZE}",
+            f"rabbitmq, {PROCESSES} proc, {N:,} msgs: consume_orders_in_batches --batch-size {BATCH_SIZE}",
             fmt(batch),
             f"{batch / single:.1f}x the consume_payment task, {PROCESSES} worker proc ({fmt(single)})",
             figure=batch,

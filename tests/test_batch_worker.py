@@ -1,4 +1,4 @@
-"""``manage.py consume_batches``: real processes on RabbitMQ, acknowledged after commit."""
+"""``manage.py consume_orders_in_batches``: real processes on RabbitMQ, acked after commit."""
 
 from __future__ import annotations
 

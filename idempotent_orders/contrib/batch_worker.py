@@ -19,7 +19,7 @@ A database error requeues the batch after a backoff. A delivery for a task the
 worker does not consume is rejected without requeue (the queue's dead-letter
 exchange keeps it, if it has one) and logged.
 
-Run it with ``manage.py consume_batches --queue Q``.
+Run it with ``manage.py consume_orders_in_batches --queue Q``.
 """
 
 from __future__ import annotations

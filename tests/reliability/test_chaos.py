@@ -100,7 +100,7 @@ def _run(broker: str, load: Load, private_redis: RedisServer, *, batches: bool =
     )
     workers: Workers
     if batches:
-        # consume_batches processes instead of Celery workers: a SIGKILL lands
+        # consume_orders_in_batches processes instead of Celery workers: a SIGKILL lands
         # mid-batch, whose deliveries are all unacknowledged.
         workers = BatchConsumers(broker_url, queue, env, batch_size=25, flush_interval=0.1)
         with current_app.connection_for_write() as conn:

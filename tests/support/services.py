@@ -283,7 +283,7 @@ class Workers:
 
 
 class BatchConsumers(Workers):
-    """Real ``manage.py consume_batches`` processes on one queue, managed like :class:`Workers`."""
+    """``manage.py consume_orders_in_batches`` processes on one queue, like :class:`Workers`."""
 
     def __init__(
         self,
@@ -308,7 +308,7 @@ class BatchConsumers(Workers):
                     sys.executable,
                     "-m",
                     "django",
-                    "consume_batches",
+                    "consume_orders_in_batches",
                     "--queue",
                     self.queue,
                     "--broker",

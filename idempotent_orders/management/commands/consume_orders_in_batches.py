@@ -1,4 +1,4 @@
-"""``manage.py consume_batches``: consume the consumer tasks' messages in batches."""
+"""``manage.py consume_orders_in_batches``: consume the consumer tasks' messages in batches."""
 
 from __future__ import annotations
 
