@@ -17,6 +17,7 @@ SECTIONS = [
     "consumer",
     "vendors",
     "workers",
+    "batch_worker",
     "http",
     "http_server",
     "naive",

@@ -66,7 +66,7 @@ def run() -> list[Row]:
         capture_output=True,
         text=True,
         check=True,
-        timeout=900,
+        timeout=max(900, MESSAGES // 250),
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     growth = r["end"] - r["after_first"]

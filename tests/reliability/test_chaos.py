@@ -15,6 +15,7 @@ from django.conf import settings
 
 from tests.support.chaos import ChaosContext, build_stream, make_orders, rabbitmq_restart, run_chaos
 from tests.support.services import (
+    BatchConsumers,
     RedisServer,
     Workers,
     require_service,
@@ -73,7 +74,7 @@ def use_broker() -> Iterator[None]:
     reset_broker_pools()
 
 
-def _run(broker: str, load: Load, private_redis: RedisServer) -> None:
+def _run(broker: str, load: Load, private_redis: RedisServer, *, batches: bool = False) -> None:
     seed = _env_int("IO_CHAOS_SEED", random.randrange(2**32))
     rng = random.Random(seed)
     queue = f"io-chaos-{uuid.uuid4().hex[:10]}"
@@ -91,16 +92,21 @@ def _run(broker: str, load: Load, private_redis: RedisServer) -> None:
 
     orders = make_orders(load.orders)
     stream = build_stream(orders, rng=rng, max_copies=load.max_copies)
-    workers = Workers(
+    env = worker_env(
         broker_url=broker_url,
         queue=queue,
-        env=worker_env(
-            broker_url=broker_url,
-            queue=queue,
-            settings_module="tests.chaos_settings",
-            IO_TEST_REDIS_URL=private_redis.db_url(1),
-        ),
+        settings_module="tests.chaos_settings",
+        IO_TEST_REDIS_URL=private_redis.db_url(1),
     )
+    workers: Workers
+    if batches:
+        # consume_orders_in_batches processes instead of Celery workers: a SIGKILL lands
+        # mid-batch, whose deliveries are all unacknowledged.
+        workers = BatchConsumers(broker_url, queue, env, batch_size=25, flush_interval=0.1)
+        with current_app.connection_for_write() as conn:
+            current_app.amqp.queues[queue].bind(conn.default_channel).declare()
+    else:
+        workers = Workers(broker_url=broker_url, queue=queue, env=env)
     workers.start(load.workers)
     ctx = ChaosContext(
         workers=workers, rng=rng, restart_broker=restart, flush_redis=private_redis.flushall
@@ -115,7 +121,8 @@ def _run(broker: str, load: Load, private_redis: RedisServer) -> None:
                     conn.default_channel.queue_delete(queue)
             except Exception:
                 pass
-    summary = f"seed={seed} {report.summary()}; faults: {'; '.join(report.faults)}"
+    kind = "batch consumers" if batches else "celery workers"
+    summary = f"{kind} seed={seed} {report.summary()}; faults: {'; '.join(report.faults)}"
     print(summary)
     if path := os.environ.get("IO_CHAOS_REPORT"):
         with open(path, "a") as out:
@@ -140,3 +147,16 @@ def test_exactly_once_under_faults_long(
     broker: str, transactional_db: None, private_redis: RedisServer, use_broker: None
 ) -> None:
     _run(broker, LONG, private_redis)
+
+
+def test_batch_consumers_exactly_once_under_faults(
+    transactional_db: None, private_redis: RedisServer, use_broker: None
+) -> None:
+    _run("rabbitmq", BOUNDED, private_redis, batches=True)
+
+
+@pytest.mark.slow
+def test_batch_consumers_exactly_once_under_faults_long(
+    transactional_db: None, private_redis: RedisServer, use_broker: None
+) -> None:
+    _run("rabbitmq", LONG, private_redis, batches=True)

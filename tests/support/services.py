@@ -282,6 +282,50 @@ class Workers:
         )
 
 
+class BatchConsumers(Workers):
+    """``manage.py consume_orders_in_batches`` processes on one queue, like :class:`Workers`."""
+
+    def __init__(
+        self,
+        broker_url: str,
+        queue: str,
+        env: dict[str, str],
+        *,
+        batch_size: int = 100,
+        flush_interval: float = 0.2,
+    ) -> None:
+        super().__init__(broker_url, queue, env)
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+
+    def spawn(self, concurrency: int = 1) -> subprocess.Popen[bytes]:
+        n = next(self._names)
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{self.queue}-batch-{n}.log"
+        self.logs.append(log)
+        with log.open("wb") as handle:
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "django",
+                    "consume_orders_in_batches",
+                    "--queue",
+                    self.queue,
+                    "--broker",
+                    self.broker_url,
+                    "--batch-size",
+                    str(self.batch_size),
+                    "--flush-interval",
+                    str(self.flush_interval),
+                ],
+                cwd=ROOT,
+                env=self.env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+
 def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
     """Signal the process group of ``proc`` (started with ``start_new_session``) and reap it."""
     if proc.poll() is None:
