@@ -164,6 +164,70 @@ def _inbox_values(fields: list[Field[Any, Any]], row: ProcessedMessage) -> list[
     return [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
 
 
+@dataclass(frozen=True)
+class InboxTemplate:
+    """The INSERT of one inbox row whose per-message columns are filled in by position.
+
+    Built once per database from a sample row, so the fields' defaults and
+    database preparation stay the model's own; only :data:`PER_MESSAGE`
+    columns (and ``updated_at``'s ``auto_now``) change between messages.
+    """
+
+    fields: list[Field[Any, Any]]
+    #: ``INSERT INTO <inbox> (<columns>) VALUES (%s, ...) ON CONFLICT ... DO NOTHING``
+    sql: str
+    base: list[Any]
+    #: Position of each per-message column in ``base``.
+    positions: dict[str, int]
+
+    def params(self, values: Mapping[str, Any], now: Any) -> list[Any]:
+        """``base`` with ``values`` (prepared by their fields) and ``updated_at`` = ``now``."""
+        params = list(self.base)
+        positions = self.positions
+        fields = self.fields
+        for name, value in values.items():
+            pos = positions[name]
+            if value is not None:
+                value = fields[pos].get_db_prep_save(value, connection)
+            params[pos] = value
+        if "updated_at" in positions:
+            pos = positions["updated_at"]
+            params[pos] = fields[pos].get_db_prep_save(now, connection)
+        return params
+
+
+#: Columns :meth:`InboxTemplate.params` may set per message.
+PER_MESSAGE = ("consumer", "message_id", "message_type", "status", "outcome", "order_id", "seq")
+
+_templates: dict[str, InboxTemplate] = {}
+
+
+def inbox_template() -> InboxTemplate:
+    """The :class:`InboxTemplate` of the current database (an applied message's row)."""
+    template = _templates.get(connection.alias)
+    if template is None:
+        from idempotent_orders.models import InboxStatus, Outcome
+
+        sample = ProcessedMessage(
+            consumer="",
+            message_id="",
+            message_type="",
+            status=InboxStatus.DONE,
+            outcome=Outcome.APPLIED,
+            order_id=None,
+            seq=None,
+        )
+        fields, columns = _inbox_columns(sample)
+        base = _inbox_values(fields, sample)
+        attnames = [f.attname for f in fields]
+        positions = {name: attnames.index(name) for name in (*PER_MESSAGE, "updated_at")}
+        table, _, _ = _names()
+        placeholder = ", ".join(["%s"] * len(fields))
+        sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholder}) {_on_conflict()}"
+        template = _templates[connection.alias] = InboxTemplate(fields, sql, base, positions)
+    return template
+
+
 def _names() -> tuple[str, str, str]:
     """Quoted table, primary key and message id column of the inbox."""
     meta = ProcessedMessage._meta
