@@ -25,6 +25,7 @@ write. A project's own validator never takes this path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -58,8 +59,9 @@ Test = tuple[str, Any, bool]
 Guard = Callable[[type[Model], Mapping[str, Any]], tuple[dict[str, Any], list[Test]] | None]
 
 
-def _names(model: type[Model]) -> set[str]:
-    return {f.name for f in model._meta.concrete_fields}
+@functools.cache
+def _names(model: type[Model]) -> frozenset[str]:
+    return frozenset(f.name for f in model._meta.concrete_fields)
 
 
 def _money(model: type[Model], payload: Mapping[str, Any]) -> list[Test] | None:

@@ -181,13 +181,17 @@ class InboxTemplate:
     positions: dict[str, int]
 
     def params(self, values: Mapping[str, Any], now: Any) -> list[Any]:
-        """``base`` with ``values`` (prepared by their fields) and ``updated_at`` = ``now``."""
+        """``base`` with ``values`` and ``updated_at`` = ``now``, prepared by their fields.
+
+        A plain ``str`` or ``int`` is what every inbox column's preparation
+        returns for it, so only other values go through ``get_db_prep_save``.
+        """
         params = list(self.base)
         positions = self.positions
         fields = self.fields
         for name, value in values.items():
             pos = positions[name]
-            if value is not None:
+            if value is not None and type(value) not in _PLAIN:
                 value = fields[pos].get_db_prep_save(value, connection)
             params[pos] = value
         if "updated_at" in positions:
@@ -196,8 +200,20 @@ class InboxTemplate:
         return params
 
 
+_PLAIN = frozenset({str, int})
+
 #: Columns :meth:`InboxTemplate.params` may set per message.
-PER_MESSAGE = ("consumer", "message_id", "message_type", "status", "outcome", "order_id", "seq")
+PER_MESSAGE = (
+    "consumer",
+    "message_id",
+    "message_type",
+    "status",
+    "outcome",
+    "order_id",
+    "seq",
+    "error",
+    "body",
+)
 
 _templates: dict[str, InboxTemplate] = {}
 
@@ -248,16 +264,26 @@ def _on_conflict() -> str:
 
 def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
     """Insert inbox rows, skipping ids already there; ``{message_id: pk}`` of the new ones."""
-    fields, columns = _inbox_columns(rows[0])
+    fields = _inbox_fields(rows[0])
+    return insert_inbox_values(fields, [_inbox_values(fields, row) for row in rows])
+
+
+def insert_inbox_values(
+    fields: Sequence[Field[Any, Any]], rows: Sequence[Sequence[Any]]
+) -> dict[str, int]:
+    """:func:`insert_inbox_rows` for rows given as prepared values of ``fields``.
+
+    (:meth:`InboxTemplate.params` builds them without a model instance per row.)
+    """
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(str(f.column)) for f in fields)
     table, pk, message_id = _names()
     returning = f"RETURNING {pk}, {message_id}"
+    at = [f.attname for f in fields].index("message_id")
     if connection.vendor == "postgresql":
         # One array per column: the statement text is the same for any number of
         # rows, so the driver parses it once, not a placeholder per value per call.
-        arrays: list[list[Any]] = [[] for _ in fields]
-        for row in rows:
-            for array, value in zip(arrays, _inbox_values(fields, row), strict=True):
-                array.append(value)
+        arrays: list[list[Any]] = [list(column) for column in zip(*rows, strict=True)]
         unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
         sql = (
             f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
@@ -267,9 +293,7 @@ def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
             cursor.execute(sql, arrays)
             return {mid: pk_ for pk_, mid in cursor.fetchall()}
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    params: list[Any] = []
-    for row in rows:
-        params.extend(_inbox_values(fields, row))
+    params: list[Any] = [value for row in rows for value in row]
     if connection.vendor == "mysql":
         # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
         # is ignored in practice: ids longer than the column never get here.
@@ -291,7 +315,7 @@ def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
                 )
                 found = cursor.fetchall()
                 if found:
-                    new[row.message_id] = found[0][0]
+                    new[row[at]] = found[0][0]
     return new
 
 
