@@ -34,11 +34,13 @@ from typing import Any
 from django.db import DataError, connection
 from django.db.models import CharField, Field, Model, TextField
 from django.utils import timezone
+from django_fsm.signals import post_transition
 
 from idempotent_orders import handlers
 from idempotent_orders.engine import Envelope
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome
+from idempotent_orders.signals import order_transitioned
 from idempotent_orders.statements import build, compiled_read, inbox_template
 from idempotent_orders.transitions import (
     TransitionResult,
@@ -207,7 +209,8 @@ def _sql(
         test = f"{column} = %s{collate}"
         where.append(f"({column} = '' OR {test})" if empty else test)
     by_attname = {f.attname: f for f in meta.concrete_fields}
-    returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames)
+    # Without anyone to hand the order to, the statement returns none of it.
+    returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames) or "1"
     return (
         f"WITH claim AS ({insert} RETURNING 1),"
         f" moved AS (UPDATE {table} SET {', '.join(sets)}"
@@ -226,7 +229,8 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
 
     Call only where :func:`~idempotent_orders.statements.can_claim_and_apply` holds.
     On APPLIED the inbox row and the transition are committed and
-    ``transition_written`` was called; the caller announces the outcome.
+    ``transition_written`` was called (when anyone listens for the order); the caller
+    announces the outcome.
     """
     guard = GUARDS.get(envelope.handler.validate)
     if guard is None:
@@ -246,7 +250,16 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
     meta = model._meta
     template = inbox_template()
-    key = (connection.alias, model, tuple(values), tuple((t[0], t[2]) for t in tests), seq is None)
+    # The order as written is built only for someone to hand it to.
+    announced = order_transitioned.has_listeners(model) or post_transition.has_listeners(model)
+    key = (
+        connection.alias,
+        model,
+        tuple(values),
+        tuple((t[0], t[2]) for t in tests),
+        seq is None,
+        announced,
+    )
     statement = _statements.get(key)
     if statement is None:
         value_fields: list[Field[Any, Any]] = [meta.get_field(n) for n in values]  # type: ignore[misc]
@@ -257,7 +270,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
             value_fields,
             [(f, t[2]) for f, t in zip(test_fields, tests, strict=True)],
             seq is not None,
-            plan.attnames,
+            plan.attnames if announced else (),
         )
         statement = _statements[key] = (sql, value_fields, test_fields)
     sql, value_fields, test_fields = statement
@@ -293,12 +306,13 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         return None
     if row is None or not row[0]:
         return None  # a duplicate: the usual path reads the order and answers it
-    order = build(model, alias, plan, row[2:])
-    result = TransitionResult(
-        TransitionStatus.APPLIED,
-        shape.source,
-        shape.target,
-        order.version,  # type: ignore[attr-defined]
-    )
-    transition_written(order, name, result)
+    if announced:
+        order = build(model, alias, plan, row[2:])
+        result = TransitionResult(
+            TransitionStatus.APPLIED,
+            shape.source,
+            shape.target,
+            order.version,  # type: ignore[attr-defined]
+        )
+        transition_written(order, name, result)
     return Outcome.APPLIED
