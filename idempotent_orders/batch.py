@@ -54,7 +54,7 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.services import consume_message, park, release_parked
 from idempotent_orders.signals import message_released
-from idempotent_orders.statements import insert_inbox_rows
+from idempotent_orders.statements import inbox_template, insert_inbox_values
 from idempotent_orders.transitions import (
     TransitionResult,
     advance,
@@ -220,32 +220,36 @@ def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]
     index's locks in one order and cannot deadlock on each other.
     """
     now = timezone.now()
+    template = inbox_template()
     rows = []
     for item in sorted(items, key=lambda i: i.envelope.message_id):
         env = item.envelope
         if env.order_id in known:
             status, outcome, error, body = InboxStatus.DONE, Outcome.APPLIED, "", ""
+            order_id: int | None = env.order_id
         else:  # decided now: nothing else can change an unknown order's verdict
             item.outcome, item.reason = Outcome.REJECTED, unknown_order(env).reason
             item.order_exists = False
             status, outcome, error = InboxStatus.REJECTED, Outcome.REJECTED, item.reason
             body = serialise(env.as_dict())[:BODY_EXCERPT]
+            order_id = None
         rows.append(
-            ProcessedMessage(
-                consumer=consumer,
-                message_id=env.message_id,
-                message_type=env.message_type,
-                status=status,
-                outcome=outcome,
-                order_id=env.order_id if env.order_id in known else None,
-                seq=env.seq,
-                error=error,
-                body=body,
-                created_at=now,
-                updated_at=now,
+            template.params(
+                {
+                    "consumer": consumer,
+                    "message_id": env.message_id,
+                    "message_type": env.message_type,
+                    "status": str(status),
+                    "outcome": str(outcome),
+                    "order_id": order_id,
+                    "seq": env.seq,
+                    "error": error,
+                    "body": body,
+                },
+                now,
             )
         )
-    return insert_inbox_rows(rows)
+    return insert_inbox_values(template.fields, rows)
 
 
 def _lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.core.signals import setting_changed
 
 #: The Django setting naming the order model, like ``AUTH_USER_MODEL`` names the user model.
 ORDER_MODEL_SETTING = "IDEMPOTENT_ORDERS_ORDER_MODEL"
@@ -162,11 +163,24 @@ POSITIVE: frozenset[str] = frozenset(
 
 
 class Settings:
-    """Typed accessors; each property reads Django settings when it is used."""
+    """Typed accessors; each property reads Django settings when it is used.
+
+    The ``IDEMPOTENT_ORDERS`` dict is looked up once and again after each
+    ``setting_changed`` (``override_settings``), not on every access: reading
+    a Django setting costs more than some of the work it configures.
+    """
+
+    _user: dict[str, Any] | None = None
 
     def _get(self, name: str) -> Any:
-        user = getattr(settings, "IDEMPOTENT_ORDERS", None) or {}
+        user = self._user
+        if user is None:
+            user = self._user = getattr(settings, "IDEMPOTENT_ORDERS", None) or {}
         return user.get(name, DEFAULTS[name])
+
+    def forget(self, **kwargs: Any) -> None:
+        """Read the settings afresh (connected to ``setting_changed``)."""
+        self._user = None
 
     @property
     def MAX_MESSAGE_BYTES(self) -> int:
@@ -374,3 +388,4 @@ class Settings:
 
 
 conf = Settings()
+setting_changed.connect(conf.forget, dispatch_uid="idempotent_orders.conf.forget")

@@ -112,7 +112,8 @@ def parse_envelope(message: Any, *, consumer: str | None = None) -> Envelope:
     if not isinstance(message, Mapping):
         raise InvalidMessage(f"message must be a JSON object, got {type(message).__name__}")
     try:
-        size = len(json.dumps(message, ensure_ascii=False).encode("utf-8"))
+        text = json.dumps(message, ensure_ascii=False)
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         # A lone surrogate (JSON allows "\ud800") cannot be stored in any database column.
         raise InvalidMessage("message contains an unpaired UTF-16 surrogate") from None
@@ -126,7 +127,8 @@ def parse_envelope(message: Any, *, consumer: str | None = None) -> Envelope:
             "message_id must be a non-empty printable string of at most "
             f"{conf.MAX_MESSAGE_ID_LENGTH} characters without surrounding spaces"
         )
-    if has_nul(message):
+    # JSON writes a NUL as \u0000, so text without that sequence has none to look for.
+    if "\\u0000" in text and has_nul(message):
         raise InvalidMessage("message contains a NUL character")
     message_type = message.get("type")
     if not isinstance(message_type, str):

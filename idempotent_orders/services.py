@@ -39,6 +39,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.presume import presume
 from idempotent_orders.signals import (
     dedup_answered,
     message_released,
@@ -112,6 +113,12 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
         return Outcome.DUPLICATE
 
+    if can_claim_and_apply():
+        applied = presume(envelope, consumer, get_order_model())
+        if applied is not None:
+            announce(consumer, envelope, applied, "")
+            dedup.remember_on_commit(consumer, envelope.message_id)
+            return applied
     waiting: list[bool] = []
     outcome = _consume(envelope, consumer, waiting=waiting)
     if outcome is Outcome.PARKED or any(waiting):

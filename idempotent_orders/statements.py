@@ -164,6 +164,86 @@ def _inbox_values(fields: list[Field[Any, Any]], row: ProcessedMessage) -> list[
     return [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
 
 
+@dataclass(frozen=True)
+class InboxTemplate:
+    """The INSERT of one inbox row whose per-message columns are filled in by position.
+
+    Built once per database from a sample row, so the fields' defaults and
+    database preparation stay the model's own; only :data:`PER_MESSAGE`
+    columns (and ``updated_at``'s ``auto_now``) change between messages.
+    """
+
+    fields: list[Field[Any, Any]]
+    #: ``INSERT INTO <inbox> (<columns>) VALUES (%s, ...) ON CONFLICT ... DO NOTHING``
+    sql: str
+    base: list[Any]
+    #: Position of each per-message column in ``base``.
+    positions: dict[str, int]
+
+    def params(self, values: Mapping[str, Any], now: Any) -> list[Any]:
+        """``base`` with ``values`` and ``updated_at`` = ``now``, prepared by their fields.
+
+        A plain ``str`` or ``int`` is what every inbox column's preparation
+        returns for it, so only other values go through ``get_db_prep_save``.
+        """
+        params = list(self.base)
+        positions = self.positions
+        fields = self.fields
+        for name, value in values.items():
+            pos = positions[name]
+            if value is not None and type(value) not in _PLAIN:
+                value = fields[pos].get_db_prep_save(value, connection)
+            params[pos] = value
+        if "updated_at" in positions:
+            pos = positions["updated_at"]
+            params[pos] = fields[pos].get_db_prep_save(now, connection)
+        return params
+
+
+_PLAIN = frozenset({str, int})
+
+#: Columns :meth:`InboxTemplate.params` may set per message.
+PER_MESSAGE = (
+    "consumer",
+    "message_id",
+    "message_type",
+    "status",
+    "outcome",
+    "order_id",
+    "seq",
+    "error",
+    "body",
+)
+
+_templates: dict[str, InboxTemplate] = {}
+
+
+def inbox_template() -> InboxTemplate:
+    """The :class:`InboxTemplate` of the current database (an applied message's row)."""
+    template = _templates.get(connection.alias)
+    if template is None:
+        from idempotent_orders.models import InboxStatus, Outcome
+
+        sample = ProcessedMessage(
+            consumer="",
+            message_id="",
+            message_type="",
+            status=InboxStatus.DONE,
+            outcome=Outcome.APPLIED,
+            order_id=None,
+            seq=None,
+        )
+        fields, columns = _inbox_columns(sample)
+        base = _inbox_values(fields, sample)
+        attnames = [f.attname for f in fields]
+        positions = {name: attnames.index(name) for name in (*PER_MESSAGE, "updated_at")}
+        table, _, _ = _names()
+        placeholder = ", ".join(["%s"] * len(fields))
+        sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholder}) {_on_conflict()}"
+        template = _templates[connection.alias] = InboxTemplate(fields, sql, base, positions)
+    return template
+
+
 def _names() -> tuple[str, str, str]:
     """Quoted table, primary key and message id column of the inbox."""
     meta = ProcessedMessage._meta
@@ -184,16 +264,26 @@ def _on_conflict() -> str:
 
 def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
     """Insert inbox rows, skipping ids already there; ``{message_id: pk}`` of the new ones."""
-    fields, columns = _inbox_columns(rows[0])
+    fields = _inbox_fields(rows[0])
+    return insert_inbox_values(fields, [_inbox_values(fields, row) for row in rows])
+
+
+def insert_inbox_values(
+    fields: Sequence[Field[Any, Any]], rows: Sequence[Sequence[Any]]
+) -> dict[str, int]:
+    """:func:`insert_inbox_rows` for rows given as prepared values of ``fields``.
+
+    (:meth:`InboxTemplate.params` builds them without a model instance per row.)
+    """
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(str(f.column)) for f in fields)
     table, pk, message_id = _names()
     returning = f"RETURNING {pk}, {message_id}"
+    at = [f.attname for f in fields].index("message_id")
     if connection.vendor == "postgresql":
         # One array per column: the statement text is the same for any number of
         # rows, so the driver parses it once, not a placeholder per value per call.
-        arrays: list[list[Any]] = [[] for _ in fields]
-        for row in rows:
-            for array, value in zip(arrays, _inbox_values(fields, row), strict=True):
-                array.append(value)
+        arrays: list[list[Any]] = [list(column) for column in zip(*rows, strict=True)]
         unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
         sql = (
             f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
@@ -203,9 +293,7 @@ def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
             cursor.execute(sql, arrays)
             return {mid: pk_ for pk_, mid in cursor.fetchall()}
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    params: list[Any] = []
-    for row in rows:
-        params.extend(_inbox_values(fields, row))
+    params: list[Any] = [value for row in rows for value in row]
     if connection.vendor == "mysql":
         # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
         # is ignored in practice: ids longer than the column never get here.
@@ -227,7 +315,7 @@ def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
                 )
                 found = cursor.fetchall()
                 if found:
-                    new[row.message_id] = found[0][0]
+                    new[row[at]] = found[0][0]
     return new
 
 

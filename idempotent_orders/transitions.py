@@ -157,9 +157,14 @@ def written_values(model: type[Model], fields: Mapping[str, Any] | None) -> dict
     ``updated_at`` when the model has one (a queryset UPDATE skips ``auto_now``).
     """
     values: dict[str, Any] = dict(fields or {})
-    if any(f.name == "updated_at" for f in model._meta.concrete_fields):
+    if _has_updated_at(model):
         values.setdefault("updated_at", timezone.now())
     return values
+
+
+@cache
+def _has_updated_at(model: type[Model]) -> bool:
+    return any(f.name == "updated_at" for f in model._meta.concrete_fields)
 
 
 def current_state(instance: Model) -> str:
@@ -225,6 +230,8 @@ def transition_starting(instance: Model, name: str) -> None:
 
     Sent before the conditional UPDATE; a receiver that raises aborts the write.
     """
+    if not pre_transition.has_listeners(type(instance)):
+        return
     source = current_state(instance)
     pre_transition.send(**_fsm_signal(instance, name, source, edge(type(instance), name).target))
 
@@ -265,7 +272,8 @@ def transition_written(instance: Model, name: str, result: TransitionResult) -> 
     :data:`~idempotent_orders.signals.order_transitioned` after commit.
     """
     model = type(instance)
-    post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
+    if post_transition.has_listeners(model):
+        post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
     for follow_up in _follow_ups:
         if follow_up.wanted(model, result.target):
             follow_up.write(instance, name, result)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from decimal import Decimal
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, connections, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
@@ -13,20 +16,30 @@ from django_fsm.signals import post_transition
 from idempotent_orders import services, statements
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
+from idempotent_orders.signals import order_transitioned
 from tests.support.messages import payment, shipment
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("postgresql")]
 
 
-def test_a_new_message_costs_one_read_and_one_statement(make_order) -> None:
+def test_a_new_message_costs_one_statement(make_order) -> None:
     consume_message(payment(make_order()), consumer="payments")  # loads this process's Bloom filter
     order = make_order()
-    with CaptureQueriesContext(connection) as queries:
-        assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    moved: list[Any] = []
+
+    def receiver(sender: Any, order: Any, **kwargs: Any) -> None:
+        moved.append((order.pk, order.status, order.version, kwargs["source"]))
+
+    order_transitioned.connect(receiver)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    finally:
+        order_transitioned.disconnect(receiver)
     sql = [q["sql"] for q in queries.captured_queries]
-    assert len(sql) == 2, sql
-    assert sql[0].startswith("SELECT")
-    assert sql[1].startswith("WITH claim AS (INSERT INTO")
+    assert len(sql) == 1, sql  # no read of the order: the statement tests it
+    assert sql[0].startswith("WITH claim AS (INSERT INTO")
+    assert moved == [(order.pk, OrderStatus.PAID, 1, OrderStatus.PENDING_PAYMENT)]
     row = Order.objects.get(pk=order.pk)
     assert (row.status, row.version, row.last_seq, row.payment_id) == (
         OrderStatus.PAID,
@@ -41,6 +54,82 @@ def test_a_new_message_costs_one_read_and_one_statement(make_order) -> None:
         Outcome.STALE,
         Outcome.DUPLICATE,
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "message", "outcome"),
+    [
+        ({"amount": Decimal("99.00")}, {}, Outcome.REJECTED),
+        ({"currency": "EUR"}, {}, Outcome.REJECTED),
+        ({"payment_id": "someone-else"}, {}, Outcome.REJECTED),
+        ({"status": OrderStatus.PAID}, {}, Outcome.DUPLICATE),
+        ({"last_seq": 3}, {"seq": 2}, Outcome.STALE),
+        ({}, {"seq": 5}, Outcome.PARKED),
+    ],
+)
+def test_an_order_the_statement_refuses_is_left_alone_and_decided_as_usual(
+    make_order, change: dict[str, Any], message: dict[str, Any], outcome: Outcome
+) -> None:
+    order = make_order()
+    Order.objects.filter(pk=order.pk).update(**change)
+    before = Order.objects.get(pk=order.pk)
+    with CaptureQueriesContext(connection) as queries:
+        got = consume_message({**payment(order), **message}, consumer="payments")
+    assert got is outcome
+    sql = [q["sql"] for q in queries.captured_queries]
+    claims = [n for n, s in enumerate(sql) if s.startswith("WITH claim AS (INSERT INTO")]
+    reads = [n for n, s in enumerate(sql) if s.startswith('SELECT "idempotent_orders_order"')]
+    assert claims
+    assert reads
+    assert claims[0] < reads[0]  # tried first, undone, then decided
+    after = Order.objects.get(pk=order.pk)
+    assert (after.status, after.version, after.payment_id) == (
+        before.status,
+        before.version,
+        before.payment_id,
+    )
+    inbox = ProcessedMessage.objects.get(order_id=order.pk)
+    assert inbox.outcome == outcome
+
+
+def test_an_order_with_parked_messages_takes_the_usual_path_and_releases_them(
+    make_order,
+) -> None:
+    order = make_order()
+    assert consume_message(shipment(order, seq=2), consumer="shipping") is Outcome.PARKED
+    assert Order.objects.get(pk=order.pk).has_parked
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.last_seq) == (OrderStatus.SHIPPED, 2)  # the successor went too
+
+
+def test_a_writer_that_commits_first_is_seen_by_the_statement(make_order) -> None:
+    """The tests are checked on the row version the UPDATE locks, not on a snapshot."""
+    order = make_order()
+    locked, done = threading.Event(), threading.Event()
+
+    def other_writer() -> None:
+        try:
+            with transaction.atomic():
+                Order.objects.filter(pk=order.pk).update(
+                    status=OrderStatus.PAID, payment_id="elsewhere", version=F("version") + 1
+                )
+                locked.set()
+                done.wait(5)
+                time.sleep(0.3)  # let the consumer block on the row lock
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=other_writer)
+    thread.start()
+    assert locked.wait(5)
+    done.set()
+    outcome = consume_message(payment(order), consumer="payments")
+    thread.join()
+    assert outcome is Outcome.REJECTED  # paid by another payment: never applied twice
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version, row.payment_id) == (OrderStatus.PAID, 1, "elsewhere")
+    assert ProcessedMessage.objects.get(order_id=order.pk).outcome == Outcome.REJECTED
 
 
 def test_a_copy_of_a_claimed_message_is_a_duplicate_and_writes_nothing(make_order) -> None:
@@ -72,6 +161,7 @@ def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
         return real(row, order_, **kwargs)
 
     monkeypatch.setattr(services, "claim_and_apply", racing)
+    monkeypatch.setattr(services, "presume", lambda *args: None)  # the read-first path
     consume_message(payment(order), consumer="payments")
     assert calls == [0, 1]  # the first statement was undone; the second read v1
     row = Order.objects.get(pk=order.pk)

@@ -61,6 +61,17 @@ def _during_release(real: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _after_applied(real: Callable[..., Any]) -> Callable[..., Any]:
+    """Dies once the one statement committed; a message it left alone goes on."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if real(*args, **kwargs) is not None:
+            raise Crash
+        return None
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def _both(*patches: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
@@ -73,14 +84,16 @@ def _both(*patches: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
 #: a new phase appears (leased work: after claiming, after the outside call, ...).
 CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     # Inside the transaction, after the conditional UPDATE: everything rolls back. (The
-    # one-statement path has no such moment: a death before its statement commits.)
+    # one-statement paths have no such moment: a death before their statement commits.)
     "after_update": lambda: _both(
         mock.patch.object(services, "apply_transition", _after(services.apply_transition)),
         mock.patch.object(services, "claim_and_apply", _raise),
+        mock.patch.object(services, "presume", _raise),
     ),
-    # The one-statement claim-and-apply committed; nothing after it happened.
-    "after_claim": lambda: mock.patch.object(
-        services, "claim_and_apply", _after(services.claim_and_apply)
+    # A one-statement claim-and-apply committed; nothing after it happened.
+    "after_claim": lambda: _both(
+        mock.patch.object(services, "claim_and_apply", _after(services.claim_and_apply)),
+        mock.patch.object(services, "presume", _after_applied(services.presume)),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.
     "after_commit": lambda: mock.patch.object(services.dedup, "remember", _raise),
