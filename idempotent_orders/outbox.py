@@ -211,6 +211,7 @@ class Publisher:
             self._queue.put(None)
 
     def _run(self) -> None:
+        _batch.templates = {}  # this thread's batches reuse their message templates a moment
         try:
             while True:
                 try:
@@ -369,6 +370,10 @@ _FAST_OPTIONS = frozenset(
     }
 )
 
+#: Seconds the publisher thread reuses a template across its batches (a change of the app's
+#: routes or of a task's options at run time reaches its messages after at most this long).
+TEMPLATE_TTL = 1.0
+
 #: The task id of the one ``apply_async`` a template is taken from (never published).
 _TEMPLATE_ID = "idempotent-orders-outbox-template-id"
 
@@ -382,7 +387,6 @@ class _Template:
         self.headers: dict[str, Any] = publish.pop("headers")
         self.root_is_id = self.headers.get("root_id") == _TEMPLATE_ID
         self.declare = publish.pop("declare", None)
-        self.declared = False
 
 
 class _Capture:
@@ -416,10 +420,13 @@ class _FastSender:
     (Celery's ``saferepr`` also shortens deep nesting); it is for display only.
     """
 
-    def __init__(self, producer: Any) -> None:
+    def __init__(self, producer: Any, cache: dict[Any, Any] | None = None) -> None:
         self.producer = producer
         self.templates: dict[tuple[str, str], _Template | None] = {}
-        app = current_app._get_current_object()
+        #: Templates kept across batches for :data:`TEMPLATE_TTL` seconds (the publisher thread's).
+        self.cache = cache
+        self.declared: set[tuple[str, str]] = set()
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
         self.app = app
         self.maxsize = app.amqp.argsrepr_maxsize
         self.usable = self._app_allows(app)
@@ -445,9 +452,10 @@ class _FastSender:
         if not self.usable:
             return False
         key = (row.task_name, _options_key(row.options))
-        if key not in self.templates:
-            self.templates[key] = self._template(row)
-        template = self.templates[key]
+        if key in self.templates:
+            template = self.templates[key]
+        else:
+            template = self.templates[key] = self._kept(key, row)
         if template is None:
             return False
         mid = row.message_id
@@ -457,8 +465,9 @@ class _FastSender:
         if row.traceparent or row.correlation_id:
             headers.update(tracing.TraceContext(row.traceparent, row.correlation_id).headers())
         declare = None
-        if not template.declared:
-            declare, template.declared = template.declare, True
+        if key not in self.declared:  # once per batch (kombu caches it per connection too)
+            declare = template.declare
+            self.declared.add(key)
         self.producer.publish(
             ((row.payload,), {}, template.embed),
             headers=headers,
@@ -472,17 +481,39 @@ class _FastSender:
         text = repr((payload,))
         return text if len(text) <= self.maxsize else text[: self.maxsize - 3] + "..."
 
-    def _template(self, row: OutboxMessage) -> _Template | None:
+    def _kept(self, key: tuple[str, str], row: OutboxMessage) -> _Template | None:
+        """The template of ``key``: from the cache while fresh, else taken now."""
+        now = time.monotonic()
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None and hit[0] > now and self._task_allows(row):
+                return hit[1]
+        template = self._template(row)
+        if self.cache is not None:
+            self.cache[key] = (now + TEMPLATE_TTL, template)
+        return template
+
+    def _task_allows(self, row: OutboxMessage) -> Task | None:
         from celery import Task as BaseTask
-        from celery.backends.base import Backend
 
         task = self.app.tasks.get(row.task_name)
         if task is None or not set(row.options) <= _FAST_OPTIONS:
             return None
         if type(task).apply_async is not BaseTask.apply_async or "apply_async" in vars(task):
             return None
+        return task
+
+    def _template(self, row: OutboxMessage) -> _Template | None:
+        from celery.backends.base import Backend
+
+        task = self._task_allows(row)
+        if task is None:
+            return None
         capture = _Capture(self.producer)
-        task.apply_async(args=(row.payload,), task_id=_TEMPLATE_ID, producer=capture, **row.options)
+        producer: Any = capture  # Celery calls only its publish() and connection
+        task.apply_async(
+            args=(row.payload,), task_id=_TEMPLATE_ID, producer=producer, **row.options
+        )
         if capture.published is None:
             return None
         body, publish = capture.published
@@ -646,7 +677,8 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
     keyed = False
     failed = dead = 0
     with _batch_producer(len(rows)) as producer:
-        fast = _FastSender(producer) if producer is not None else None
+        cache = getattr(_batch, "templates", None)
+        fast = _FastSender(producer, cache) if producer is not None else None
         for row in rows:
             try:
                 if fast is None or not fast.send(row):
@@ -682,7 +714,8 @@ def _batch_producer(rows: int) -> Iterator[Any]:
     except Exception:
         yield None
         return
-    _batch.producer = producer
+    # The general path (apply_async) of a single row takes its own checkout, as it would alone.
+    _batch.producer = producer if rows > 1 else None
     try:
         yield producer
     finally:

@@ -93,7 +93,8 @@ def test_the_fast_path_publishes_what_apply_async_publishes(
 ) -> None:
     first, second = row(options, **fields), row(options, **fields)
     fast = _FastSender(recorder)
-    assert fast.send(first) and fast.send(second)
+    assert fast.send(first)
+    assert fast.send(second)
     ours = recorder.published[:]
     recorder.published.clear()
     for message, (body, kwargs) in zip((first, second), ours, strict=True):
@@ -203,3 +204,25 @@ def test_a_real_worker_runs_the_fast_path_messages(celery_workers: Any, broker: 
         return account.points if account else 0
 
     assert wait_until(lambda: points() == 40, timeout=90), points()
+
+
+def test_the_publisher_threads_kept_template_is_reused_yet_a_patched_task_wins(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken: list[str] = []
+    template = _FastSender._template
+
+    def counting(self: _FastSender, message: OutboxMessage) -> Any:
+        taken.append(message.message_id)
+        return template(self, message)
+
+    monkeypatch.setattr(_FastSender, "_template", counting)
+    cache: dict[Any, Any] = {}
+    first, second = row({}), row({})
+    assert _FastSender(recorder, cache).send(first)
+    assert _FastSender(recorder, cache).send(second)  # the next batch
+    assert taken == [first.message_id]
+    assert recorder.published[1][1]["declare"] == recorder.published[0][1]["declare"]
+    assert recorder.published[1][1]["headers"]["id"] == second.message_id
+    monkeypatch.setattr(award_points, "apply_async", lambda **kw: None)
+    assert not _FastSender(recorder, cache).send(row({}))
