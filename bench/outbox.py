@@ -15,6 +15,12 @@ Peer, when the ``bench`` extra installed it: django-celery-outbox (its
 ``OutboxCelery.send_task`` writes the row in the caller's transaction, its
 ``Relay`` publishes; batch 100 as ours, idle time 0, StatsD metrics off).
 django-reliable-outbox needs Python 3.12+ and is not measured on 3.11.
+
+Crash: a relay process (``bench.outbox_crash_relay``), ours and the peer's,
+SIGKILLed after ``CRASH_AFTER`` real publishes of ``CRASH_ROWS`` rows, then a new
+relay: ids lost, messages re-sent, effects applied twice by the consumers (ours
+through the inbox, the peer's without dedup) and how long the rows the dead
+relay held stayed held.
 """
 
 from __future__ import annotations
