@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from celery import Task, current_app
@@ -493,27 +494,30 @@ class _FastSender:
             self.cache[key] = (now + TEMPLATE_TTL, template)
         return template
 
-    def _task_allows(self, row: OutboxMessage) -> Task | None:
+    def _task_allows(self, row: OutboxMessage) -> Any:
+        """How :func:`_send` would publish ``row`` (``apply_async``, or ``send_task`` for a
+        task not registered in this process, as in a relay that does not import the
+        tasks); None when the fast path must not stand in for it.
+        """
         from celery import Task as BaseTask
 
-        task = self.app.tasks.get(row.task_name)
-        if task is None or not set(row.options) <= _FAST_OPTIONS:
+        if not set(row.options) <= _FAST_OPTIONS:
             return None
+        task = self.app.tasks.get(row.task_name)
+        if task is None:
+            return partial(self.app.send_task, row.task_name)
         if type(task).apply_async is not BaseTask.apply_async or "apply_async" in vars(task):
             return None
-        return task
+        return task.apply_async
 
     def _template(self, row: OutboxMessage) -> _Template | None:
         from celery.backends.base import Backend
 
-        task = self._task_allows(row)
-        if task is None:
+        send = self._task_allows(row)
+        if send is None:
             return None
-        capture = _Capture(self.producer)
-        producer: Any = capture  # Celery calls only its publish() and connection
-        task.apply_async(
-            args=(row.payload,), task_id=_TEMPLATE_ID, producer=producer, **row.options
-        )
+        capture = _Capture(self.producer)  # Celery calls only its publish() and connection
+        send(args=(row.payload,), task_id=_TEMPLATE_ID, producer=capture, **row.options)
         if capture.published is None:
             return None
         body, publish = capture.published

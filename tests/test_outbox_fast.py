@@ -226,3 +226,22 @@ def test_the_publisher_threads_kept_template_is_reused_yet_a_patched_task_wins(
     assert recorder.published[1][1]["headers"]["id"] == second.message_id
     monkeypatch.setattr(award_points, "apply_async", lambda **kw: None)
     assert not _FastSender(recorder, cache).send(row({}))
+
+
+def test_a_task_not_registered_here_publishes_what_send_task_publishes(
+    recorder: Recorder,
+) -> None:
+    """A relay process that does not import the tasks: Celery's send_task message."""
+    message = row({"queue": "remote-q"})
+    message.task_name = "remote.only_registered_in_the_worker"
+    assert _FastSender(recorder).send(message)
+    ours = recorder.published.pop()
+    current_app.send_task(
+        message.task_name,
+        args=(message.payload,),
+        task_id=message.message_id,
+        producer=recorder,
+        queue="remote-q",
+    )
+    assert ours == recorder.published.pop()
+    assert ours[1]["headers"]["task"] == "remote.only_registered_in_the_worker"
