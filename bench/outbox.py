@@ -15,6 +15,12 @@ Peer, when the ``bench`` extra installed it: django-celery-outbox (its
 ``OutboxCelery.send_task`` writes the row in the caller's transaction, its
 ``Relay`` publishes; batch 100 as ours, idle time 0, StatsD metrics off).
 django-reliable-outbox needs Python 3.12+ and is not measured on 3.11.
+
+Crash: a relay process (``bench.outbox_crash_relay``), ours and the peer's,
+SIGKILLed after ``CRASH_AFTER`` real publishes of ``CRASH_ROWS`` rows, then a new
+relay: ids lost, messages re-sent, effects applied twice by the consumers (ours
+through the inbox, the peer's without dedup) and how long the rows the dead
+relay held stayed held.
 """
 
 from __future__ import annotations
@@ -176,6 +182,180 @@ def _relay_rate(queue: str, direct: bool) -> float:
     return RELAY_ROWS / elapsed
 
 
+CRASH_ROWS = int(os.environ.get("BENCH_OUTBOX_CRASH_ROWS", "1000"))
+CRASH_AFTER = int(os.environ.get("BENCH_OUTBOX_CRASH_AFTER", "255"))
+#: django-celery-outbox's stale timeout for the crash run (its default, 300 s, is noted).
+PEER_STALE_S = 5
+
+
+def _drain(queue: str) -> list[tuple[str, Any]]:
+    """(task id, first argument) of every message in ``queue``, removing them."""
+    from celery import current_app
+
+    got = []
+    with current_app.connection_for_write() as conn:
+        channel = conn.default_channel
+        while (raw := channel.basic_get(queue, no_ack=True)) is not None:
+            message = channel.message_to_python(raw)
+            body = message.decode()
+            got.append((message.headers["id"], body[0][0]))
+    return got
+
+
+def _crash(kind: str, url: str, queue: str) -> dict[str, float]:
+    """A relay SIGKILLed mid-batch after ``CRASH_AFTER`` publishes of ``CRASH_ROWS`` rows,
+    then a new relay: messages lost, sent twice, effects applied twice, seconds the rows
+    the dead relay had published (not marked) stayed held.
+
+    Effects: ours through the inbox (``award_points``, ``@idempotent``: each delivery
+    runs as a worker runs it); the peer's consumers have no dedup, so each delivery
+    adds its points (the same UPDATE, no inbox).
+    """
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from django.db.models import F
+    from django.test import override_settings
+
+    from bench.common import ROOT
+    from demo_project.models import LoyaltyAccount
+    from demo_project.tasks import award_points
+    from idempotent_orders.models import OutboxMessage, OutboxStatus
+    from idempotent_orders.outbox import relay_outbox
+
+    tag = uuid.uuid4().hex[:8]
+    customer = f"crash-{kind}-{tag}"
+    messages = [
+        {"message_id": f"crash-{tag}-{i}", "customer": customer, "points": 1}
+        for i in range(CRASH_ROWS)
+    ]
+    if kind == "ours":
+        OutboxMessage.objects.all().delete()
+        OutboxMessage.objects.bulk_create(
+            OutboxMessage(
+                message_id=m["message_id"],
+                task_name=award_points.name,
+                payload=m,
+                options={"queue": queue},
+            )
+            for m in messages
+        )
+    else:
+        from django.db import transaction
+        from django_celery_outbox.models import CeleryOutbox
+
+        CeleryOutbox.objects.all().delete()
+        with transaction.atomic():
+            for m in messages:
+                _peer().send_task(
+                    award_points.name, args=(m,), task_id=m["message_id"], queue=queue
+                )
+    with tempfile.TemporaryDirectory() as tmp:
+        log, marker = Path(tmp) / "published", Path(tmp) / "stalled"
+        relay = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.outbox_crash_relay",
+                kind,
+                url,
+                str(CRASH_AFTER),
+                str(log),
+                str(marker),
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while not marker.exists() and relay.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.exists(), f"the {kind} relay did not reach {CRASH_AFTER} publishes"
+        os.killpg(relay.pid, 9)
+        killed = time.monotonic()
+        relay.wait(30)
+        published = set(log.read_text().split())
+    # The rows the dead relay published but had not marked: held until a new relay may take them.
+    if kind == "ours":
+        with override_settings(IDEMPOTENT_ORDERS={}):
+            held_ids = list(
+                OutboxMessage.objects.filter(
+                    status=OutboxStatus.PENDING, message_id__in=published
+                ).values_list("pk", flat=True)
+            )
+            while relay_outbox(ids=held_ids).published < len(held_ids):
+                time.sleep(0.01)
+            held = time.monotonic() - killed
+            relay_outbox()
+    else:
+        from django_celery_outbox.models import CeleryOutbox
+        from django_celery_outbox.relay import Relay, RelayConfig
+
+        config = RelayConfig.init(batch_size=100, idle_time=0.0, stale_timeout_seconds=PEER_STALE_S)
+        relay_again = Relay(_peer(), config)
+        waiting = CeleryOutbox.objects.filter(task_id__in=published)
+        held = 0.0
+        while CeleryOutbox.objects.exists():
+            relay_again._processing()
+            if not held and not waiting.exists():
+                held = time.monotonic() - killed
+            time.sleep(0.01)
+    delivered = _drain_all(queue, CRASH_ROWS)
+    ids = [mid for mid, _ in delivered]
+    distinct = set(ids)
+    if kind == "ours":
+        for mid, payload in delivered:
+            award_points.apply(args=(payload,), task_id=mid)
+    else:
+        account, _ = LoyaltyAccount.objects.get_or_create(customer=customer)
+        for _mid, payload in delivered:
+            LoyaltyAccount.objects.filter(pk=account.pk).update(
+                points=F("points") + payload["points"]
+            )
+    applied = LoyaltyAccount.objects.get(customer=customer).points
+    return {
+        "lost": CRASH_ROWS - len(distinct & {m["message_id"] for m in messages}),
+        "resent": len(ids) - len(distinct),
+        "twice": applied - len(distinct),
+        "held": held,
+        "dead_published": len(published),
+    }
+
+
+def _drain_all(queue: str, expected: int, timeout: float = 30.0) -> list[tuple[str, Any]]:
+    """Drain ``queue`` until at least ``expected`` messages came and it stays empty a moment."""
+    got: list[tuple[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while time.monotonic() < deadline and (len(got) < expected or quiet < 3):
+        more = _drain(queue)
+        got += more
+        quiet = 0 if more else quiet + 1
+        time.sleep(0.2)
+    return got
+
+
+def _crash_rows(url: str, queue: str, peer: bool) -> list[Row]:
+    rows = []
+    kinds = ["ours", *(["peer"] if peer else [])]
+    labels = {"ours": "relay_outbox + @idempotent consumer", "peer": "django-celery-outbox"}
+    for kind in kinds:
+        r = _crash(kind, url, f"{queue}-crash-{kind}")
+        held = f"{r['held']:.2f} s held"
+        if kind == "peer":
+            held += f" (stale timeout set to {PEER_STALE_S} s; its default is 300 s)"
+        rows.append(
+            Row(
+                SECTION,
+                f"relay SIGKILLed after {CRASH_AFTER} of {CRASH_ROWS:,} publishes: {labels[kind]}",
+                f"{r['lost']} lost",
+                f"{r['resent']} re-sent, {r['twice']} effects applied twice; {held}",
+            )
+        )
+    return rows
+
+
 def run() -> list[Row]:
     setup()
     from celery import current_app
@@ -248,10 +428,12 @@ def run() -> list[Row]:
                     f"{peer_rate / direct:.0%} of apply_async alone; batch 100",
                 )
             )
+        rows += _crash_rows(url, queue, peer)
     finally:
         try:
             with current_app.connection_for_write() as conn:
-                conn.default_channel.queue_delete(queue)
+                for name in (queue, f"{queue}-crash-ours", f"{queue}-crash-peer"):
+                    conn.default_channel.queue_delete(name)
         except Exception:
             pass
     return rows
