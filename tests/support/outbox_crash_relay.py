@@ -16,18 +16,29 @@ def main() -> None:
     django.setup()
     from idempotent_orders import outbox
 
-    real_send = outbox._send
+    real_send, real_fast_send = outbox._send, outbox._FastSender.send
     sent = 0
 
-    def send_then_stall(row: outbox.OutboxMessage) -> None:
+    def counted() -> None:
         nonlocal sent
-        real_send(row)
         sent += 1
         if sent == stop_after:
             marker.write_text(str(sent))
             time.sleep(3600)  # published, not marked: the window a crash can hit
 
+    def send_then_stall(row: outbox.OutboxMessage) -> None:
+        real_send(row)
+        counted()
+
+    def fast_send_then_stall(self: outbox._FastSender, row: outbox.OutboxMessage) -> bool:
+        # The batch's fast publish path; False means the row takes _send instead.
+        if not real_fast_send(self, row):
+            return False
+        counted()
+        return True
+
     outbox._send = send_then_stall  # type: ignore[assignment]
+    outbox._FastSender.send = fast_send_then_stall  # type: ignore[method-assign]
     outbox.relay_outbox()
 
 
