@@ -14,7 +14,7 @@ bench: venv
 	BENCH_DB_NAME=$(BENCH_DB_NAME) IO_TEST_NAMESPACE=$(BENCH_DB_NAME) $(BENCH_PY) -m bench $(BENCH_ARGS)
 
 # `make bench-long`: what does not fit the ten minutes of `make bench`. For now the
-# memory figure at the size the issue asks: BENCH_LONG_MESSAGES (1,000,000) messages
+# memory figure at its target size: BENCH_LONG_MESSAGES (1,000,000) messages
 # through the batch loop, reporting peak RSS and the Bloom filter's size.
 BENCH_LONG_MESSAGES ?= 1000000
 
