@@ -907,37 +907,16 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
 
         The next delivery of its message runs the work again.
         """
-        rows = list(queryset.order_by("id"))
-        if request.POST.get("post") != "yes":
-            return TemplateResponse(
-                request,
-                "admin/idempotent_orders/processedmessage/requeue_confirmation.html",
-                {
-                    **self.admin_site.each_context(request),
-                    "title": "Requeue dead inbox rows: are you sure?",
-                    "subtitle": None,
-                    "opts": self.opts,
-                    "rows": rows,
-                    "dead": [r for r in rows if r.status == InboxStatus.DEAD],
-                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-                },
-            )
-        results: Counter[str] = Counter()
-        for row in rows:
-            # Conditional on the row still being dead: a row requeued meanwhile is skipped.
-            done = requeue_inbox(ids=[row.pk], using=queryset.db)
-            result = "requeued" if done else "skipped"
-            results[result] += 1
-            detail = (
-                f"dead after {row.attempts} attempt(s): {row.error}"
-                if done
-                else f"not dead ({row.status}); nothing done"
-            )
-            audit(request, "inbox:requeue", row, result, detail)
-        level = messages.SUCCESS if not results["skipped"] else messages.WARNING
-        summary = ", ".join(f"{n} {what}" for what, n in sorted(results.items()))
-        self.message_user(request, f"Requeue: {summary or 'nothing selected'}.", level)
-        return None
+        return _requeue_dead(
+            self,
+            request,
+            queryset,
+            what="inbox",
+            dead=InboxStatus.DEAD,
+            requeue=requeue_inbox,
+            who=("Consumer", lambda row: row.consumer),
+            error=lambda row: row.error,
+        )
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
         """The row actions: retry, complete, fail (each through the reconciler's functions)."""
@@ -1013,37 +992,16 @@ class OutboxMessageAdmin(EvidenceAdmin):
         self, request: HttpRequest, queryset: QuerySet[OutboxMessage]
     ) -> TemplateResponse | None:
         """Confirm first; then each dead row goes back to pending, audited one by one."""
-        rows = list(queryset.order_by("id"))
-        if request.POST.get("post") != "yes":
-            return TemplateResponse(
-                request,
-                "admin/idempotent_orders/outboxmessage/requeue_confirmation.html",
-                {
-                    **self.admin_site.each_context(request),
-                    "title": "Requeue dead outbox rows: are you sure?",
-                    "subtitle": None,
-                    "opts": self.opts,
-                    "rows": rows,
-                    "dead": [r for r in rows if r.status == OutboxStatus.DEAD],
-                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-                },
-            )
-        results: Counter[str] = Counter()
-        for row in rows:
-            # Conditional on the row still being dead: a row requeued meanwhile is skipped.
-            done = requeue_outbox(ids=[row.pk], using=queryset.db)
-            result = "requeued" if done else "skipped"
-            results[result] += 1
-            detail = (
-                f"dead after {row.attempts} attempt(s): {row.last_error}"
-                if done
-                else f"not dead ({row.status}); nothing done"
-            )
-            audit(request, "outbox:requeue", row, result, detail)
-        level = messages.SUCCESS if not results["skipped"] else messages.WARNING
-        summary = ", ".join(f"{n} {what}" for what, n in sorted(results.items()))
-        self.message_user(request, f"Requeue: {summary or 'nothing selected'}.", level)
-        return None
+        return _requeue_dead(
+            self,
+            request,
+            queryset,
+            what="outbox",
+            dead=OutboxStatus.DEAD,
+            requeue=requeue_outbox,
+            who=("Task", lambda row: row.task_name),
+            error=lambda row: row.last_error,
+        )
 
     @admin.action(description="Publish again (same message id; consumers dedup)")
     def publish_again(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
@@ -1070,3 +1028,57 @@ class IdempotencyKeyAdmin(ReadOnlyEvidenceAdmin):
     search_fields = ["key", "principal", "route"]
     # Stored responses are evidence: operators read them, never edit them.
     readonly_fields = [f.name for f in IdempotencyKey._meta.fields]
+
+
+def _requeue_dead(
+    model_admin: admin.ModelAdmin[Any],
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    *,
+    what: str,
+    dead: str,
+    requeue: Callable[..., int],
+    who: tuple[str, Callable[[Any], str]],
+    error: Callable[[Any], str],
+) -> TemplateResponse | None:
+    """The "requeue dead rows" action of the inbox and the outbox admins.
+
+    Confirm first (the model's ``requeue_confirmation.html``); then each dead
+    row is requeued by ``requeue(ids=[pk])``, conditional on its still being
+    dead, and audited one by one as ``<what>:requeue``.
+    """
+    rows = list(queryset.order_by("id"))
+    opts = model_admin.opts
+    if request.POST.get("post") != "yes":
+        label, name = who
+        return TemplateResponse(
+            request,
+            f"admin/{opts.app_label}/{opts.model_name}/requeue_confirmation.html",
+            {
+                **model_admin.admin_site.each_context(request),
+                "title": f"Requeue dead {what} rows: are you sure?",
+                "subtitle": None,
+                "opts": opts,
+                "rows": rows,
+                "plan": [(row, name(row), error(row)) for row in rows],
+                "who_label": label,
+                "dead": [r for r in rows if r.status == dead],
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            },
+        )
+    results: Counter[str] = Counter()
+    for row in rows:
+        # Conditional on the row still being dead: a row requeued meanwhile is skipped.
+        done = requeue(ids=[row.pk], using=queryset.db)
+        result = "requeued" if done else "skipped"
+        results[result] += 1
+        detail = (
+            f"dead after {row.attempts} attempt(s): {error(row)}"
+            if done
+            else f"not dead ({row.status}); nothing done"
+        )
+        audit(request, f"{what}:requeue", row, result, detail)
+    level = messages.SUCCESS if not results["skipped"] else messages.WARNING
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(results.items()))
+    model_admin.message_user(request, f"Requeue: {summary or 'nothing selected'}.", level)
+    return None
