@@ -35,14 +35,27 @@ def _raw(orders: list[Any], tag: str) -> None:
             )
 
 
+def one_by_one(messages: list[dict[str, Any]]) -> None:
+    """Each message through ``consume_message``, as a per-message consumer would."""
+    from idempotent_orders.services import consume_message
+
+    for message in messages:
+        consume_message(message, consumer="payments")
+
+
+def in_batches(messages: list[dict[str, Any]]) -> None:
+    """The messages through ``consume_batch``, ``BATCH`` at a time."""
+    from idempotent_orders.batch import consume_batch
+
+    for i in range(0, len(messages), BATCH):
+        consume_batch(messages[i : i + BATCH], consumer="payments")
+
+
 def run() -> list[Row]:
     setup()
     from django.db import connection
 
     from idempotent_orders import dedup
-    from idempotent_orders.batch import consume_batch
-    from idempotent_orders.services import consume_message
-
     connection.ensure_connection()
     raw_rates, new_rates, dup_rates, batch_rates = [], [], [], []
     for run_no in range(RUNS):
@@ -50,23 +63,11 @@ def run() -> list[Row]:
         raw_rates.append(rate(N, lambda o=orders, t=f"r{run_no}-": _raw(o, t)))
         orders = make_orders(N)
         messages = [payment(o, f"s{run_no}-") for o in orders]
-        new_rates.append(
-            rate(N, lambda m=messages: [consume_message(x, consumer="payments") for x in m])
-        )
-        dup_rates.append(
-            rate(N, lambda m=messages: [consume_message(x, consumer="payments") for x in m])
-        )
+        new_rates.append(rate(N, lambda m=messages: one_by_one(m)))
+        dup_rates.append(rate(N, lambda m=messages: one_by_one(m)))
         orders = make_orders(N)
         messages = [payment(o, f"b{run_no}-") for o in orders]
-        batch_rates.append(
-            rate(
-                N,
-                lambda m=messages: [
-                    consume_batch(m[i : i + BATCH], consumer="payments")
-                    for i in range(0, len(m), BATCH)
-                ],
-            )
-        )
+        batch_rates.append(rate(N, lambda m=messages: in_batches(m)))
     raw, new, dup, batch = map(median, (raw_rates, new_rates, dup_rates, batch_rates))
     fast = (
         "fast path wired"

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, RUNS, Row, fmt, median, na
+from bench.consumer import BATCH, N
 
-N = int(os.environ.get("BENCH_CONSUMER_MESSAGES", "400"))
-BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "200"))
 VENDORS = ("mariadb", "sqlite")
 
 
@@ -94,8 +93,7 @@ def child(vendor: str) -> None:
 
     call_command("migrate", verbosity=0, interactive=False)
     from bench.common import make_orders, payment, rate
-    from idempotent_orders.batch import consume_batch
-    from idempotent_orders.services import consume_message
+    from bench.consumer import in_batches, one_by_one
 
     connection.ensure_connection()
     raw_rates, new_rates, batch_rates = [], [], []
@@ -104,20 +102,10 @@ def child(vendor: str) -> None:
         raw_rates.append(rate(N, lambda o=orders, t=f"r{run_no}-": _raw(o, t, vendor)))
         orders = make_orders(N)
         messages = [payment(o, f"s{run_no}-") for o in orders]
-        new_rates.append(
-            rate(N, lambda m=messages: [consume_message(x, consumer="payments") for x in m])
-        )
+        new_rates.append(rate(N, lambda m=messages: one_by_one(m)))
         orders = make_orders(N)
         messages = [payment(o, f"b{run_no}-") for o in orders]
-        batch_rates.append(
-            rate(
-                N,
-                lambda m=messages: [
-                    consume_batch(m[i : i + BATCH], consumer="payments")
-                    for i in range(0, len(m), BATCH)
-                ],
-            )
-        )
+        batch_rates.append(rate(N, lambda m=messages: in_batches(m)))
     print(
         json.dumps(
             {"raw": median(raw_rates), "new": median(new_rates), "batch": median(batch_rates)}
