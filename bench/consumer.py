@@ -56,6 +56,7 @@ def run() -> list[Row]:
     from django.db import connection
 
     from idempotent_orders import dedup
+
     connection.ensure_connection()
     raw_rates, new_rates, dup_rates, batch_rates = [], [], [], []
     for run_no in range(RUNS):
