@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -14,7 +13,7 @@ from django.db import connection, transaction
 from idempotent_orders.contrib.batch_worker import decode
 from idempotent_orders.models import Order, OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.tasks import consume_payment, publish
-from tests.support.messages import payment, shipment
+from tests.support.messages import duplicated_storm, payment
 from tests.support.services import (
     BROKERS,
     BatchConsumers,
@@ -91,16 +90,7 @@ def _applied_once(ids: list[int], per_order: int) -> None:
 def test_two_consumers_apply_a_duplicated_permuted_storm_once(batch_consumers, make_order) -> None:
     consumers = batch_consumers(processes=2, batch_size=50, flush_interval=0.2)
     orders = [make_order() for _ in range(40)]
-    messages = []
-    for o in orders:
-        messages += [
-            ("payments", payment(o, message_id=f"p-{o.pk}", seq=1)),
-            ("shipping", shipment(o, message_id=f"d-{o.pk}", seq=2)),
-            ("shipping", shipment(o, "delivered", message_id=f"c-{o.pk}", seq=3)),
-        ]
-    rng = random.Random(13)
-    deliveries = [m for m in messages for _ in range(rng.randint(1, 4))]
-    rng.shuffle(deliveries)
+    deliveries = duplicated_storm(orders, seed=13)
     for consumer, message in deliveries:
         publish(message, consumer=consumer)
     ids = [o.pk for o in orders]
@@ -109,7 +99,8 @@ def test_two_consumers_apply_a_duplicated_permuted_storm_once(batch_consumers, m
         timeout=120,
     ), consumers.log_tail()
     _applied_once(ids, 3)
-    assert ProcessedMessage.objects.filter(order_id__in=ids).count() == len(messages)
+    distinct = {m["message_id"] for _, m in deliveries}
+    assert ProcessedMessage.objects.filter(order_id__in=ids).count() == len(distinct)
     assert not ParkedMessage.objects.exists()
     assert all(p.poll() is None for p in consumers.procs), consumers.log_tail()
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
 
 from idempotent_orders.models import Order, OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.tasks import consume_payment, publish
-from tests.support.messages import payment, shipment
+from tests.support.messages import duplicated_storm, payment
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.workers, pytest.mark.backends("postgresql")]
@@ -20,16 +19,7 @@ def test_workers_apply_each_message_once(broker: str, celery_workers, make_order
     settings.IDEMPOTENT_ORDERS = {"FULFIL_AFTER_PAYMENT": True}
     workers = celery_workers(broker, processes=2, extra_env={"IO_TEST_FULFIL": "1"})
     orders = [make_order() for _ in range(15)]
-    messages = []
-    for o in orders:
-        messages += [
-            ("payments", payment(o, message_id=f"p-{o.pk}", seq=1)),
-            ("shipping", shipment(o, message_id=f"d-{o.pk}", seq=2)),
-            ("shipping", shipment(o, "delivered", message_id=f"c-{o.pk}", seq=3)),
-        ]
-    rng = random.Random(5)
-    deliveries = [m for m in messages for _ in range(rng.randint(1, 4))]
-    rng.shuffle(deliveries)
+    deliveries = duplicated_storm(orders, seed=5)
     for consumer, message in deliveries:
         publish(message, consumer=consumer)
     ids = [o.pk for o in orders]
@@ -48,7 +38,7 @@ def test_workers_apply_each_message_once(broker: str, celery_workers, make_order
         assert applied in (3, 4)  # fulfilment applies unless dispatch won the race
     assert ProcessedMessage.objects.filter(order_id__in=ids).exclude(consumer="fulfilment").filter(
         outcome=Outcome.APPLIED
-    ).count() == len(messages)
+    ).count() == len({m["message_id"] for _, m in deliveries})
     assert not ParkedMessage.objects.exists()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 from idempotent_orders.models import AbstractOrder
@@ -49,3 +50,20 @@ def shipment(
     if seq is not None:
         msg["seq"] = seq
     return msg
+
+
+def duplicated_storm(orders: list[AbstractOrder], seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """Each order's payment, dispatch and delivery (seq 1-3), each delivered 1-4 times,
+    all shuffled: ``(consumer, message)`` pairs, reproducible from ``seed``.
+    """
+    messages: list[tuple[str, dict[str, Any]]] = []
+    for o in orders:
+        messages += [
+            ("payments", payment(o, message_id=f"p-{o.pk}", seq=1)),
+            ("shipping", shipment(o, message_id=f"d-{o.pk}", seq=2)),
+            ("shipping", shipment(o, "delivered", message_id=f"c-{o.pk}", seq=3)),
+        ]
+    rng = random.Random(seed)
+    deliveries = [m for m in messages for _ in range(rng.randint(1, 4))]
+    rng.shuffle(deliveries)
+    return deliveries
