@@ -358,9 +358,8 @@ def test_no_look_for_parked_messages_of_orders_the_batch_found_without_any(make_
         )
     assert outcomes == [A, A, A, P]
     parked_table = ParkedMessage._meta.db_table
-    looked = [q["sql"] for q in queries if f'FROM "{parked_table}"' in q["sql"]]
     # After commit, only the order that now has a parked message is looked at.
-    distinct = [sql for sql in looked if "DISTINCT" in sql]
+    distinct = [q["sql"] for q in queries if parked_table in q["sql"] and "DISTINCT" in q["sql"]]
     assert len(distinct) == 1
     (listed,) = re.findall(r"IN \(([\d, ]+)\)", distinct[0])
     assert {int(pk) for pk in listed.split(",")} == {early.pk}
