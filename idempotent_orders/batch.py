@@ -26,10 +26,25 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.db import OperationalError, connection, transaction
-from django.db.models import Case, F, Field, Model, Q, Value, When
+from django.db.models import (
+    BooleanField,
+    Case,
+    CharField,
+    F,
+    Field,
+    IntegerField,
+    Model,
+    Q,
+    TextField,
+    Value,
+    When,
+)
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
@@ -53,11 +68,13 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message, park, release_parked
-from idempotent_orders.signals import message_released
-from idempotent_orders.statements import inbox_template, insert_inbox_values
+from idempotent_orders.signals import message_released, order_transitioned
+from idempotent_orders.statements import _names as _inbox_names
+from idempotent_orders.statements import _on_conflict, inbox_template, insert_inbox_values
 from idempotent_orders.transitions import (
     TransitionResult,
     advance,
+    in_transaction_work,
     state_field,
     transition_starting,
     transition_written,
@@ -65,6 +82,7 @@ from idempotent_orders.transitions import (
 )
 
 __all__ = ["consume_batch"]
+
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -129,13 +147,18 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         if envelope.message_id in items:
             repeats.append((index, envelope))
             continue
-        if dedup.seen(consumer, envelope.message_id):
-            announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
-            outcomes[index] = Outcome.DUPLICATE
-            continue
         items[envelope.message_id] = _Item(index=index, envelope=envelope)
+    # One look at the fast path for the whole chunk (one Redis round trip at most).
+    if items:
+        layers = dedup.lookup_many(consumer, list(items))
+        for message_id, layer in layers.items():
+            if layer is dedup.Layer.REDIS_HIT:
+                item = items.pop(message_id)
+                announce(consumer, item.envelope, Outcome.DUPLICATE, "fast path: already processed")
+                outcomes[item.index] = Outcome.DUPLICATE
 
     claimed: list[_Item] = []
+    settled: set[int] = set()
     if items:
         # A deadlock victim's transaction was rolled back whole, so the chunk
         # can simply run again (inside a caller's transaction, the caller retries).
@@ -143,7 +166,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         for attempt in range(attempts):
             fresh = {m: _Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
             try:
-                claimed = _transact(consumer, fresh)
+                claimed, settled = _transact(consumer, fresh)
             except OperationalError as exc:
                 if attempt + 1 == attempts or not is_retryable(exc):
                     raise
@@ -166,9 +189,13 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
 
     # Every message may unblock a parked successor, a duplicate too: it may be
     # the redelivery of a batch whose release was cut short (see consume_message).
-    # One query finds the orders that have any.
+    # One query finds the orders that have any. Orders the chunk locked and
+    # found without parked messages are skipped, as the single path skips an
+    # order whose flag it read false: a message parked since sets the flag
+    # only after our commit (the row was locked) and then re-checks itself.
     touched = {i.envelope.order_id for i in items.values() if i.order_exists}
     touched |= {envelope.order_id for _, envelope in repeats}
+    touched -= settled
     if touched:
         waiting = (
             ParkedMessage.objects.filter(order_id__in=touched)
@@ -184,8 +211,12 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     return outcomes
 
 
-def _transact(consumer: str, items: dict[str, _Item]) -> list[_Item]:
-    """Claim, decide and write one chunk in one transaction; return the claimed items."""
+def _transact(consumer: str, items: dict[str, _Item]) -> tuple[list[_Item], set[int]]:
+    """Claim, decide and write one chunk in one transaction.
+
+    Returns the claimed items and the orders it locked that have no parked
+    message when it commits (``has_parked`` false).
+    """
     with transaction.atomic():
         order_ids = {i.envelope.order_id for i in items.values()}
         # MariaDB checks a foreign key at once, share-locking the order row the
@@ -194,23 +225,28 @@ def _transact(consumer: str, items: dict[str, _Item]) -> list[_Item]:
         # checks at commit, so it claims first and locks only the orders of
         # new messages.
         lock_first = connection.vendor == "mysql"
-        if lock_first:
-            orders = _lock_orders(order_ids)
-            known = set(orders)
+        if connection.vendor == "postgresql":
+            # The claim itself says which orders exist (one statement, not two).
+            new_ids = _claim_postgres(consumer, list(items.values()))
+            known = {items[m].envelope.order_id for m in new_ids if items[m].order_exists}
         else:
-            known = set(
-                get_order_model()
-                ._default_manager.filter(pk__in=order_ids)
-                .values_list("pk", flat=True)
-            )
-        new_ids = _claim(consumer, list(items.values()), known)
+            if lock_first:
+                orders = _lock_orders(order_ids)
+                known = set(orders)
+            else:
+                known = set(
+                    get_order_model()
+                    ._default_manager.filter(pk__in=order_ids)
+                    .values_list("pk", flat=True)
+                )
+            new_ids = _claim(consumer, list(items.values()), known)
         claimed = [items[m] for m in sorted(new_ids, key=lambda m: items[m].index)]
         for item in claimed:
             item.pk = new_ids[item.envelope.message_id]
         if not lock_first:
             orders = _lock_orders({i.envelope.order_id for i in claimed} & known)
         _decide_and_write(consumer, claimed, orders)
-    return claimed
+    return claimed, {pk for pk, order in orders.items() if not order.has_parked}
 
 
 def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]:
@@ -252,11 +288,130 @@ def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]
     return insert_inbox_values(template.fields, rows)
 
 
+def _claim_postgres(consumer: str, items: list[_Item]) -> dict[str, int]:
+    """:func:`_claim` on PostgreSQL in one statement that also looks the orders up.
+
+    ``INSERT ... SELECT ... FROM unnest(<ids>, <types>, <orders>, <seqs>) ... ON
+    CONFLICT DO NOTHING RETURNING id, message_id, order_id``: the columns that
+    are the same for every row are one parameter each, the per-message ones one
+    array each, and ``order_id`` is the order's own id or NULL when there is no
+    such order (``unknown order``: marked here, recorded by :func:`_record_outcomes`).
+    Rows go in sorted by message id, as in :func:`_claim`.
+    """
+    template = inbox_template()
+    fields = template.fields
+    qn = connection.ops.quote_name
+    ordered = sorted(items, key=lambda i: i.envelope.message_id)
+    first = ordered[0].envelope
+    row = template.params(
+        {
+            "consumer": consumer,
+            "message_id": first.message_id,
+            "message_type": first.message_type,
+            "status": str(InboxStatus.DONE),
+            "outcome": str(Outcome.APPLIED),
+            "order_id": first.order_id,
+            "seq": first.seq,
+            "error": "",
+            "body": "",
+        },
+        timezone.now(),
+    )
+    per_row: dict[str, list[Any]] = {
+        "message_id": [i.envelope.message_id for i in ordered],
+        "message_type": [i.envelope.message_type for i in ordered],
+        "order_id": [i.envelope.order_id for i in ordered],
+        "seq": [i.envelope.seq for i in ordered],
+    }
+    model = get_order_model()
+    order_table = qn(model._meta.db_table)
+    order_pk = qn(str(model._meta.pk.column if model._meta.pk else "id"))
+    selected: list[str] = []
+    arrays: list[str] = []
+    aliases: list[str] = []
+    params: list[Any] = []
+    array_params: list[Any] = []
+    for pos, f in enumerate(fields):
+        name = f.attname
+        if name not in per_row:
+            selected.append(f"%s::{f.db_type(connection)}")
+            params.append(row[pos])
+            continue
+        arrays.append(f"%s::{f.db_type(connection)}[]")
+        array_params.append(_array(per_row[name]))
+        aliases.append(qn(name))
+        if name == "order_id":
+            selected.append(
+                f"(SELECT o.{order_pk} FROM {order_table} AS o WHERE o.{order_pk} = v.{qn(name)})"
+            )
+        else:
+            selected.append(f"v.{qn(name)}")
+    table, pk, message_id = _inbox_names()
+    order_column = qn(str(ProcessedMessage._meta.get_field("order").column))
+    sql = (
+        f"INSERT INTO {table} ({', '.join(qn(str(f.column)) for f in fields)})"
+        f" SELECT {', '.join(selected)} FROM unnest({', '.join(arrays)}) AS v({', '.join(aliases)})"
+        f" {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
+    )
+    by_id = {i.envelope.message_id: i for i in items}
+    new: dict[str, int] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params + array_params)
+        for pk_, mid, order_id in cursor.fetchall():
+            new[mid] = pk_
+            if order_id is None:  # no such order: rejected, as _claim records it
+                item = by_id[mid]
+                item.outcome, item.reason = Outcome.REJECTED, unknown_order(item.envelope).reason
+                item.order_exists, item.recorded = False, False
+    return new
+
+
+def _array(values: list[Any]) -> Any:
+    """``values`` as one PostgreSQL array literal (text), or the list itself.
+
+    psycopg adapts a list element by element in Python; for the types written
+    here (text, integers, aware datetimes, finite decimals, NULL) the literal is
+    built in one pass. Any other type is left to psycopg.
+    """
+    parts: list[str] = []
+    append = parts.append
+    for value in values:
+        kind = type(value)
+        if value is None:
+            append("NULL")
+        elif kind is int:
+            append(str(value))
+        elif kind is str:
+            append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif kind is datetime and value.tzinfo is not None:
+            append('"' + value.isoformat() + '"')
+        elif kind is Decimal and value.is_finite():
+            append(str(value))
+        else:
+            return values
+    return "{" + ",".join(parts) + "}"
+
+
 def _lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
     """The orders, locked in primary key order so that concurrent batches queue, never deadlock."""
     if not order_ids:
         return {}
-    locked = get_order_model()._default_manager.select_for_update().filter(pk__in=order_ids)
+    model = get_order_model()
+    locked = model._default_manager.select_for_update()
+    if connection.vendor == "postgresql":
+        # ``pk = ANY(<one array>)``: ``pk__in`` prepares a parameter per order.
+        qn = connection.ops.quote_name
+        pk = model._meta.pk
+        assert pk is not None
+        column = f"{qn(model._meta.db_table)}.{qn(str(pk.column))}"
+        any_of = RawSQL(
+            f"{column} = ANY(%s::{pk.rel_db_type(connection)}[])",
+            (_array(sorted(order_ids)),),
+            output_field=BooleanField(),
+        )
+        locked = locked.filter(any_of)
+    else:
+        locked = locked.filter(pk__in=order_ids)
     return {o.pk: o for o in locked.order_by("pk")}
 
 
@@ -319,6 +474,7 @@ def _decide_and_write(
     """
     live = [i for i in claimed if i.order_exists]
     if not live:
+        _record_outcomes(claimed)
         return
     model = get_order_model()
     state_name = state_field(model).name
@@ -328,12 +484,15 @@ def _decide_and_write(
     waiting = _parked_before(orders)
     released: list[tuple[_Waiting, Verdict]] = []
     order_key = _waiting_key(connection.vendor)
+    # ``updated_at`` (when the model has one): one moment for the whole chunk,
+    # the moment of its one UPDATE.
+    stamp = written_values(model, {})
 
     def take(order: AbstractOrder, verdict: Verdict) -> None:
         """The verdict's effect on the order, in memory (written by one UPDATE later)."""
         if verdict.transition:
             transition_starting(order, verdict.transition)
-            values = written_values(model, verdict.values)
+            values = {**stamp, **verdict.values}
             result = advance(order, verdict.transition, values)
             changed.setdefault(order.pk, {}).update(
                 values, **{state_name: result.target, "version": result.version}
@@ -410,8 +569,17 @@ def _decide_and_write(
             orders[pk].has_parked = True
     _record_released(released)
     _record_outcomes(claimed)
+    # Nothing to announce when nobody listens and no follow-up wants the target
+    # (the single path skips the same work; see presume.py).
+    announced: dict[str, bool] = {}
     for order, name, result in transitions:
-        transition_written(order, name, result)
+        target = result.target
+        if target not in announced:
+            announced[target] = in_transaction_work(
+                model, target
+            ) or order_transitioned.has_listeners(model)
+        if announced[target]:
+            transition_written(order, name, result)
 
 
 def _record_released(released: list[tuple[_Waiting, Verdict]]) -> None:
@@ -487,17 +655,23 @@ def _update_orders_from_values(
     columns = [str(f.column) for f in fields]
     # One array per column (unnest): the statement text does not grow with the
     # number of orders, so the driver does not parse a placeholder per value.
+    plains = [_plain_type(f) for f in fields]
+    prepared: dict[tuple[int, int], Any] = {}
     ids: list[int] = []
     versions: list[int] = []
     arrays: list[list[Any]] = [[] for _ in fields]
     for pk, values in changed.items():
         ids.append(pk)
         versions.append(read_version[pk])
-        for array, f in zip(arrays, fields, strict=True):
-            array.append(
-                f.get_db_prep_save(values[f.name], connection) if f.name in values else None
-            )
-    params: list[Any] = [ids, versions, *arrays]
+        for n, (array, f, plain) in enumerate(zip(arrays, fields, plains, strict=True)):
+            value = values.get(f.name)
+            if value is not None and type(value) is not plain:
+                key = (n, id(value))  # the chunk's one updated_at is prepared once
+                if key not in prepared:
+                    prepared[key] = f.get_db_prep_save(value, connection)
+                value = prepared[key]
+            array.append(value)
+    params: list[Any] = [_array(ids), _array(versions), *map(_array, arrays)]
     table = qn(model._meta.db_table)
     pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
     sets = ", ".join(f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})" for c in columns)
@@ -515,6 +689,30 @@ def _update_orders_from_values(
         rows = cursor.rowcount
     if rows != len(changed):
         raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
+
+
+def _plain_type(field: Field[Any, Any]) -> type | None:
+    """The value type that ``field`` prepares for the database as it is.
+
+    ``str`` for a field that prepares text as Django's ``CharField``/``TextField``
+    do (fsm-2's state field included), ``int`` for one that prepares integers as
+    ``IntegerField`` does; None for any other field (every value is prepared).
+    """
+    field_class: Any = type(field)
+    if field_class.get_db_prep_save is not Field.get_db_prep_save:
+        return None
+    prep = (field_class.get_prep_value, field_class.to_python)
+    if field_class.get_db_prep_value is Field.get_db_prep_value and prep in (
+        (CharField.get_prep_value, CharField.to_python),
+        (TextField.get_prep_value, TextField.to_python),
+    ):
+        return str
+    if field_class.get_db_prep_value is IntegerField.get_db_prep_value and prep == (
+        IntegerField.get_prep_value,
+        IntegerField.to_python,
+    ):
+        return int
+    return None
 
 
 def _concrete(model: type[Model], name: str) -> Field[Any, Any]:

@@ -10,6 +10,7 @@ check error (``idempotent_orders.E040``), never a per-message crash.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -83,7 +84,12 @@ def _text(payload: Mapping[str, Any], key: str, *, max_length: int) -> str:
 
 
 def _has(order: Model, name: str) -> bool:
-    return any(f.name == name for f in order._meta.concrete_fields)
+    return name in _field_names(type(order))
+
+
+@functools.cache
+def _field_names(model: type[Model]) -> frozenset[str]:
+    return frozenset(f.name for f in model._meta.concrete_fields)
 
 
 def _check_money(order: Any, payload: Mapping[str, Any]) -> None:

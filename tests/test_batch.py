@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+import re
 import threading
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.db import OperationalError, connection
@@ -311,3 +313,104 @@ def test_batch_task_on_real_workers_redelivered_batches(make_order, celery_worke
     assert all(state(o) == (S.SHIPPED, 2, 0) for o in orders)
     assert ProcessedMessage.objects.filter(outcome=Outcome.APPLIED).count() == 80
     assert not ParkedMessage.objects.exists()
+
+
+@pytest.mark.django_db
+def test_ids_and_values_that_need_quoting_are_stored_as_sent(make_order) -> None:
+    # The PostgreSQL statements pass each column as one array literal.
+    awkward = ['q"uote', "back\\slash", "{brace},comma", "NULL", "in ner", "ünï-\u2603", "'"]
+    orders = [make_order() for _ in awkward]
+    pairs = list(zip(orders, awkward, strict=True))
+    messages = [payment(o, message_id=m, payment_id=f'{m}"\\{{,}}') for o, m in pairs]
+    assert consume_batch(messages, consumer="payments") == [A] * len(awkward)
+    rows = ProcessedMessage.objects.filter(consumer="payments")
+    assert sorted((r.message_id, r.order_id) for r in rows) == sorted(
+        (m, o.pk) for o, m in zip(orders, awkward, strict=True)
+    )
+    for order, m in zip(orders, awkward, strict=True):
+        assert Order.objects.get(pk=order.pk).payment_id == f'{m}"\\{{,}}'
+    assert consume_batch(messages, consumer="payments") == [D] * len(awkward)
+
+
+@pytest.mark.django_db
+def test_a_batch_of_only_unknown_orders_is_recorded_rejected(make_order) -> None:
+    messages = [
+        {**payment(make_order()), "message_id": f"u{n}", "order_id": 10**9 + n} for n in range(3)
+    ]
+    assert consume_batch(messages, consumer="payments") == [R] * 3
+    rows = ProcessedMessage.objects.filter(consumer="payments").order_by("message_id")
+    assert [(r.status, r.outcome, r.order_id, r.error) for r in rows] == [
+        (InboxStatus.REJECTED, R, None, f"unknown order {10**9 + n}") for n in range(3)
+    ]
+    assert all(f'"order_id": {10**9 + n}' in r.body for n, r in enumerate(rows))
+    assert consume_batch(messages, consumer="payments") == [D] * 3
+
+
+@pytest.mark.django_db
+def test_no_look_for_parked_messages_of_orders_the_batch_found_without_any(make_order) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    orders = [make_order() for _ in range(3)]
+    early = make_order()
+    with CaptureQueriesContext(connection) as queries:
+        outcomes = consume_batch(
+            [payment(o) for o in orders] + [shipment(early, seq=2)], consumer="payments"
+        )
+    assert outcomes == [A, A, A, P]
+    parked_table = ParkedMessage._meta.db_table
+    # After commit, only the order that now has a parked message is looked at.
+    distinct = [q["sql"] for q in queries if parked_table in q["sql"] and "DISTINCT" in q["sql"]]
+    assert len(distinct) == 1
+    (listed,) = re.findall(r"IN \(([\d, ]+)\)", distinct[0])
+    assert {int(pk) for pk in listed.split(",")} == {early.pk}
+
+
+@pytest.mark.django_db
+def test_follow_ups_run_in_the_batch_without_any_signal_receiver(make_order) -> None:
+    from idempotent_orders import transitions
+
+    written: list[tuple[int, str, str]] = []
+
+    class Recorder:
+        def wanted(self, model: Any, target: str) -> bool:
+            return target == S.PAID
+
+        def write(self, instance: Any, name: str, result: Any) -> None:
+            written.append((instance.pk, name, result.target))
+
+    orders = [make_order() for _ in range(2)]
+    recorder = Recorder()
+    transitions.register_follow_up(recorder)
+    try:
+        consume_batch([payment(o) for o in orders], consumer="payments")
+    finally:
+        transitions._follow_ups.remove(recorder)
+    assert sorted(written) == sorted((o.pk, "pay", S.PAID) for o in orders)
+
+
+@pytest.mark.django_db
+def test_a_redelivered_batch_is_answered_by_the_fast_path_with_one_redis_read(
+    make_order, django_capture_on_commit_callbacks
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from idempotent_orders import dedup
+    from tests.support.services import RedisServer, private_redis_settings
+
+    server = RedisServer()
+    server.start()
+    try:
+        with private_redis_settings(server.url):
+            dedup.reset()
+            messages = [payment(make_order()) for _ in range(4)]
+            with django_capture_on_commit_callbacks(execute=True):
+                assert consume_batch(messages, consumer="payments") == [A] * 4
+            one_get_each = AssertionError("a Redis GET per message")
+            with (
+                mock.patch.object(dedup.redis, "contains", side_effect=one_get_each),
+                CaptureQueriesContext(connection) as queries,
+            ):
+                assert consume_batch(messages, consumer="payments") == [D] * 4
+            assert len(queries) == 0
+    finally:
+        server.stop()

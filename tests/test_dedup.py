@@ -323,3 +323,42 @@ def test_checks_for_the_fast_path() -> None:
     locmem = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     with override_settings(CACHES=locmem):
         assert check_redis_layer()[0].id == "idempotent_orders.E033"
+
+
+# -- several messages at once (the batch consumer) ---------------------------------
+
+
+@pytest.mark.django_db
+def test_lookup_many_asks_redis_once_and_answers_as_lookup_does(redis_server, layers) -> None:
+    dedup.reset()
+    dedup.remember_many("payments", ["m-1", "m-2"])
+    dedup.bloom.add("payments", "m-3")  # a Bloom "maybe" without a Redis key
+    ids = ["m-1", "m-2", "m-3", "m-4"]
+    with mock.patch.object(dedup.redis, "contains", side_effect=AssertionError("one GET each")):
+        answered = dedup.lookup_many("payments", ids)
+    expected = [Layer.REDIS_HIT, Layer.REDIS_HIT, Layer.REDIS_MISS, Layer.BLOOM_NEGATIVE]
+    assert [answered[m] for m in ids] == expected
+    assert [dedup.lookup("payments", m) for m in ids] == expected
+    # dedup_answered went out once per message, in order, as lookup() sends it.
+    assert layers == [layer.value for layer in expected] * 2
+
+
+@pytest.mark.django_db
+def test_lookup_many_without_redis_goes_to_the_database(redis_server) -> None:
+    dedup.reset()
+    dedup.remember_many("payments", ["m-1"])
+    redis_server.stop()
+    answered = dedup.lookup_many("payments", ["m-1", "m-2"])
+    assert answered == {"m-1": Layer.REDIS_DOWN, "m-2": Layer.BLOOM_NEGATIVE}
+
+
+@pytest.mark.django_db
+def test_lookup_many_counts_each_answer_when_only_the_counter_listens(redis_server) -> None:
+    dedup.reset()
+    stats.reset()
+    dedup.remember_many("payments", ["m-1"])
+    with mock.patch.object(dedup, "_announce", side_effect=AssertionError("sent one by one")):
+        dedup.lookup_many("payments", ["m-1", "m-2", "m-3"])
+    counts = stats.local()
+    assert counts["layer:redis-hit"] == 1
+    assert counts["layer:bloom-negative"] == 2

@@ -12,15 +12,28 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+from collections import Counter
+from collections.abc import Sequence
 
 from django.db import DatabaseError, transaction
 
+from idempotent_orders import stats
 from idempotent_orders.conf import conf
 from idempotent_orders.dedup.bloom import BloomLayer
 from idempotent_orders.dedup.redis import RedisLayer, RedisUnavailable
 from idempotent_orders.signals import dedup_answered
 
-__all__ = ["Layer", "bloom", "lookup", "redis", "remember", "remember_many", "reset", "seen"]
+__all__ = [
+    "Layer",
+    "bloom",
+    "lookup",
+    "lookup_many",
+    "redis",
+    "remember",
+    "remember_many",
+    "reset",
+    "seen",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -70,6 +83,55 @@ def lookup(consumer: str, message_id: str) -> Layer:
     return _announce(Layer.REDIS_HIT if hit else Layer.REDIS_MISS, consumer, message_id)
 
 
+def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
+    """:func:`lookup` for several messages: the Bloom filter is refreshed at most
+    once and Redis is asked once (one ``MGET``) about the ids the filter may hold.
+    ``dedup_answered`` is sent for each message, as :func:`lookup` sends it.
+    """
+    layers: dict[str, Layer] = {}
+    maybe: list[str] = list(message_ids)
+    if conf.DEDUP_BLOOM and maybe:
+        try:
+            bloom.refresh()
+        except DatabaseError:
+            logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
+        maybe = []
+        for message_id in message_ids:
+            if bloom.might_contain(consumer, message_id):
+                maybe.append(message_id)
+            else:
+                layers[message_id] = Layer.BLOOM_NEGATIVE
+    if maybe:
+        if not redis.enabled:
+            layers.update(dict.fromkeys(maybe, Layer.DISABLED))
+        else:
+            try:
+                hits = redis.contains_many(consumer, maybe)
+            except RedisUnavailable:
+                layers.update(dict.fromkeys(maybe, Layer.REDIS_DOWN))
+            else:
+                for message_id in maybe:
+                    layers[message_id] = Layer.REDIS_HIT if message_id in hits else Layer.REDIS_MISS
+    if _only_counted():
+        # The one receiver is the built-in counter: count per layer, not per message.
+        for layer, count in Counter(layers[m] for m in message_ids).items():
+            stats.incr(f"layer:{layer}", count)
+    else:
+        for message_id in message_ids:
+            _announce(layers[message_id], consumer, message_id)
+    return layers
+
+
+#: The ``dispatch_uid`` of the built-in receiver that counts ``dedup_answered``.
+COUNTER_UID = "idempotent_orders.count_layer"
+
+
+def _only_counted() -> bool:
+    """Whether the built-in counter is the only receiver of ``dedup_answered``."""
+    uids = {key[0][0] for key in dedup_answered.receivers}
+    return uids == {COUNTER_UID}
+
+
 def seen(consumer: str, message_id: str) -> bool:
     """True only when a message is known, for certain, to have been processed."""
     return lookup(consumer, message_id) is Layer.REDIS_HIT
@@ -90,8 +152,7 @@ def remember_many(consumer: str, message_ids: list[str]) -> None:
     if not message_ids:
         return
     if conf.DEDUP_BLOOM:
-        for message_id in message_ids:
-            bloom.add(consumer, message_id)
+        bloom.add_many(consumer, message_ids)
     if redis.enabled:
         with contextlib.suppress(RedisUnavailable):
             redis.add_many(consumer, message_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.utils import timezone
@@ -85,6 +86,14 @@ class BloomLayer:
         with self._lock:
             if self._bucket_of(when) in self._live_buckets(time.time()):
                 self._filter(self._bucket_of(when)).add(_key(consumer, message_id))
+
+    def add_many(self, consumer: str, message_ids: Sequence[str]) -> None:
+        """:meth:`add` for several messages seen now."""
+        now = time.time()
+        with self._lock:
+            bloom = self._filter(self._bucket_of(now))
+            for message_id in message_ids:
+                bloom.add(_key(consumer, message_id))
 
     def clear(self) -> None:
         with self._lock:

@@ -30,6 +30,10 @@ class RedisUnavailable(Exception):
     """The cache did not answer; the caller goes to the database instead."""
 
 
+#: ``CLIENT REPLY SKIP`` and the head of a five-part ``SET``, in the Redis protocol.
+_SKIP_SET = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$4\r\nSKIP\r\n*5\r\n$3\r\nSET\r\n"
+
+
 def _key(consumer: str, message_id: str) -> str:
     return f"processed:{consumer}:{message_id}"
 
@@ -70,6 +74,13 @@ class RedisLayer:
         cache = self._cache()
         return bool(self._call("get", cache.get, _key(consumer, message_id)))
 
+    def contains_many(self, consumer: str, message_ids: list[str]) -> set[str]:
+        """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`."""
+        cache = self._cache()
+        keys = {_key(consumer, m): m for m in message_ids}
+        found = self._call("get", cache.get_many, list(keys))
+        return {keys[key] for key, value in found.items() if value}
+
     def add(self, consumer: str, message_id: str) -> None:
         """Set the key; only call after the message's transaction committed."""
         cache = self._cache()
@@ -94,14 +105,18 @@ class RedisLayer:
             else:
                 cache.set_many(dict.fromkeys(keys, 1), timeout=ttl)
             return
-        # The value as django-redis stores an int (unserialised), so cache.get reads 1.
-        commands: list[tuple[Any, ...]] = []
+        # CLIENT REPLY SKIP, SET <key> 1 EX <ttl> per key, written out in the
+        # protocol directly (redis-py packs argument by argument). The value as
+        # django-redis stores an int (unserialised), so cache.get reads 1.
+        seconds = str(int(ttl)).encode()
+        tail = b"\r\n$1\r\n1\r\n$2\r\nEX\r\n$%d\r\n%b\r\n" % (len(seconds), seconds)
+        parts: list[bytes] = []
         for key in keys:
-            commands.append(("CLIENT", "REPLY", "SKIP"))
-            commands.append(("SET", cache.client.make_key(key), 1, "EX", int(ttl)))
+            name = str(cache.client.make_key(key)).encode()
+            parts.append(_SKIP_SET + b"$%d\r\n%b%b" % (len(name), name, tail))
         connection = pool.get_connection()
         try:
-            connection.send_packed_command(connection.pack_commands(commands))
+            connection.send_packed_command([b"".join(parts)])
         except BaseException:
             connection.disconnect()  # nothing half-sent stays on a pooled connection
             raise
