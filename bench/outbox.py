@@ -123,6 +123,7 @@ def _reliable(url: str, queue: str) -> _Reliable | None:
     from bench.common import ROOT
 
     python = os.environ.get("BENCH_PEER_PYTHON") or str(ROOT / ".venv-bench-peer/bin/python")
+    python = os.path.abspath(python)
     if not os.path.exists(python):
         return None
     return _Reliable(python, url, queue)
@@ -427,9 +428,13 @@ def _crash_rows(url: str, queue: str, peer: bool, reliable: _Reliable | None) ->
             from bench.outbox_reliable import CRASH_LEASE_S
 
             assert reliable is not None
-            r = reliable.ask(
-                cmd="crash", rows=CRASH_ROWS, after=CRASH_AFTER, queue=f"{queue}-crash-{kind}"
-            )
+            try:
+                r = reliable.ask(
+                    cmd="crash", rows=CRASH_ROWS, after=CRASH_AFTER, queue=f"{queue}-crash-{kind}"
+                )
+            except Exception as exc:
+                rows.append(na(SECTION, "django-reliable-outbox crash", repr(exc)[:100]))
+                continue
         else:
             r = _crash(kind, url, f"{queue}-crash-{kind}")
         held = f"{r['held']:.2f} s held"
@@ -478,16 +483,20 @@ def run() -> list[Row]:
         modes = ["baseline", "relay only", "inline", "outbox", *(["peer"] if peer else [])]
         _producer_ms("outbox", queue)  # warm-up: connections, the publisher thread
         there = ["baseline", "reliable", "outbox"]  # in django-reliable-outbox's process
-        if reliable is not None:
-            reliable.ask(cmd="producer", modes=["outbox"], queue=queue)  # its warm-up
         ms: dict[str, list[float]] = {m: [] for m in modes}
         ms_there: dict[str, list[float]] = {m: [] for m in there}
-        for _ in range(RUNS):
-            for mode in modes:  # interleaved, so drift hits every mode alike
+        for run in range(-1, RUNS):  # -1: django-reliable-outbox's process warms up
+            for mode in modes if run >= 0 else ():  # interleaved: drift hits every mode alike
                 ms[mode].append(_producer_ms(mode, queue))
             if reliable is not None:
-                answer = reliable.ask(cmd="producer", modes=there, queue=queue)["ms"]
-                for mode in there:
+                try:
+                    answer = reliable.ask(cmd="producer", modes=there, queue=queue)["ms"]
+                except Exception as exc:  # say why; the other figures go on
+                    rows.append(na(SECTION, "django-reliable-outbox producer", repr(exc)[:100]))
+                    reliable.close()
+                    reliable = None
+                    continue
+                for mode in there if run >= 0 else ():
                     ms_there[mode].append(answer[mode])
         base = median(ms["baseline"])
         rows.append(
@@ -556,9 +565,14 @@ def run() -> list[Row]:
         if peer:
             peer_rate = median([_peer_relay_rate(queue) for _ in range(RUNS)])
             note += f"; {relay / peer_rate:.2f}x django-celery-outbox"
+        reliable_rate = 0.0
         if reliable is not None:
-            reliable_rate = median([_reliable_relay_rate(reliable, queue) for _ in range(RUNS)])
-            note += f"; {relay / reliable_rate:.2f}x django-reliable-outbox"
+            try:
+                reliable_rate = median([_reliable_relay_rate(reliable, queue) for _ in range(RUNS)])
+            except Exception as exc:
+                rows.append(na(SECTION, "django-reliable-outbox relay", repr(exc)[:100]))
+            else:
+                note += f"; {relay / reliable_rate:.2f}x django-reliable-outbox"
         rows.append(Row(SECTION, f"relay_outbox, {RELAY_ROWS:,} rows, 1 process", fmt(relay), note))
         if peer:
             rows.append(
@@ -569,7 +583,7 @@ def run() -> list[Row]:
                     f"{peer_rate / direct:.0%} of apply_async alone; batch 100",
                 )
             )
-        if reliable is not None:
+        if reliable_rate:
             rows.append(
                 Row(
                     SECTION,
