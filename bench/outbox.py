@@ -479,6 +479,10 @@ def run() -> list[Row]:
             reliable = _reliable(url, queue)
         except Exception as exc:  # its process did not start: say why, measure the rest
             rows.append(na(SECTION, "django-reliable-outbox", repr(exc)[:100]))
+        else:
+            if reliable is None:
+                why = "needs Python >= 3.12: no .venv-bench-peer (make bench builds it)"
+                rows.append(na(SECTION, "django-reliable-outbox", why))
         peer = _peer() is not None
         modes = ["baseline", "relay only", "inline", "outbox", *(["peer"] if peer else [])]
         _producer_ms("outbox", queue)  # warm-up: connections, the publisher thread
