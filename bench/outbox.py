@@ -11,12 +11,16 @@ Relay: ``relay_outbox()`` over a backlog of rows, beside publishing the same
 messages straight with ``apply_async`` (no outbox), on the same broker queue.
 Nothing consumes the queue; it is deleted afterwards.
 
-Peer, when the ``bench`` extra installed it: django-celery-outbox (its
+Peers, when the ``bench`` extra installed it: django-celery-outbox (its
 ``OutboxCelery.send_task`` writes the row in the caller's transaction, its
-``Relay`` publishes; batch 100 as ours, idle time 0, StatsD metrics off).
-django-reliable-outbox needs Python 3.12+ and is not measured on 3.11.
+``Relay`` publishes; batch 100 as ours, idle time 0, StatsD metrics off). And
+when ``make bench`` built its venv (Python >= 3.12): django-reliable-outbox,
+in its own process (``bench.outbox_reliable``): its ``publish()`` in the same
+order transaction beside that process's own baseline (and our default there
+too), its ``Worker`` publishing each event as the Celery task to the same queue
+(``RELIABLE_ROWS``: it commits once per message), and its worker SIGKILLed.
 
-Crash: a relay process (``bench.outbox_crash_relay``), ours and the peer's,
+Crash: a relay process (``bench.outbox_crash_relay``), ours and the peers',
 SIGKILLed after ``CRASH_AFTER`` real publishes of ``CRASH_ROWS`` rows, then a new
 relay: ids lost, messages re-sent, effects applied twice by the consumers (ours
 through the inbox, the peer's without dedup) and how long the rows the dead
@@ -36,6 +40,8 @@ from bench.common import RUNS, Row, fmt, median, na, setup
 
 PRODUCER_TXNS = int(os.environ.get("BENCH_OUTBOX_TXNS", "300"))
 RELAY_ROWS = int(os.environ.get("BENCH_OUTBOX_ROWS", "3000"))
+#: django-reliable-outbox commits once per message (a few hundred a second): fewer rows.
+RELIABLE_ROWS = int(os.environ.get("BENCH_OUTBOX_RELIABLE_ROWS", "1000"))
 SECTION = "7 outbox"
 
 
@@ -55,6 +61,72 @@ def _peer() -> Any:
     except ImportError:
         return None
     return peer_app
+
+
+class _Reliable:
+    """django-reliable-outbox, driven in its own venv (Python >= 3.12) through
+    ``bench.outbox_reliable``: one JSON command a line, one JSON answer a line.
+    """
+
+    def __init__(self, python: str, url: str, queue: str) -> None:
+        import subprocess
+
+        from bench.common import ROOT
+
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "bench.outbox_reliable_settings",
+            "BENCH_PEER_BROKER_URL": url,
+            "BENCH_PEER_QUEUE": queue,
+        }
+        self.process = subprocess.Popen(
+            [python, "-m", "bench.outbox_reliable"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.hello = self._answer()
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        import json
+
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        import json
+
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"django-reliable-outbox's process ended ({self.process.poll()})")
+        answer: dict[str, Any] = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"django-reliable-outbox: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except Exception:
+            self.process.kill()
+
+
+def _reliable(url: str, queue: str) -> _Reliable | None:
+    """django-reliable-outbox's process, when its venv is there (``make bench`` builds it)."""
+    from bench.common import ROOT
+
+    python = os.environ.get("BENCH_PEER_PYTHON") or str(ROOT / ".venv-bench-peer/bin/python")
+    python = os.path.abspath(python)
+    if not os.path.exists(python):
+        return None
+    return _Reliable(python, url, queue)
 
 
 def _producer_ms(mode: str, queue: str) -> float:
@@ -80,7 +152,14 @@ def _producer_ms(mode: str, queue: str) -> float:
                 order = Order.objects.create(
                     business_key=f"bench-out-{tag}-{i}", amount=Decimal("12.50"), currency="CNY"
                 )
-                if mode == "peer":
+                if mode == "reliable":  # bench.outbox_reliable, in its own venv
+                    from reliable_outbox import publish
+
+                    publish(
+                        award_points.name,
+                        {"message_id": f"pts-{tag}-{i}", "customer": "b", "points": order.pk},
+                    )
+                elif mode == "peer":
                     _peer().send_task(
                         award_points.name,
                         args=({"message_id": f"pts-{tag}-{i}", "customer": "b", "points": 1},),
@@ -336,15 +415,33 @@ def _drain_all(queue: str, expected: int, timeout: float = 30.0) -> list[tuple[s
     return got
 
 
-def _crash_rows(url: str, queue: str, peer: bool) -> list[Row]:
+def _crash_rows(url: str, queue: str, peer: bool, reliable: _Reliable | None) -> list[Row]:
     rows = []
-    kinds = ["ours", *(["peer"] if peer else [])]
-    labels = {"ours": "relay_outbox + @idempotent consumer", "peer": "django-celery-outbox"}
+    kinds = ["ours", *(["peer"] if peer else []), *(["reliable"] if reliable else [])]
+    labels = {
+        "ours": "relay_outbox + @idempotent consumer",
+        "peer": "django-celery-outbox",
+        "reliable": "django-reliable-outbox + its inbox",
+    }
     for kind in kinds:
-        r = _crash(kind, url, f"{queue}-crash-{kind}")
+        if kind == "reliable":
+            from bench.outbox_reliable import CRASH_LEASE_S
+
+            assert reliable is not None
+            try:
+                r = reliable.ask(
+                    cmd="crash", rows=CRASH_ROWS, after=CRASH_AFTER, queue=f"{queue}-crash-{kind}"
+                )
+            except Exception as exc:
+                rows.append(na(SECTION, "django-reliable-outbox crash", repr(exc)[:100]))
+                continue
+        else:
+            r = _crash(kind, url, f"{queue}-crash-{kind}")
         held = f"{r['held']:.2f} s held"
         if kind == "peer":
             held += f" (stale timeout set to {PEER_STALE_S} s; its default is 300 s)"
+        if kind == "reliable":
+            held += f" (lease set to {CRASH_LEASE_S:g} s; its default is 60 s)"
         rows.append(
             Row(
                 SECTION,
@@ -354,6 +451,10 @@ def _crash_rows(url: str, queue: str, peer: bool) -> list[Row]:
             )
         )
     return rows
+
+
+#: The other outbox libraries, by the name of their producer mode.
+PEERS = {"peer": "django-celery-outbox", "reliable": "django-reliable-outbox"}
 
 
 def run() -> list[Row]:
@@ -372,14 +473,35 @@ def run() -> list[Row]:
             app.conf.broker_url = url
             reset_broker_pools(app)
     rows: list[Row] = []
+    reliable: _Reliable | None = None
     try:
+        try:
+            reliable = _reliable(url, queue)
+        except Exception as exc:  # its process did not start: say why, measure the rest
+            rows.append(na(SECTION, "django-reliable-outbox", repr(exc)[:100]))
+        else:
+            if reliable is None:
+                why = "needs Python >= 3.12: no .venv-bench-peer (make bench builds it)"
+                rows.append(na(SECTION, "django-reliable-outbox", why))
         peer = _peer() is not None
         modes = ["baseline", "relay only", "inline", "outbox", *(["peer"] if peer else [])]
         _producer_ms("outbox", queue)  # warm-up: connections, the publisher thread
+        there = ["baseline", "reliable", "outbox"]  # in django-reliable-outbox's process
         ms: dict[str, list[float]] = {m: [] for m in modes}
-        for _ in range(RUNS):
-            for mode in modes:  # interleaved, so drift hits every mode alike
+        ms_there: dict[str, list[float]] = {m: [] for m in there}
+        for run in range(-1, RUNS):  # -1: django-reliable-outbox's process warms up
+            for mode in modes if run >= 0 else ():  # interleaved: drift hits every mode alike
                 ms[mode].append(_producer_ms(mode, queue))
+            if reliable is not None:
+                try:
+                    answer = reliable.ask(cmd="producer", modes=there, queue=queue)["ms"]
+                except Exception as exc:  # say why; the other figures go on
+                    rows.append(na(SECTION, "django-reliable-outbox producer", repr(exc)[:100]))
+                    reliable.close()
+                    reliable = None
+                    continue
+                for mode in there if run >= 0 else ():
+                    ms_there[mode].append(answer[mode])
         base = median(ms["baseline"])
         rows.append(
             Row(
@@ -396,12 +518,41 @@ def run() -> list[Row]:
             "peer": "+ django-celery-outbox send_task (row insert)",
         }
         added = {mode: median(ms[mode]) - base for mode in modes}
+        if reliable is not None:
+            # Its added cost over the same baseline measured in its own process (Python 3.12).
+            added["reliable"] = median(ms_there["reliable"]) - median(ms_there["baseline"])
         for mode in modes[1:]:
             note = f"+{added[mode]:.2f} ms over the baseline"
-            if peer and mode in ("relay only", "outbox") and added["peer"] > 0:
-                note += f"; {added[mode] / added['peer']:.2f}x the peer's added cost"
+            if mode in ("relay only", "outbox"):
+                ratios = [
+                    f"{added[mode] / added[p]:.2f}x {PEERS[p]}'s"
+                    for p in PEERS
+                    if added.get(p, 0) > 0
+                ]
+                if ratios:
+                    note += "; " + ", ".join(ratios) + " added cost"
             rows.append(
                 Row(SECTION, f"producer: {labels[mode]}", f"{median(ms[mode]):.2f} ms", note)
+            )
+        if reliable is not None:
+            base_there = median(ms_there["baseline"])
+            ours_there = median(ms_there["outbox"]) - base_there
+            note = (
+                f"+{added['reliable']:.2f} ms over its baseline ({base_there:.2f} ms, the same "
+                f"order txn in its process, Python {reliable.hello['python']})"
+            )
+            if added["reliable"] > 0:
+                note += (
+                    f"; there ours (default) adds +{ours_there:.2f} ms, "
+                    f"{ours_there / added['reliable']:.2f}x"
+                )
+            rows.append(
+                Row(
+                    SECTION,
+                    "producer: + django-reliable-outbox publish (row insert)",
+                    f"{median(ms_there['reliable']):.2f} ms",
+                    note,
+                )
             )
         _relay_rate(queue, direct=True)  # warm-up
         direct = median([_relay_rate(queue, direct=True) for _ in range(RUNS)])
@@ -418,6 +569,14 @@ def run() -> list[Row]:
         if peer:
             peer_rate = median([_peer_relay_rate(queue) for _ in range(RUNS)])
             note += f"; {relay / peer_rate:.2f}x django-celery-outbox"
+        reliable_rate = 0.0
+        if reliable is not None:
+            try:
+                reliable_rate = median([_reliable_relay_rate(reliable, queue) for _ in range(RUNS)])
+            except Exception as exc:
+                rows.append(na(SECTION, "django-reliable-outbox relay", repr(exc)[:100]))
+            else:
+                note += f"; {relay / reliable_rate:.2f}x django-reliable-outbox"
         rows.append(Row(SECTION, f"relay_outbox, {RELAY_ROWS:,} rows, 1 process", fmt(relay), note))
         if peer:
             rows.append(
@@ -428,15 +587,38 @@ def run() -> list[Row]:
                     f"{peer_rate / direct:.0%} of apply_async alone; batch 100",
                 )
             )
-        rows += _crash_rows(url, queue, peer)
+        if reliable_rate:
+            rows.append(
+                Row(
+                    SECTION,
+                    f"django-reliable-outbox Worker, {RELIABLE_ROWS:,} rows, 1 process",
+                    fmt(reliable_rate),
+                    f"{reliable_rate / direct:.0%} of apply_async alone; batch 100, one commit "
+                    "per message; each event published as the Celery task, same queue",
+                )
+            )
+        rows += _crash_rows(url, queue, peer, reliable)
     finally:
+        if reliable is not None:
+            reliable.close()
         try:
             with current_app.connection_for_write() as conn:
-                for name in (queue, f"{queue}-crash-ours", f"{queue}-crash-peer"):
+                for name in (queue, *(f"{queue}-crash-{kind}" for kind in ("ours", *PEERS))):
                     conn.default_channel.queue_delete(name)
         except Exception:
             pass
     return rows
+
+
+def _reliable_relay_rate(reliable: _Reliable, queue: str) -> float:
+    """django-reliable-outbox's worker over ``RELIABLE_ROWS`` events (in its process); the
+    queue's depth proves the publishes.
+    """
+    before = _depth(queue)
+    answer = reliable.ask(cmd="relay", rows=RELIABLE_ROWS, queue=queue)
+    published = _depth_reaches(queue, before + RELIABLE_ROWS) - before
+    assert published == answer["delivered"] == RELIABLE_ROWS, (published, answer)
+    return float(answer["rate"])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""A relay the outbox section kills mid-batch: ours or django-celery-outbox's.
+"""A relay the outbox section kills mid-batch: ours, django-celery-outbox's or
+django-reliable-outbox's worker (``reliable``, run from ``bench.outbox_reliable`` in its venv).
 
-``python -m bench.outbox_crash_relay ours|peer BROKER_URL KILL_AFTER LOG MARKER``
+``python -m bench.outbox_crash_relay ours|peer|reliable BROKER_URL KILL_AFTER LOG MARKER``
 relays the benchmark database's outbox for real (to the broker), appending the
 id of every publish to LOG; after KILL_AFTER publishes it writes MARKER and
 stops there, inside its batch (published, not yet recorded as sent), for the
@@ -55,6 +56,21 @@ def main() -> None:
         outbox._FastSender.send = counted_fast  # type: ignore[method-assign]
         outbox._send = counted  # type: ignore[assignment]
         outbox.relay_outbox(batch_size=100)
+        return
+    if kind == "reliable":  # django-reliable-outbox, in its own venv (bench.outbox_reliable)
+        from reliable_outbox.worker import Worker
+
+        from bench.outbox_reliable import CRASH_LEASE_S, CeleryTaskDestination
+
+        current_app.conf.broker_url = url
+        deliver = CeleryTaskDestination.deliver
+
+        def counted_deliver(self: Any, envelope: Any) -> None:
+            deliver(self, envelope)
+            tick(str(envelope.message_id))
+
+        CeleryTaskDestination.deliver = counted_deliver  # type: ignore[method-assign]
+        Worker(batch_size=100, lease_seconds=CRASH_LEASE_S, notify=False).run(burst=True)
         return
     from django_celery_outbox.models import CeleryOutbox
     from django_celery_outbox.relay import Relay, RelayConfig

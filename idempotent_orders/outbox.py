@@ -6,10 +6,10 @@ import atexit
 import json
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -123,17 +123,18 @@ def publish_on_commit(
         correlation_id=str(correlation_id)[:255],
     )
     if conf.OUTBOX_PUBLISH_ON_COMMIT:
-        transaction.on_commit(lambda: _publish_after_commit(row.pk, db), using=db)
+        transaction.on_commit(
+            partial(_publish_after_commit, row.pk, db, row.order_key is not None), using=db
+        )
     return row
 
 
-def _publish_after_commit(pk: int, db: str) -> None:
+def _publish_after_commit(pk: int, db: str, keyed: bool = False) -> None:
     # Inside an atomic block here means the row is not committed for other
     # connections yet (a test case's transaction): the thread could not see it.
     if conf.OUTBOX_PUBLISHER_THREAD and not connections[db].in_atomic_block:
-        if publisher.submit(db, pk):
-            return
-        logger.debug("outbox: publisher queue full; the relay will send row %s", pk)
+        if not publisher.submit(db, pk, keyed):
+            logger.debug("outbox: publisher queue full; the relay will send row %s", pk)
         return
     try:
         relay_outbox(ids=[pk], using=db)
@@ -145,42 +146,62 @@ def _publish_after_commit(pk: int, db: str) -> None:
 class Publisher:
     """A daemon thread that publishes committed outbox rows for this process.
 
-    Producers hand it row ids after commit (:meth:`submit`, never blocking);
-    it drains them in batches through :func:`relay_outbox` (``ids=``), so it
-    locks, publishes and marks exactly as the relay does. Its queue is bounded
+    Producers hand it row ids after commit (:meth:`submit`: an append, and a
+    wake-up only when the thread is idle; never blocking). Woken, the thread
+    waits :attr:`linger` seconds for more ids, so that one batch publishes
+    them all, then locks, publishes and marks them as the relay does (rows
+    without an order key through :func:`_publish_unkeyed`, one prepared
+    statement each to lock and to mark; keyed rows through
+    :func:`relay_outbox`, which keeps their order). Its queue is bounded
     (:attr:`capacity`): a row that does not fit is left to the relay. It is
-    started on first use in each process (again after a fork) and flushed at
-    interpreter exit for up to :attr:`exit_timeout` seconds; rows it did not
-    reach are still pending, for the relay.
+    started on first use in each process (again after a fork, with an empty
+    queue) and flushed at interpreter exit for up to :attr:`exit_timeout`
+    seconds; rows it did not reach are still pending, for the relay.
     """
 
     capacity = 10_000
     exit_timeout = 5.0
-    #: Seconds the thread waits for more ids after the first, to publish them as one batch.
-    linger = 0.02
+    #: Seconds the thread waits, once woken, for more ids to publish them as one batch.
+    linger = 0.05
     #: Seconds without work after which the thread closes its database connection.
     idle_close = 1.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = 0
-        self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue(self.capacity)
+        #: (database, row id, whether the row has an order key), in submission order.
+        self._pending: deque[tuple[str, int, bool]] = deque()
+        #: Set when there is work (or the stop) for an idle thread.
+        self._wake = threading.Event()
+        #: True from before the thread takes ids until their batch is done.
+        self._busy = False
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._exit_hook = False
 
-    def submit(self, db: str, pk: int) -> bool:
-        """Queue row ``pk`` of database ``db``; False when the queue is full."""
-        self._ensure_started()
-        try:
-            self._queue.put_nowait((db, pk))
-        except queue.Full:
+    def submit(self, db: str, pk: int, keyed: bool = False) -> bool:
+        """Queue row ``pk`` of database ``db``; False when the queue is full.
+
+        ``keyed``: the row has an ``order_key`` (it is published by the path
+        that keeps a key's order).
+        """
+        thread = self._thread
+        if thread is None or not thread.is_alive() or self._pid != os.getpid():
+            self._ensure_started()
+        pending = self._pending
+        if len(pending) >= self.capacity:
             return False
+        pending.append((db, pk, keyed))
+        if not self._wake.is_set():
+            self._wake.set()
         return True
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted row was handled; False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
+        # Ids leave the queue only after _busy is set: an empty queue, then not busy,
+        # means the batch that took the last of them is done.
+        while self._pending or self._busy:
             if time.monotonic() >= deadline or not self._alive():
                 return False
             time.sleep(0.005)
@@ -195,9 +216,12 @@ class Publisher:
         with self._lock:
             if self._alive():
                 return
-            if self._pid != os.getpid():  # a forked child: the parent's queue is not ours
-                self._queue = queue.Queue(self.capacity)
+            if self._pid != os.getpid():  # a forked child: the parent's ids are not ours
+                self._pending = deque()
+                self._wake = threading.Event()
+                self._busy = False
             self._pid = os.getpid()
+            self._stopping = False
             self._thread = threading.Thread(
                 target=self._run, name="idempotent-orders-outbox", daemon=True
             )
@@ -209,61 +233,59 @@ class Publisher:
     def _stop(self) -> None:
         if self._alive():
             self.flush(self.exit_timeout)
-            self._queue.put(None)
+            self._stopping = True
+            self._wake.set()
+            assert self._thread is not None
+            self._thread.join(self.exit_timeout)
 
     def _run(self) -> None:
         _batch.templates = {}  # this thread's batches reuse their message templates a moment
+        _batch.keep = True  # and one producer while ids keep coming
+        pending, wake = self._pending, self._wake
         try:
-            while True:
+            while not self._stopping:
+                if not pending:
+                    wake.clear()
+                    if not pending:  # checked again after the clear: no wake-up is lost
+                        if not wake.wait(self.idle_close):
+                            connections.close_all()  # idle: hold no database connection
+                        continue
+                size = conf.OUTBOX_BATCH_SIZE
+                if len(pending) < size and not self._stopping:
+                    time.sleep(self.linger)  # let more ids come: one batch for all of them
+                self._busy = True
                 try:
-                    item = self._queue.get(timeout=self.idle_close)
-                except queue.Empty:
-                    connections.close_all()  # idle: hold no database connection
-                    continue
-                if item is None:
-                    self._queue.task_done()
-                    return
-                batch = [item]
-                stop = self._collect(batch)
-                try:
-                    self._publish(batch)
+                    batch = [pending.popleft() for _ in range(min(size, len(pending)))]
+                    if not self._publish(batch) or not pending:
+                        _release_kept()  # after a failure, or idle: back to the pool
                 finally:
-                    for _ in batch:
-                        self._queue.task_done()
-                if stop:
-                    self._queue.task_done()
-                    return
+                    self._busy = False
         finally:
+            _release_kept()
             connections.close_all()
 
-    def _collect(self, batch: list[tuple[str, int]]) -> bool:
-        """Add the ids that arrive within :attr:`linger` seconds to ``batch`` (one relay
-        call publishes them all); True when the stop marker came.
-        """
-        deadline = time.monotonic() + self.linger
-        while len(batch) < conf.OUTBOX_BATCH_SIZE:
-            try:
-                more = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return False
-            if more is None:
-                return True
-            batch.append(more)
-        return False
-
-    def _publish(self, batch: list[tuple[str, int]]) -> None:
-        by_db: dict[str, list[int]] = {}
-        for db, pk in batch:
-            by_db.setdefault(db, []).append(pk)
+    def _publish(self, batch: list[tuple[str, int, bool]]) -> bool:
+        """Publish ``batch``; False when any publish in it failed."""
+        by_db: dict[str, tuple[list[int], list[int]]] = {}
+        for db, pk, has_key in batch:
+            by_db.setdefault(db, ([], []))[has_key].append(pk)
         close_old_connections()
-        for db, ids in by_db.items():
+        ok = True
+        for db, (plain, keyed) in by_db.items():
             try:
-                relay_outbox(ids=ids, using=db)
+                results = []
+                if plain:
+                    results.append(_publish_unkeyed(db, plain))
+                if keyed:
+                    results.append(relay_outbox(ids=keyed, using=db))
+                ok = ok and not any(r.retried or r.dead for r in results)
             except Exception:
+                ok = False
                 logger.exception(
                     "outbox: background publish of %d row(s) failed; the relay will retry",
-                    len(ids),
+                    len(plain) + len(keyed),
                 )
+        return ok
 
 
 #: PostgreSQL channel notified on every insert into the outbox (migration 0002_outbox).
@@ -620,10 +642,7 @@ def relay_outbox(
         dead += died
         if not more:
             break
-    result = RelayResult(published=published, retried=retried, pending=retried, dead=dead)
-    if published or retried or dead:
-        outbox_relayed.send(sender=OutboxMessage, **vars(result))
-    return result
+    return _relayed(published, retried, dead)
 
 
 Batch = tuple[int, int, int, bool]
@@ -696,10 +715,140 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
                 sent.append(row.pk)
                 keyed = keyed or row.order_key is not None
     if sent:  # one statement for the batch, in the transaction that holds its locks
-        OutboxMessage.objects.using(db).filter(pk__in=sent).update(
-            status=OutboxStatus.SENT, sent_at=timezone.now(), claimed_until=None
-        )
+        connection = connections[db]
+        sql, params = _statements(db).mark(sent)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [OutboxStatus.SENT, _db_now(connection), *params])
     return len(sent), failed, dead, full or keyed
+
+
+#: What the publisher thread's lock reads of a row: all that a publish, a failure and
+#: the signals use.
+_ROW_FIELDS = (
+    "id",
+    "message_id",
+    "task_name",
+    "payload",
+    "options",
+    "order_key",
+    "traceparent",
+    "correlation_id",
+    "attempts",
+)
+
+
+class _Statements:
+    """The SQL of the publisher thread's lock and of every batch's mark, built once per
+    database (only the number of ``IN`` placeholders varies; on PostgreSQL the ids are
+    one array parameter), and the converters the ORM would apply to the columns read.
+    """
+
+    def __init__(self, db: str) -> None:
+        connection = connections[db]
+        quote = connection.ops.quote_name
+        meta = OutboxMessage._meta
+        # In the model's field order: Model.from_db() takes a subset's values in that order.
+        fields = [f for f in meta.concrete_fields if f.name in _ROW_FIELDS]
+        self.attnames = [f.attname for f in fields]
+        column = {f.name: quote(str(f.column)) for f in meta.concrete_fields}
+        table = quote(meta.db_table)
+        self.lock_head = (
+            f"SELECT {', '.join(column[f.name] for f in fields)} FROM {table} WHERE {column['id']}"
+        )
+        self.lock_tail = (
+            f" AND {column['status']} = %s AND {column['available_at']} <= %s"
+            f" AND {column['order_key']} IS NULL"
+            f" ORDER BY {column['available_at']}, {column['id']}"
+            f" {connection.ops.for_update_sql(skip_locked=True)}"
+        )
+        self.mark_head = (
+            f"UPDATE {table} SET {column['status']} = %s, {column['sent_at']} = %s,"
+            f" {column['claimed_until']} = NULL WHERE {column['id']}"
+        )
+        self.array = connection.vendor == "postgresql"
+        self.converters = []
+        for field in fields:
+            col = field.get_col(meta.db_table)
+            found = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+            self.converters.append((found, col))
+
+    def lock(self, ids: list[int]) -> tuple[str, list[Any]]:
+        """The lock statement for rows ``ids``, and its id parameters (then status, now)."""
+        sql, params = self._in(ids)
+        return self.lock_head + sql + self.lock_tail, params
+
+    def mark(self, ids: list[int]) -> tuple[str, list[Any]]:
+        """The mark statement for rows ``ids``, and its id parameters (after status, now)."""
+        sql, params = self._in(ids)
+        return self.mark_head + sql, params
+
+    def _in(self, ids: list[int]) -> tuple[str, list[Any]]:
+        if self.array:  # one statement text whatever the count: the driver's cache keeps it
+            return " = ANY(%s)", [ids]
+        return " IN (" + ", ".join(["%s"] * len(ids)) + ")", list(ids)
+
+    def rows(self, db: str, fetched: list[tuple[Any, ...]]) -> list[OutboxMessage]:
+        connection = connections[db]
+        rows = []
+        for values in fetched:
+            converted = []
+            for value, (converters, col) in zip(values, self.converters, strict=True):
+                for convert in converters:
+                    value = convert(value, col, connection)
+                converted.append(value)
+            rows.append(OutboxMessage.from_db(db, self.attnames, converted))
+        return rows
+
+
+_prepared: dict[tuple[str, str], _Statements] = {}
+
+
+def _statements(db: str) -> _Statements:
+    key = (db, connections[db].vendor)
+    found = _prepared.get(key)
+    if found is None:
+        found = _prepared[key] = _Statements(db)
+    return found
+
+
+def _db_now(connection: Any) -> Any:
+    """``timezone.now()`` as the database takes a datetime parameter (as the ORM passes it)."""
+    return connection.ops.adapt_datetimefield_value(timezone.now())
+
+
+def _publish_unkeyed(db: str, ids: list[int]) -> RelayResult:
+    """Publish the due pending rows among ``ids`` that have no order key: the publisher
+    thread's batch.
+
+    As :func:`relay_outbox` (``ids=``) does, locked (``FOR UPDATE SKIP LOCKED``),
+    published and marked sent in one transaction, but with one prepared
+    statement to lock and one to mark instead of the general query (which
+    checks, for keyed rows, the earlier rows of their key). A row that has an
+    order key is not read (the guard is in the statement), nor one another
+    relay holds or that is not due: the relay publishes those. Without SKIP
+    LOCKED it is :func:`relay_outbox`.
+    """
+    connection = connections[db]
+    features = connection.features
+    if not (features.has_select_for_update and features.has_select_for_update_skip_locked):
+        return relay_outbox(ids=ids, using=db)
+    statements = _statements(db)
+    with transaction.atomic(using=db):
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":  # as in _relay_locked_batch
+                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+            sql, params = statements.lock(ids)
+            cursor.execute(sql, [*params, OutboxStatus.PENDING, _db_now(connection)])
+            rows = statements.rows(db, cursor.fetchall())
+        published, retried, dead, _ = _publish_rows(db, rows, full=False)
+    return _relayed(published, retried, dead)
+
+
+def _relayed(published: int, retried: int, dead: int) -> RelayResult:
+    result = RelayResult(published=published, retried=retried, pending=retried, dead=dead)
+    if published or retried or dead:
+        outbox_relayed.send(sender=OutboxMessage, **vars(result))
+    return result
 
 
 @contextmanager
@@ -708,23 +857,47 @@ def _batch_producer(rows: int) -> Iterator[Any]:
 
     Without a broker to connect to it yields None: the rows publish one by one
     (and fail one by one, each with its own backoff) as they would without it.
+    In the publisher thread (``_batch.keep``) the checkout is kept for its next
+    batches, until it goes idle or a publish fails (:func:`_release_kept`).
     """
     if rows < 1:
         yield None
         return
-    try:
-        checkout = current_app.producer_or_acquire()
-        producer = checkout.__enter__()
-    except Exception:
-        yield None
-        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    kept = getattr(_batch, "kept", None)
+    if kept is not None and kept[0] is not app:
+        _release_kept()
+        kept = None
+    if kept is not None:
+        checkout, producer = kept[1], kept[2]
+    else:
+        try:
+            checkout = app.producer_or_acquire()
+            producer = checkout.__enter__()
+        except Exception:
+            yield None
+            return
+        if getattr(_batch, "keep", False):
+            _batch.kept = kept = (app, checkout, producer)
     # The general path (apply_async) of a single row takes its own checkout, as it would alone.
     _batch.producer = producer if rows > 1 else None
     try:
         yield producer
     finally:
         _batch.producer = None
-        checkout.__exit__(None, None, None)
+        if kept is None:
+            checkout.__exit__(None, None, None)
+
+
+def _release_kept() -> None:
+    """Give the producer the publisher thread kept across batches back to the pool."""
+    kept = getattr(_batch, "kept", None)
+    _batch.kept = None
+    if kept is not None:
+        try:
+            kept[1].__exit__(None, None, None)
+        except Exception:
+            logger.debug("outbox: releasing the publisher's producer failed", exc_info=True)
 
 
 def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:

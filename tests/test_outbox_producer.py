@@ -9,16 +9,26 @@ import subprocess
 import sys
 import threading
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.db import connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from demo_project.tasks import award_points
+from idempotent_orders import tracing
 from idempotent_orders.models import OutboxMessage, OutboxStatus
-from idempotent_orders.outbox import Publisher, flush_publisher, publish_on_commit
+from idempotent_orders.outbox import (
+    Publisher,
+    _publish_unkeyed,
+    flush_publisher,
+    publish_on_commit,
+    relay_outbox,
+)
 from tests.support.services import ROOT, stop_processes, wait_until, worker_env
 
 
@@ -85,13 +95,97 @@ def test_a_full_queue_leaves_the_row_to_the_relay(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(award_points, "apply_async", blocked)
     first = publish_on_commit(award_points, message())  # autocommit: handed over at once
-    assert wait_until(lambda: small._queue.unfinished_tasks == 1 and small._queue.empty())
+    assert wait_until(lambda: small._busy and not small._pending)
     second = publish_on_commit(award_points, message())  # fills the queue
     third = publish_on_commit(award_points, message())  # does not fit: left to the relay
     release.set()
     assert small.flush(30)
     assert sent == [first.message_id, second.message_id]
     assert status(third) == OutboxStatus.PENDING
+
+
+NO_IMMEDIATE = {"OUTBOX_PUBLISH_ON_COMMIT": False}
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db
+def test_the_threads_batch_is_locked_and_marked_by_one_statement_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[tuple[str | None, dict[str, Any]]] = []
+    failing: set[str] = set()
+
+    def apply_async(task_id: str | None = None, **options: Any) -> None:
+        if task_id in failing:
+            raise ConnectionError("broker down")
+        sent.append((task_id, options.get("headers", {})))
+
+    monkeypatch.setattr(award_points, "apply_async", apply_async)
+    with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE), tracing.use(TRACE, "order-9"):
+        plain = [publish_on_commit(award_points, message()) for _ in range(5)]
+        keyed, later, done, dead, flaky = (
+            publish_on_commit(award_points, message(), order_key="k" if n == 0 else None)
+            for n in range(5)
+        )
+    OutboxMessage.objects.filter(pk=later.pk).update(
+        available_at=timezone.now() + timedelta(hours=1)
+    )
+    OutboxMessage.objects.filter(pk=done.pk).update(status=OutboxStatus.SENT)
+    OutboxMessage.objects.filter(pk=dead.pk).update(status=OutboxStatus.DEAD)
+    OutboxMessage.objects.filter(pk=flaky.pk).update(attempts=3)
+    failing.add(flaky.message_id)
+    ids = [r.pk for r in (*plain, keyed, later, done, dead, flaky)]
+    with CaptureQueriesContext(connection) as queries:
+        result = _publish_unkeyed("default", ids)
+    assert (result.published, result.retried, result.dead) == (5, 1, 0)
+    assert [mid for mid, _ in sent] == [r.message_id for r in plain]
+    # The row as read by the lock: its trace is sent, its attempts counted on.
+    assert {headers["traceparent"] for _, headers in sent} == {TRACE}
+    assert OutboxMessage.objects.get(pk=flaky.pk).attempts == 4
+    statements = [q["sql"].lstrip().upper() for q in queries.captured_queries]
+    (lock,) = [sql for sql in statements if sql.startswith("SELECT")]
+    assert "SKIP LOCKED" in lock
+    marks = [sql for sql in statements if sql.startswith("UPDATE") and "'SENT'" in sql]
+    assert len(marks) == 1, statements
+    status = dict(OutboxMessage.objects.values_list("pk", "status"))
+    assert {status[r.pk] for r in plain} == {OutboxStatus.SENT}
+    # A keyed row is left to the path that keeps its key's order; the others to the relay.
+    assert [status[r.pk] for r in (keyed, later, dead, flaky)] == [
+        OutboxStatus.PENDING,
+        OutboxStatus.PENDING,
+        OutboxStatus.DEAD,
+        OutboxStatus.PENDING,
+    ]
+    assert relay_outbox(ids=[keyed.pk]).published == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_thread_keeps_a_keys_order_and_batches_what_comes_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[str] = []
+    monkeypatch.setattr(award_points, "apply_async", lambda **kw: sent.append(kw["task_id"]))
+    batches: list[int] = []
+    unkeyed = _publish_unkeyed
+
+    def counted(db: str, ids: list[int]) -> Any:
+        batches.append(len(ids))
+        return unkeyed(db, ids)
+
+    monkeypatch.setattr("idempotent_orders.outbox._publish_unkeyed", counted)
+    with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE):
+        first = publish_on_commit(award_points, message(), order_key="k")
+    second = publish_on_commit(award_points, message(), order_key="k")  # handed to the thread
+    plain = [publish_on_commit(award_points, message()) for _ in range(10)]
+    assert flush_publisher(timeout=30)
+    assert second.message_id not in sent  # not before the first of its key
+    assert status(second) == OutboxStatus.PENDING
+    assert sorted(sent) == sorted(r.message_id for r in plain)
+    assert sum(batches) == 10
+    assert len(batches) < 10  # the ids that came together went together
+    relay_outbox()
+    assert sent[-2:] == [first.message_id, second.message_id]
 
 
 @pytest.mark.services

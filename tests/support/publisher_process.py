@@ -1,6 +1,7 @@
 """A process that hands row ids to the outbox's background publisher, for the publisher tests.
 
-``python -m tests.support.publisher_process OUT fork|exit``: the relay call is
+``python -m tests.support.publisher_process OUT fork|exit``: the relay calls
+(``relay_outbox``, and ``_publish_unkeyed`` for rows without an order key) are
 replaced by one that appends ``<pid> <ids...>`` to OUT for every batch (no
 database, no broker: what is tested is which process publishes which ids).
 
@@ -33,14 +34,16 @@ def main() -> None:
     gate = threading.Event()
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def record(*, ids: list[int], using: str | None = None, **kwargs: Any) -> None:
+    def record(*, ids: list[int], using: str | None = None, **kwargs: Any) -> Any:
         if mode == "fork" and os.getpid() == parent:
             gate.wait(30)
         if mode == "exit":
             time.sleep(0.2)  # a slow broker: the exit hook has to wait for it
         os.write(fd, f"{os.getpid()} {' '.join(map(str, ids))}\n".encode())
+        return outbox.RelayResult(published=len(ids))
 
     outbox.relay_outbox = record  # type: ignore[assignment]
+    outbox._publish_unkeyed = lambda db, ids: record(ids=ids, using=db)  # type: ignore[assignment]
     publisher = outbox.publisher
     if mode == "exit":
         for pk in range(1, 6):
@@ -49,7 +52,7 @@ def main() -> None:
 
     publisher.submit("default", 1)
     # The thread took 1 (and is held in its batch); 2 and 3 wait in the queue.
-    while not publisher._queue.empty():
+    while publisher._pending:
         time.sleep(0.01)
     time.sleep(publisher.linger * 3)
     publisher.submit("default", 2)
