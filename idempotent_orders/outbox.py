@@ -147,9 +147,10 @@ class Publisher:
     """A daemon thread that publishes committed outbox rows for this process.
 
     Producers hand it row ids after commit (:meth:`submit`: an append, and a
-    wake-up only when the thread is idle; never blocking). Woken, the thread
-    waits :attr:`linger` seconds for more ids, so that one batch publishes
-    them all, then locks, publishes and marks them as the relay does (rows
+    wake-up only when the thread is idle; never blocking). When ids keep
+    coming, the thread waits :attr:`linger` seconds for more, so that one batch publishes
+    them all (not when it was idle: a lone id is published at once), then
+    locks, publishes and marks them as the relay does (rows
     without an order key through :func:`_publish_unkeyed`, one prepared
     statement each to lock and to mark; keyed rows through
     :func:`relay_outbox`, which keeps their order). Its queue is bounded
@@ -242,17 +243,23 @@ class Publisher:
         _batch.templates = {}  # this thread's batches reuse their message templates a moment
         _batch.keep = True  # and one producer while ids keep coming
         pending, wake = self._pending, self._wake
+        idle = True  # the last round found nothing to do
         try:
             while not self._stopping:
                 if not pending:
+                    idle = True
                     wake.clear()
                     if not pending:  # checked again after the clear: no wake-up is lost
                         if not wake.wait(self.idle_close):
                             connections.close_all()  # idle: hold no database connection
                         continue
                 size = conf.OUTBOX_BATCH_SIZE
-                if len(pending) < size and not self._stopping:
-                    time.sleep(self.linger)  # let more ids come: one batch for all of them
+                # Woken from idle, the first ids go at once (no added latency for a lone
+                # message); ids that came while a batch was publishing mean more are
+                # coming: wait a moment, and one batch takes them all.
+                if not idle and len(pending) < size and not self._stopping:
+                    time.sleep(self.linger)
+                idle = False
                 self._busy = True
                 try:
                     batch = [pending.popleft() for _ in range(min(size, len(pending)))]

@@ -104,6 +104,24 @@ def test_a_full_queue_leaves_the_row_to_the_relay(monkeypatch: pytest.MonkeyPatc
     assert status(third) == OutboxStatus.PENDING
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_lone_id_is_published_at_once_not_after_the_batching_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Patient(Publisher):
+        linger = 3600.0  # were the idle thread to wait for company, it would wait an hour
+
+    patient = Patient()
+    monkeypatch.setattr("idempotent_orders.outbox.publisher", patient)
+    sent: list[str | None] = []
+    monkeypatch.setattr(award_points, "apply_async", lambda **kw: sent.append(kw["task_id"]))
+    with transaction.atomic():
+        row = publish_on_commit(award_points, message())
+    assert patient.flush(30)
+    assert sent == [row.message_id]
+    assert status(row) == OutboxStatus.SENT
+
+
 NO_IMMEDIATE = {"OUTBOX_PUBLISH_ON_COMMIT": False}
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
