@@ -906,9 +906,13 @@ def basket(sku: str) -> dict[str, Any]:
 
 @pytest.mark.backends("postgresql")
 @pytest.mark.django_db(transaction=True)  # outside a transaction, as a request runs
-def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(alice) -> None:
+def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(
+    alice: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from django.test.utils import CaptureQueriesContext
 
+    # Persistent connections (prepared once, used by many requests).
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 60)
     client = client_for(alice)
     connection.close()  # a fresh connection: nothing prepared on it yet
     with CaptureQueriesContext(connection) as queries:
@@ -929,18 +933,37 @@ def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(al
         cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotent%%'")
         assert cursor.fetchone()[0] == 3
     assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 3
+    # Already prepared on the server (a pooler handed over a used connection).
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+        cursor.execute("PREPARE idempotent_orders_claim_lock AS SELECT 1")
+    from idempotent_orders.http import keys
+
+    keys._prepared_on.discard(connection.connection)
+    fourth = post(client, "/api/orders/", basket("p-4"), key="p-4")
+    assert fourth.status_code == 201
+    assert post(client, "/api/orders/", basket("p-4"), key="p-4").content == fourth.content
 
 
 @pytest.mark.backends("postgresql")
 @pytest.mark.django_db(transaction=True)
-def test_the_claim_sends_plain_statements_for_transaction_pooling(
-    alice: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "setting",
+    [
+        # Django's setting for PgBouncer's transaction pooling, where a prepared
+        # statement may live on another server connection.
+        ("DISABLE_SERVER_SIDE_CURSORS", True),
+        # A connection per request: preparing would cost a round trip each time.
+        ("CONN_MAX_AGE", 0),
+    ],
+)
+def test_the_claim_sends_plain_statements_for_transaction_pooling_or_short_connections(
+    alice: Any, monkeypatch: pytest.MonkeyPatch, setting: tuple[str, Any]
 ) -> None:
     from django.test.utils import CaptureQueriesContext
 
-    # DISABLE_SERVER_SIDE_CURSORS is Django's setting for PgBouncer's transaction
-    # pooling, where a prepared statement may live on another server connection.
-    monkeypatch.setitem(connection.settings_dict, "DISABLE_SERVER_SIDE_CURSORS", True)
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 60)
+    monkeypatch.setitem(connection.settings_dict, *setting)
     client = client_for(alice)
     connection.close()
     with CaptureQueriesContext(connection) as queries:

@@ -519,12 +519,15 @@ def _execute_claim(cursor: Any, statements: tuple[str, ...], params: list[Any]) 
     """Run the claim's statements as one simple query, through prepared statements
     where the connection allows them (parsed and planned once per connection).
 
-    ``DISABLE_SERVER_SIDE_CURSORS`` (set for PgBouncer's transaction pooling, whose
-    server connections change under the client) sends the statements' text instead.
-    A connection that lost its prepared statements (a pooler's ``DISCARD ALL``)
-    prepares them again; the failed query was rolled back whole.
+    The statements' text is sent instead when the connection does not outlive
+    the request (``CONN_MAX_AGE`` 0, Django's default: preparing would cost a
+    round trip per request), and under ``DISABLE_SERVER_SIDE_CURSORS`` (set for
+    PgBouncer's transaction pooling, whose server connections change under the
+    client). A connection that lost its prepared statements (a pooler's
+    ``DISCARD ALL``) prepares them again; the failed query was rolled back whole.
     """
-    if connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+    settings = connection.settings_dict
+    if settings.get("DISABLE_SERVER_SIDE_CURSORS") or settings.get("CONN_MAX_AGE") == 0:
         cursor.execute("; ".join(statements), params)
         return
     prepares, execute = _prepared_claim(statements)
@@ -537,18 +540,28 @@ def _execute_claim(cursor: Any, statements: tuple[str, ...], params: list[Any]) 
             cursor.execute(execute, params)
             return
         except DatabaseError as exc:
-            if attempt == 2 or getattr(exc.__cause__, "sqlstate", None) != "26000":
+            if attempt == 2 or _sqlstate(exc) != "26000":  # no such prepared statement
                 raise
-            _prepared_on.discard(raw)  # 26000: no such prepared statement
+            _prepared_on.discard(raw)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc.__cause__, "sqlstate", None)
 
 
 def _prepare(cursor: Any, prepares: tuple[str, ...]) -> None:
-    cursor.execute(
-        "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)", [list(_CLAIM_STATEMENTS)]
-    )
-    for (name,) in cursor.fetchall():  # left by an earlier client of a pooled connection
-        cursor.execute(f"DEALLOCATE {name}")
-    cursor.execute("; ".join(prepares))
+    try:
+        cursor.execute("; ".join(prepares))
+    except DatabaseError as exc:
+        if _sqlstate(exc) != "42P05":  # already prepared (by an earlier client of a pooler)
+            raise
+        cursor.execute(
+            "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)",
+            [list(_CLAIM_STATEMENTS)],
+        )
+        for (name,) in cursor.fetchall():
+            cursor.execute(f"DEALLOCATE {name}")
+        cursor.execute("; ".join(prepares))
 
 
 def _insert_portable(fields: dict[str, Any], now: Any) -> int | None:
