@@ -154,7 +154,7 @@ def run() -> list[Row]:
         ms = median(per_request[variant]) * 1000
         note = f"median {ms:.2f} ms/request, +{ms - base_ms:.2f} ms"
         if variant == "ours":
-            note += " over undecorated (target <= 1 ms)"
+            note += " over undecorated (target <= 0.5 ms)"
         rows.append(
             Row(
                 "3 http (in-process WSGI)" if variant == "ours" else "4 peers: http",

@@ -42,6 +42,8 @@ KNOWN_NAMES = {
     # Django settings and environment.
     "ATOMIC_REQUESTS",
     "AUTH_USER_MODEL",
+    "CONN_MAX_AGE",
+    "DISABLE_SERVER_SIDE_CURSORS",
     "DJANGO_SETTINGS_MODULE",
     "INSTALLED_APPS",
     "SILENCED_SYSTEM_CHECKS",

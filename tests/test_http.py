@@ -533,6 +533,38 @@ def test_heartbeat_keeps_the_key_alive_past_its_ttl(alice: Any, settings: Any) -
     assert (row.lease_expires_at, row.expires_at) == before
 
 
+def test_the_heartbeat_thread_is_woken_only_for_a_beat_due_before_it_wakes(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from idempotent_orders.http import keys
+
+    settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
+    beater = keys._Beater()
+    notified: list[int] = []
+    notify = beater.cond.notify
+    monkeypatch.setattr(beater.cond, "notify", lambda: (notified.append(1), notify()))
+    held = keys.Claim(IdempotencyKey(pk=1), "owner")
+    first = beater.add(held)  # starts the thread
+    assert beater.thread is not None
+    assert beater.thread.is_alive()
+    deadline = time.monotonic() + 10
+    while beater.wake_at == float("inf") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    beater.remove(first)
+    # A request's claim is due a whole interval from now, never before the thread wakes:
+    # adding and removing it costs no thread switch.
+    for _ in range(3):
+        beater.remove(beater.add(held))
+    assert notified == []
+    # A shorter lease (settings changed) is due before that wake-up: the thread is woken.
+    settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 0.3}
+    short = beater.add(held)
+    assert notified == [1]
+    beater.remove(short)
+
+
 # --- tokens ------------------------------------------------------------------
 
 
@@ -866,3 +898,76 @@ def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
     assert IdempotencyKey.objects.filter(principal=stored.principal).count() == 1
     again = post(client, "/api/orders/", key="replay-once")
     assert (again.status_code, again.content) == (201, first.content)
+
+
+def basket(sku: str) -> dict[str, Any]:
+    return {**ORDER, "items": [{"sku": sku, "quantity": 1}]}
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)  # outside a transaction, as a request runs
+def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(
+    alice: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    # Persistent connections (prepared once, used by many requests).
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 60)
+    client = client_for(alice)
+    connection.close()  # a fresh connection: nothing prepared on it yet
+    with CaptureQueriesContext(connection) as queries:
+        assert post(client, "/api/orders/", basket("p-1"), key="p-1").status_code == 201
+    sql = [q["sql"] for q in queries]
+    assert sum(s.startswith("PREPARE ") for s in sql) == 1  # once per connection
+    assert any(s.startswith("EXECUTE idempotent_orders_claim_read") for s in sql)
+    with CaptureQueriesContext(connection) as queries:
+        assert post(client, "/api/orders/", basket("p-2"), key="p-2").status_code == 201
+    assert not any(q["sql"].startswith("PREPARE ") for q in queries)
+    # A pooler's DISCARD ALL (or a server switched under the client): prepared again.
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    third = post(client, "/api/orders/", basket("p-3"), key="p-3")
+    assert third.status_code == 201
+    assert post(client, "/api/orders/", basket("p-3"), key="p-3").content == third.content
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idempotent%%'")
+        assert cursor.fetchone()[0] == 3
+    assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 3
+    # Already prepared on the server (a pooler handed over a used connection).
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+        cursor.execute("PREPARE idempotent_orders_claim_lock AS SELECT 1")
+    from idempotent_orders.http import keys
+
+    keys._prepared_on.discard(connection.connection)
+    fourth = post(client, "/api/orders/", basket("p-4"), key="p-4")
+    assert fourth.status_code == 201
+    assert post(client, "/api/orders/", basket("p-4"), key="p-4").content == fourth.content
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        # Django's setting for PgBouncer's transaction pooling, where a prepared
+        # statement may live on another server connection.
+        ("DISABLE_SERVER_SIDE_CURSORS", True),
+        # A connection per request: preparing would cost a round trip each time.
+        ("CONN_MAX_AGE", 0),
+    ],
+)
+def test_the_claim_sends_plain_statements_for_transaction_pooling_or_short_connections(
+    alice: Any, monkeypatch: pytest.MonkeyPatch, setting: tuple[str, Any]
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 60)
+    monkeypatch.setitem(connection.settings_dict, *setting)
+    client = client_for(alice)
+    connection.close()
+    with CaptureQueriesContext(connection) as queries:
+        first = post(client, "/api/orders/", key="plain")
+        again = post(client, "/api/orders/", key="plain")
+    assert (first.status_code, again["Idempotent-Replayed"]) == (201, "true")
+    assert not any(q["sql"].startswith(("PREPARE", "EXECUTE")) for q in queries)

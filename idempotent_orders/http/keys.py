@@ -32,13 +32,14 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-from django.db import IntegrityError, connection, models, transaction
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.db.models.functions import Greatest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils import timezone
@@ -332,6 +333,58 @@ def _lock_id(principal: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+@dataclass(frozen=True)
+class _ClaimTexts:
+    """The SQL of a claim on one database (built once per alias: it never changes)."""
+
+    #: The INSERT guarded by the quota (``%s``: the claim's columns, principal, now, quota).
+    insert: str
+    #: PostgreSQL: the advisory lock, taken only if the key has no row (``%s``: lock, scope, key).
+    lock_if_absent: str
+    #: PostgreSQL: the INSERT, skipped too if the key has a row (scope, key after the columns).
+    insert_if_absent: str
+
+
+_claim_texts_by_alias: dict[str, _ClaimTexts] = {}
+
+
+def _claim_texts() -> _ClaimTexts:
+    found = _claim_texts_by_alias.get(connection.alias)
+    if found is not None:
+        return found
+    vendor = connection.vendor
+    qn = connection.ops.quote_name
+    table = qn(IdempotencyKey._meta.db_table)
+    columns = ", ".join(qn(c) for c in _CLAIM_COLUMNS)
+    values = ", ".join(["%s"] * len(_CLAIM_COLUMNS))
+    json_empty = "'[]'::jsonb" if vendor == "postgresql" else "'[]'"
+    extra_cols = f"{qn('is_token')}, {qn('body_omitted')}, {qn('response_headers')}"
+    extra_vals = f"FALSE, FALSE, {json_empty}"
+    guard = (
+        f"(SELECT COUNT(*) FROM {table} WHERE {qn('principal')} = %s"
+        f" AND {qn('expires_at')} > %s) < %s"
+    )
+    absent = f"NOT EXISTS (SELECT 1 FROM {table} WHERE {qn('scope')} = %s AND {qn('key')} = %s)"
+    if vendor == "mysql":
+        sql = (
+            f"INSERT IGNORE INTO {table} ({columns}, {extra_cols}) "
+            f"SELECT {values}, {extra_vals} FROM DUAL WHERE {guard} RETURNING {qn('id')}"
+        )
+    else:
+        sql = (
+            f"INSERT INTO {table} ({columns}, {extra_cols}) "
+            f"SELECT {values}, {extra_vals} WHERE {guard} "
+            f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
+        )
+    found = _claim_texts_by_alias[connection.alias] = _ClaimTexts(
+        insert=sql,
+        lock_if_absent="SELECT pg_advisory_xact_lock(%s),"
+        f" set_config('synchronous_commit', 'off', true) WHERE {absent}",
+        insert_if_absent=sql.replace(f" WHERE {guard} ", f" WHERE {absent} AND {guard} ", 1),
+    )
+    return found
+
+
 def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyKey | None:
     """Insert the claim if the key is new and the principal is under quota: its pk, else None.
 
@@ -352,30 +405,11 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyK
         vendor == "mysql" and not getattr(connection, "mysql_is_mariadb", False)
     ):
         return _insert_portable(fields, now)
-    qn = connection.ops.quote_name
-    meta = IdempotencyKey._meta
-    table = qn(meta.db_table)
+    texts = _claim_texts()
+    sql = texts.insert
     prep = [_field(c).get_db_prep_save(fields[c], connection) for c in _CLAIM_COLUMNS]
-    principal_col, expires_col = qn("principal"), qn("expires_at")
     now_param = _field("expires_at").get_db_prep_save(now, connection)
-    columns = ", ".join(qn(c) for c in _CLAIM_COLUMNS)
-    values = ", ".join(["%s"] * len(_CLAIM_COLUMNS))
-    json_empty = "'[]'::jsonb" if vendor == "postgresql" else "'[]'"
-    extra_cols = f"{qn('is_token')}, {qn('body_omitted')}, {qn('response_headers')}"
-    extra_vals = f"FALSE, FALSE, {json_empty}"
-    guard = f"(SELECT COUNT(*) FROM {table} WHERE {principal_col} = %s AND {expires_col} > %s) < %s"
     params = [*prep, fields["principal"], now_param, conf.KEY_QUOTA]
-    if vendor == "mysql":
-        sql = (
-            f"INSERT IGNORE INTO {table} ({columns}, {extra_cols}) "
-            f"SELECT {values}, {extra_vals} FROM DUAL WHERE {guard} RETURNING {qn('id')}"
-        )
-    else:
-        sql = (
-            f"INSERT INTO {table} ({columns}, {extra_cols}) "
-            f"SELECT {values}, {extra_vals} WHERE {guard} "
-            f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
-        )
     if vendor == "postgresql":
         lock_params = [_lock_id(fields["principal"])]
         if _one_round_trip():
@@ -402,14 +436,10 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyK
                     found = cursor.fetchone()
                 return int(found[0]) if found else None
             ident = [prep[_CLAIM_COLUMNS.index("scope")], prep[_CLAIM_COLUMNS.index("key")]]
-            absent = (
-                f"NOT EXISTS (SELECT 1 FROM {table} WHERE {qn('scope')} = %s AND {qn('key')} = %s)"
-            )
-            guarded = sql.replace(f" WHERE {guard} ", f" WHERE {absent} AND {guard} ", 1)
             with connection.cursor() as cursor:
-                cursor.execute(
-                    f"{plan.sql}; SELECT pg_advisory_xact_lock(%s),"
-                    f" set_config('synchronous_commit', 'off', true) WHERE {absent}; {guarded}",
+                _execute_claim(
+                    cursor,
+                    (plan.sql, texts.lock_if_absent, texts.insert_if_absent),
                     [*ident, *lock_params, *ident, *prep, *ident, *params[len(prep) :]],
                 )
                 existing = cursor.fetchall()
@@ -442,6 +472,96 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyK
             cursor.execute(sql, params)
             found = cursor.fetchone()
     return int(found[0]) if found else None
+
+
+#: Names of the claim's prepared statements (PostgreSQL), in the order they run.
+_CLAIM_STATEMENTS = (
+    "idempotent_orders_claim_read",
+    "idempotent_orders_claim_lock",
+    "idempotent_orders_claim_insert",
+)
+#: Raw connections that hold the claim's prepared statements.
+_prepared_on: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Per database alias: the PREPARE of each claim statement, and the query that executes them.
+_prepared_sql: dict[str, tuple[tuple[str, ...], str]] = {}
+
+
+def _claim_param_types() -> tuple[list[str], ...]:
+    """The SQL types of the parameters of each claim statement, in placeholder order."""
+    scope, key = _field("scope").db_type(connection), _field("key").db_type(connection)
+    principal, moment = (
+        _field("principal").db_type(connection),
+        _field("expires_at").db_type(connection),
+    )
+    values = [_field(c).db_type(connection) for c in _CLAIM_COLUMNS]
+    return [scope, key], ["bigint", scope, key], [*values, scope, key, principal, moment, "bigint"]
+
+
+def _prepared_claim(statements: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """``PREPARE`` texts of ``statements`` and one simple query that ``EXECUTE``s them all."""
+    found = _prepared_sql.get(connection.alias)
+    if found is not None:
+        return found
+    prepares, executes = [], []
+    for name, statement, types in zip(
+        _CLAIM_STATEMENTS, statements, _claim_param_types(), strict=True
+    ):
+        parts = statement.split("%s")
+        assert len(parts) == len(types) + 1, "one placeholder per typed parameter"
+        numbered = parts[0] + "".join(f"${n}{part}" for n, part in enumerate(parts[1:], 1))
+        prepares.append(f"PREPARE {name} ({', '.join(types)}) AS {numbered}")
+        executes.append(f"EXECUTE {name} ({', '.join(['%s'] * len(types))})")
+    found = _prepared_sql[connection.alias] = (tuple(prepares), "; ".join(executes))
+    return found
+
+
+def _execute_claim(cursor: Any, statements: tuple[str, ...], params: list[Any]) -> None:
+    """Run the claim's statements as one simple query, through prepared statements
+    where the connection allows them (parsed and planned once per connection).
+
+    The statements' text is sent instead when the connection does not outlive
+    the request (``CONN_MAX_AGE`` 0, Django's default: preparing would cost a
+    round trip per request), and under ``DISABLE_SERVER_SIDE_CURSORS`` (set for
+    PgBouncer's transaction pooling, whose server connections change under the
+    client). A connection that lost its prepared statements (a pooler's
+    ``DISCARD ALL``) prepares them again; the failed query was rolled back whole.
+    """
+    settings = connection.settings_dict
+    if settings.get("DISABLE_SERVER_SIDE_CURSORS") or settings.get("CONN_MAX_AGE") == 0:
+        cursor.execute("; ".join(statements), params)
+        return
+    prepares, execute = _prepared_claim(statements)
+    raw = connection.connection
+    for attempt in (1, 2):
+        if raw not in _prepared_on:
+            _prepare(cursor, prepares)
+            _prepared_on.add(raw)
+        try:
+            cursor.execute(execute, params)
+            return
+        except DatabaseError as exc:
+            if attempt == 2 or _sqlstate(exc) != "26000":  # no such prepared statement
+                raise
+            _prepared_on.discard(raw)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc.__cause__, "sqlstate", None)
+
+
+def _prepare(cursor: Any, prepares: tuple[str, ...]) -> None:
+    try:
+        cursor.execute("; ".join(prepares))
+    except DatabaseError as exc:
+        if _sqlstate(exc) != "42P05":  # already prepared (by an earlier client of a pooler)
+            raise
+        cursor.execute(
+            "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)",
+            [list(_CLAIM_STATEMENTS)],
+        )
+        for (name,) in cursor.fetchall():
+            cursor.execute(f"DEALLOCATE {name}")
+        cursor.execute("; ".join(prepares))
 
 
 def _insert_portable(fields: dict[str, Any], now: Any) -> int | None:
@@ -493,6 +613,10 @@ def release(held: Claim) -> None:
         mine.delete()
 
 
+#: The stored response's UPDATE, by database alias (its columns are those of ``store``).
+_store_sql: dict[str, str] = {}
+
+
 def store(held: Claim, response: HttpResponseBase) -> bool:
     """Store ``response`` under the key; False when the lease was lost to a takeover."""
     allowed = {h.lower() for h in conf.REPLAY_HEADERS}
@@ -515,15 +639,17 @@ def store(held: Claim, response: HttpResponseBase) -> bool:
     }
     # One UPDATE in SQL of our own: the ORM's query building costs as much as
     # the round trip on this hot path. Fenced by the lease owner and state.
-    qn = connection.ops.quote_name
-    assignments = ", ".join(f"{qn(name)} = %s" for name in values)
+    sql = _store_sql.get(connection.alias)
+    if sql is None:
+        qn = connection.ops.quote_name
+        assignments = ", ".join(f"{qn(name)} = %s" for name in values)
+        sql = _store_sql[connection.alias] = (
+            f"UPDATE {qn(IdempotencyKey._meta.db_table)} SET {assignments} "
+            f"WHERE {qn('id')} = %s AND {qn('lease_owner')} = %s AND {qn('state')} = %s"
+        )
     params = [_field(name).get_db_prep_save(v, connection) for name, v in values.items()]
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {qn(IdempotencyKey._meta.db_table)} SET {assignments} "
-            f"WHERE {qn('id')} = %s AND {qn('lease_owner')} = %s AND {qn('state')} = %s",
-            [*params, held.row.pk, held.owner, KeyState.IN_FLIGHT],
-        )
+        cursor.execute(sql, [*params, held.row.pk, held.owner, KeyState.IN_FLIGHT])
         stored = cursor.rowcount
     if not stored:
         logger.warning(
@@ -562,18 +688,24 @@ class _Beater:
         self.due: dict[int, tuple[Claim, float]] = {}
         self.thread: threading.Thread | None = None
         self.next_id = 0
+        #: When the thread wakes up next on its own (monotonic; inf: when notified).
+        self.wake_at = float("inf")
 
     def add(self, held: Claim) -> int:
         with self.cond:
             self.next_id += 1
             ident = self.next_id
-            self.due[ident] = (held, time.monotonic() + _beat_interval())
+            at = time.monotonic() + _beat_interval()
+            self.due[ident] = (held, at)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="idempotency-heartbeat", daemon=True
                 )
                 self.thread.start()
-            self.cond.notify()
+            elif at < self.wake_at:
+                # Only then: waking the thread for every request would cost each
+                # one a thread switch (an idle thread wakes once per interval).
+                self.cond.notify()
         return ident
 
     def remove(self, ident: int) -> None:
@@ -591,7 +723,10 @@ class _Beater:
                     upcoming = [at for _h, at in self.due.values()]
                     if not upcoming:
                         connection.close()  # this thread's own; reopened when a beat is due
-                    self.cond.wait(min(upcoming) - now if upcoming else None)
+                    # Idle, it still wakes once per interval: a claim added meanwhile is
+                    # due no earlier than that, so adding one need not wake it.
+                    self.wake_at = min(upcoming) if upcoming else now + _beat_interval()
+                    self.cond.wait(self.wake_at - now)
                 for ident, held in ready:
                     self.due[ident] = (held, now + _beat_interval())
             for _ident, held in ready:
