@@ -37,6 +37,12 @@ from django.utils import timezone
 from django_fsm.signals import post_transition
 
 from idempotent_orders import handlers
+
+try:
+    from psycopg import Connection as _Psycopg
+    from psycopg import Cursor as _BindingCursor
+except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
+    _Psycopg = _BindingCursor = None  # type: ignore[assignment,misc]
 from idempotent_orders.engine import Envelope
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome
@@ -221,6 +227,42 @@ def _sql(
     )
 
 
+def fetch_one(sql: str, params: list[Any]) -> Any:
+    """Run ``sql`` on the default connection and return its first row.
+
+    On psycopg 3 the statement goes straight to the driver with server-side
+    binding: the parameters travel apart from the SQL text, so no literal
+    query is composed per message and the driver converts the text to its
+    own placeholders once per statement, not per call. Django's checks and
+    error mapping stay (``ensure_connection``, ``validate_thread_sharing``,
+    ``wrap_database_errors``).
+    Django's cursor runs it whenever something must see the query: execute
+    wrappers, query logging (``DEBUG`` or a test capturing queries), a
+    health check not yet done in this request, or a connection not in
+    autocommit.
+    """
+    connection.ensure_connection()
+    raw = connection.connection
+    unchecked = getattr(connection, "health_check_enabled", False) and not getattr(
+        connection, "health_check_done", False
+    )
+    if (
+        _BindingCursor is None
+        or not isinstance(raw, _Psycopg)
+        or connection.execute_wrappers
+        or connection.queries_logged
+        or not connection.autocommit
+        or unchecked
+    ):
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchone()
+    connection.validate_thread_sharing()
+    with connection.wrap_database_errors, _BindingCursor(raw) as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchone()
+
+
 _statements: dict[tuple[Any, ...], tuple[str, list[Field[Any, Any]], list[Field[Any, Any]]]] = {}
 
 
@@ -297,9 +339,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         f.get_db_prep_save(t[1], connection) for f, t in zip(test_fields, tests, strict=True)
     )
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            row = cursor.fetchone()
+        row = fetch_one(sql, params)
     except DataError:
         # The deliberate division by zero (the tests failed: nothing was written),
         # or a value a column cannot take: the usual path decides and says why.

@@ -13,7 +13,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders import services, statements
+from idempotent_orders import presume, services, statements
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
@@ -187,3 +187,63 @@ def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:
     assert seen == ["pay"]
     assert "BEGIN" in sql  # a receiver may write in the transaction: a real one is opened
     assert not any(s.startswith("WITH claim") for s in sql)
+
+
+class _Recording(presume._BindingCursor):  # type: ignore[misc,name-defined]
+    """The driver's own cursor, recording what it ran."""
+
+    ran: list[str] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        _Recording.ran.append(str(query))
+        return super().execute(query, params, **kwargs)
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    _Recording.ran = []
+    monkeypatch.setattr(presume, "_BindingCursor", _Recording)
+    return _Recording.ran
+
+
+@pytest.mark.parametrize(
+    ("change", "outcome"),
+    [
+        ({}, Outcome.APPLIED),
+        ({"amount": Decimal("99.00")}, Outcome.REJECTED),  # the statement's division by zero
+        ({"status": OrderStatus.PAID}, Outcome.DUPLICATE),
+    ],
+)
+def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
+    make_order, driver: list[str], change: dict[str, Any], outcome: Outcome
+) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads this process's Bloom filter
+    order = make_order()
+    Order.objects.filter(pk=order.pk).update(**change)
+    driver.clear()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is outcome
+    assert len(driver) == 1
+    assert driver[0].startswith("WITH claim AS (INSERT INTO")
+    inbox = ProcessedMessage.objects.get(order_id=order.pk)
+    assert inbox.outcome == outcome
+    row = Order.objects.get(pk=order.pk)
+    assert row.version == (1 if outcome is Outcome.APPLIED else 0)
+    assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+
+
+def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str]) -> None:
+    consume_message(payment(make_order()), consumer="payments")
+    order = make_order()
+    seen: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    driver.clear()
+    with connection.execute_wrapper(wrapper):
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert [s for s in seen if s.startswith("WITH claim AS")]
+    assert driver == []
