@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import DataError, connection
+from django.db import DEFAULT_DB_ALIAS, DataError, connection, connections
 from django.db.models import CharField, Field, Model, TextField
 from django.utils import timezone
 from django_fsm.signals import post_transition
@@ -227,8 +227,8 @@ def _sql(
     )
 
 
-def fetch_one(sql: str, params: list[Any]) -> Any:
-    """Run ``sql`` on the default connection and return its first row.
+def fetch_one(sql: str, params: list[Any], conn: Any = None) -> Any:
+    """Run ``sql`` on ``conn`` (the default database's) and return its first row.
 
     On psycopg 3 the statement goes straight to the driver with server-side
     binding: the parameters travel apart from the SQL text, so no literal
@@ -241,24 +241,25 @@ def fetch_one(sql: str, params: list[Any]) -> Any:
     health check not yet done in this request, or a connection not in
     autocommit.
     """
-    connection.ensure_connection()
-    raw = connection.connection
-    unchecked = getattr(connection, "health_check_enabled", False) and not getattr(
-        connection, "health_check_done", False
+    conn = conn if conn is not None else connections[DEFAULT_DB_ALIAS]
+    conn.ensure_connection()
+    raw = conn.connection
+    unchecked = getattr(conn, "health_check_enabled", False) and not getattr(
+        conn, "health_check_done", False
     )
     if (
         _BindingCursor is None
         or not isinstance(raw, _Psycopg)
-        or connection.execute_wrappers
-        or connection.queries_logged
-        or not connection.autocommit
+        or conn.execute_wrappers
+        or conn.queries_logged
+        or not conn.autocommit
         or unchecked
     ):
-        with connection.cursor() as cursor:
+        with conn.cursor() as cursor:
             cursor.execute(sql, params)
             return cursor.fetchone()
-    connection.validate_thread_sharing()
-    with connection.wrap_database_errors, _BindingCursor(raw) as cursor:
+    conn.validate_thread_sharing()
+    with conn.wrap_database_errors, _BindingCursor(raw) as cursor:
         cursor.execute(sql, params)
         return cursor.fetchone()
 
@@ -282,8 +283,11 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     if shape is None or in_transaction_work(model, shape.target):
         return None
     alias, plan = compiled_read(model, "pk")
-    if plan is None or alias != connection.alias:
+    if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
+    # The wrapper itself, not the ``connection`` proxy: each attribute read
+    # through the proxy costs a context-local lookup.
+    conn = connections[alias]
     guessed = guard(model, envelope.payload)
     if guessed is None:
         return None
@@ -295,7 +299,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     # The order as written is built only for someone to hand it to.
     announced = order_transitioned.has_listeners(model) or post_transition.has_listeners(model)
     key = (
-        connection.alias,
+        alias,
         model,
         tuple(values),
         tuple((t[0], t[2]) for t in tests),
@@ -329,17 +333,14 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     )
     params.append(shape.target)
     params.extend(
-        f.get_db_prep_save(v, connection)
-        for f, v in zip(value_fields, values.values(), strict=True)
+        f.get_db_prep_save(v, conn) for f, v in zip(value_fields, values.values(), strict=True)
     )
     params.extend((envelope.order_id, shape.source))
     if seq is not None:
         params.append(seq - 1)
-    params.extend(
-        f.get_db_prep_save(t[1], connection) for f, t in zip(test_fields, tests, strict=True)
-    )
+    params.extend(f.get_db_prep_save(t[1], conn) for f, t in zip(test_fields, tests, strict=True))
     try:
-        row = fetch_one(sql, params)
+        row = fetch_one(sql, params, conn)
     except DataError:
         # The deliberate division by zero (the tests failed: nothing was written),
         # or a value a column cannot take: the usual path decides and says why.
