@@ -189,7 +189,7 @@ def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:
     assert not any(s.startswith("WITH claim") for s in sql)
 
 
-class _Recording(presume._BindingCursor):  # type: ignore[misc,name-defined]
+class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
     """The driver's own cursor, recording what it ran."""
 
     ran: list[str] = []
@@ -202,7 +202,7 @@ class _Recording(presume._BindingCursor):  # type: ignore[misc,name-defined]
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     _Recording.ran = []
-    monkeypatch.setattr(presume, "_BindingCursor", _Recording)
+    monkeypatch.setattr(presume, "_DriverCursor", _Recording)
     return _Recording.ran
 
 
@@ -223,14 +223,33 @@ def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
     driver.clear()
     msg = payment(order)
     assert consume_message(msg, consumer="payments") is outcome
-    assert len(driver) == 1
-    assert driver[0].startswith("WITH claim AS (INSERT INTO")
+    # Prepared by the first message on this connection: now only executed.
+    assert len(driver) == 1, driver
+    assert driver[0].startswith("EXECUTE idempotent_orders_")
     inbox = ProcessedMessage.objects.get(order_id=order.pk)
     assert inbox.outcome == outcome
     row = Order.objects.get(pk=order.pk)
     assert row.version == (1 if outcome is Outcome.APPLIED else 0)
     assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
     assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+
+
+def test_a_session_that_lost_the_prepared_statement_runs_it_plainly_then_prepares_again(
+    make_order, driver: list[str]
+) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # prepares it
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # as a pooler's reset or DISCARD ALL would
+    first, second = make_order(), make_order()
+    driver.clear()
+    assert consume_message(payment(first), consumer="payments") is Outcome.APPLIED
+    assert [q.split(" ", 1)[0] for q in driver] == ["EXECUTE", "DEALLOCATE", "WITH"]
+    driver.clear()
+    assert consume_message(payment(second), consumer="payments") is Outcome.APPLIED
+    assert [q.split(" ", 1)[0] for q in driver] == ["PREPARE", "EXECUTE"]
+    for order in (first, second):
+        assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
+        assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
 
 
 def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str]) -> None:
