@@ -8,7 +8,8 @@ column tests hold on the order (state, ``has_parked``, ``last_seq``, and the
 validator's comparisons with the order, such as the amount and currency of a
 payment). Those tests go into the claim-and-apply statement's WHERE clause
 instead of a version read beforehand, so the message costs one statement,
-committed on its own:
+committed on its own (prepared once per database session, see
+:func:`fetch_one`):
 
 ``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
 moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
@@ -234,15 +235,15 @@ def _sql(
 def fetch_one(sql: str, params: list[Any], conn: Any = None) -> Any:
     """Run ``sql`` on ``conn`` (the default database's) and return its first row.
 
-    On psycopg 3 the statement goes straight to the driver, as a prepared
-    statement (see :func:`_run_prepared`) with server-side binding: no
-    literal query composed per message, and the server neither parses nor
-    plans it again. Django's checks and error mapping stay
+    On psycopg 3 the statement goes straight to the driver as a prepared
+    statement of the session (see :func:`_run_prepared`): the server neither
+    parses nor plans it again, which is most of its own work on this
+    statement. Django's checks and error mapping stay
     (``ensure_connection``, ``validate_thread_sharing``,
-    ``wrap_database_errors``). Django's cursor runs it whenever something
-    must see the query: execute wrappers, query logging (``DEBUG`` or a test
-    capturing queries), a health check not yet done in this request, or a
-    connection not in autocommit.
+    ``wrap_database_errors``). Django's cursor runs it, unprepared, whenever
+    something must see the query: execute wrappers, query logging (``DEBUG``
+    or a test capturing queries), a health check not yet done in this
+    request, or a connection not in autocommit.
     """
     conn = conn if conn is not None else connections[DEFAULT_DB_ALIAS]
     conn.ensure_connection()
