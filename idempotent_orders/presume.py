@@ -277,7 +277,7 @@ class _Prepared:
 _prepared_forms: dict[str, _Prepared | None] = {}
 #: Per psycopg connection: the ``EXECUTE`` text of each statement prepared on it,
 #: and how many times one went missing there.
-_prepared_on: weakref.WeakKeyDictionary[Any, tuple[dict[str, str], list[int]]] = (
+_prepared_on: weakref.WeakKeyDictionary[Any, tuple[dict[str, str], list[int], set[str]]] = (
     weakref.WeakKeyDictionary()
 )
 #: A connection whose prepared statements went missing this often stops preparing
@@ -316,7 +316,7 @@ def _prepare(cursor: Any, form: _Prepared) -> str:
 
 
 def _run_prepared(raw: Any, cursor: Any, sql: str, params: list[Any]) -> Any:
-    """Run ``sql`` as a prepared statement of ``raw``'s session (prepared on first use).
+    """Run ``sql`` as a prepared statement of ``raw``'s session (prepared on its second use).
 
     The statement is named after a hash of its text, so a name can only ever
     stand for this text, on any server session (a pooler's included). A
@@ -329,9 +329,14 @@ def _run_prepared(raw: Any, cursor: Any, sql: str, params: list[Any]) -> Any:
     form = _prepared_form(sql)
     state = _prepared_on.get(raw)
     if state is None:
-        state = _prepared_on[raw] = ({}, [0])
-    executes, misses = state
-    if form is None or misses[0] >= _MAX_MISSES:
+        state = _prepared_on[raw] = ({}, [0], set())
+    executes, misses, used = state
+    if form is None or misses[0] >= _MAX_MISSES or form.name not in used:
+        # The first use on a connection runs plainly: a connection that serves
+        # one message (CONN_MAX_AGE=0, closed after each task) never pays the
+        # PREPARE round trip.
+        if form is not None:
+            used.add(form.name)
         cursor.execute(sql, params)
         return cursor.fetchone()
     try:

@@ -218,6 +218,7 @@ def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
     make_order, driver: list[str], change: dict[str, Any], outcome: Outcome
 ) -> None:
     consume_message(payment(make_order()), consumer="payments")  # loads this process's Bloom filter
+    consume_message(payment(make_order()), consumer="payments")  # prepares the statement
     order = make_order()
     Order.objects.filter(pk=order.pk).update(**change)
     driver.clear()
@@ -237,7 +238,8 @@ def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
 def test_a_session_that_lost_the_prepared_statement_runs_it_plainly_then_prepares_again(
     make_order, driver: list[str]
 ) -> None:
-    consume_message(payment(make_order()), consumer="payments")  # prepares it
+    for _ in range(2):  # the second use on this connection prepares it
+        consume_message(payment(make_order()), consumer="payments")
     with connection.cursor() as cursor:
         cursor.execute("DEALLOCATE ALL")  # as a pooler's reset or DISCARD ALL would
     first, second = make_order(), make_order()
@@ -250,6 +252,15 @@ def test_a_session_that_lost_the_prepared_statement_runs_it_plainly_then_prepare
     for order in (first, second):
         assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
         assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+
+
+def test_a_connection_serving_one_message_never_prepares(make_order, driver: list[str]) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    for _ in range(2):
+        connection.close()  # as after each task with CONN_MAX_AGE=0
+        driver.clear()
+        assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+        assert [q.split(" ", 1)[0] for q in driver] == ["WITH"]
 
 
 def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str]) -> None:
