@@ -1,15 +1,21 @@
-"""Signals sent by idempotent_orders. All are sent after the transaction commits."""
+"""Signals sent by idempotent_orders. All are sent after the transaction commits.
+
+The ones sent for every message (``order_transitioned``, ``message_consumed``,
+``dedup_answered``) cache their receivers per sender (Django's ``use_caching``;
+connecting or disconnecting a receiver clears the cache), so a send does not
+walk every receiver each time. Their senders are classes.
+"""
 
 from django.dispatch import Signal
 
 #: Sent by apply_transition() after a transition commits.
 #: Arguments: ``order``, ``transition`` (method name), ``source``, ``target``, ``version``.
-order_transitioned = Signal()
+order_transitioned = Signal(use_caching=True)
 
 #: Sent by consume_message() for every message it decides, after commit.
 #: Arguments: ``consumer``, ``message_id``, ``message_type``, ``order_id`` (or None),
 #: ``outcome`` (an Outcome), ``reason`` (str, empty unless parked/rejected/stale).
-message_consumed = Signal()
+message_consumed = Signal(use_caching=True)
 
 #: Sent when a parked message is released and decided again.
 #: Arguments: ``consumer``, ``message_id``, ``order_id``, ``outcome``.
@@ -31,7 +37,7 @@ message_dead = Signal()
 #: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
 #: redis-hit, redis-miss, redis-down, disabled, database-conflict), ``consumer``, ``message_id``.
 #: Sent synchronously in the consuming process (lookups happen before any transaction).
-dedup_answered = Signal()
+dedup_answered = Signal(use_caching=True)
 
 #: Sent once per parked message that waited longer than ``PARKED_TIMEOUT`` and
 #: was marked overdue. Arguments: ``parked`` (the ParkedMessage), ``waited`` (seconds).

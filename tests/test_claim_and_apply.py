@@ -13,7 +13,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders import services, statements
+from idempotent_orders import presume, services, statements
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
@@ -187,3 +187,93 @@ def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:
     assert seen == ["pay"]
     assert "BEGIN" in sql  # a receiver may write in the transaction: a real one is opened
     assert not any(s.startswith("WITH claim") for s in sql)
+
+
+class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
+    """The driver's own cursor, recording what it ran."""
+
+    ran: list[str] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        _Recording.ran.append(str(query))
+        return super().execute(query, params, **kwargs)
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    _Recording.ran = []
+    monkeypatch.setattr(presume, "_DriverCursor", _Recording)
+    return _Recording.ran
+
+
+@pytest.mark.parametrize(
+    ("change", "outcome"),
+    [
+        ({}, Outcome.APPLIED),
+        ({"amount": Decimal("99.00")}, Outcome.REJECTED),  # the statement's division by zero
+        ({"status": OrderStatus.PAID}, Outcome.DUPLICATE),
+    ],
+)
+def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
+    make_order, driver: list[str], change: dict[str, Any], outcome: Outcome
+) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads this process's Bloom filter
+    consume_message(payment(make_order()), consumer="payments")  # prepares the statement
+    order = make_order()
+    Order.objects.filter(pk=order.pk).update(**change)
+    driver.clear()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is outcome
+    # Prepared by the first message on this connection: now only executed.
+    assert len(driver) == 1, driver
+    assert driver[0].startswith("EXECUTE idempotent_orders_")
+    inbox = ProcessedMessage.objects.get(order_id=order.pk)
+    assert inbox.outcome == outcome
+    row = Order.objects.get(pk=order.pk)
+    assert row.version == (1 if outcome is Outcome.APPLIED else 0)
+    assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+
+
+def test_a_session_that_lost_the_prepared_statement_runs_it_plainly_then_prepares_again(
+    make_order, driver: list[str]
+) -> None:
+    for _ in range(2):  # the second use on this connection prepares it
+        consume_message(payment(make_order()), consumer="payments")
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # as a pooler's reset or DISCARD ALL would
+    first, second = make_order(), make_order()
+    driver.clear()
+    assert consume_message(payment(first), consumer="payments") is Outcome.APPLIED
+    assert [q.split(" ", 1)[0] for q in driver] == ["EXECUTE", "DEALLOCATE", "WITH"]
+    driver.clear()
+    assert consume_message(payment(second), consumer="payments") is Outcome.APPLIED
+    assert [q.split(" ", 1)[0] for q in driver] == ["PREPARE", "EXECUTE"]
+    for order in (first, second):
+        assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
+        assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+
+
+def test_a_connection_serving_one_message_never_prepares(make_order, driver: list[str]) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    for _ in range(2):
+        connection.close()  # as after each task with CONN_MAX_AGE=0
+        driver.clear()
+        assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+        assert [q.split(" ", 1)[0] for q in driver] == ["WITH"]
+
+
+def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str]) -> None:
+    consume_message(payment(make_order()), consumer="payments")
+    order = make_order()
+    seen: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    driver.clear()
+    with connection.execute_wrapper(wrapper):
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert [s for s in seen if s.startswith("WITH claim AS")]
+    assert driver == []

@@ -207,3 +207,41 @@ def test_internal_type_is_rejected_on_other_consumers(make_order) -> None:
     assert consume_message(msg, consumer="payments") is Outcome.REJECTED
     assert "not accepted" in ProcessedMessage.objects.get(message_id="sneaky").error
     assert status(order) == (S.PAID, 1, 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_receivers_connected_or_disconnected_between_messages_are_honoured(make_order) -> None:
+    # The per-message signals cache their receivers; connecting and disconnecting
+    # must still take effect at the next message (a sender-specific one included).
+    from idempotent_orders.dedup import Layer
+    from idempotent_orders.signals import dedup_answered
+
+    first, second = make_order(), make_order()
+    heard: list[tuple[str, Any]] = []
+
+    def on_consumed(sender: Any, message_id: str, **kwargs: Any) -> None:
+        heard.append(("consumed", message_id))
+
+    def on_moved(sender: Any, order: Any, **kwargs: Any) -> None:
+        heard.append(("moved", order.pk))
+
+    def on_layer(sender: Any, layer: Any, **kwargs: Any) -> None:
+        heard.append(("layer", layer))
+
+    assert consume_message(payment(first), consumer="payments") is Outcome.APPLIED
+    message_consumed.connect(on_consumed)
+    order_transitioned.connect(on_moved, sender=Order)
+    dedup_answered.connect(on_layer, sender=Layer)
+    msg = payment(second)
+    try:
+        assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    finally:
+        message_consumed.disconnect(on_consumed)
+        order_transitioned.disconnect(on_moved, sender=Order)
+        dedup_answered.disconnect(on_layer, sender=Layer)
+    assert ("consumed", msg["message_id"]) in heard
+    assert ("moved", second.pk) in heard
+    assert [h for h in heard if h[0] == "layer"]
+    heard.clear()
+    assert consume_message(shipment(second), consumer="shipping") is Outcome.APPLIED
+    assert heard == []

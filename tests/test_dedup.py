@@ -164,6 +164,36 @@ def test_fast_path_keys_are_sent_without_waiting_and_replies_stay_in_step(redis_
     assert 600 < redis_server.ttl(redis_server.keys("*processed:payments:m-7")[0]) <= 660
 
 
+def test_fast_path_keys_and_lookups_use_the_threads_own_connection(redis_server) -> None:
+    from redis import ConnectionPool
+
+    dedup.reset()
+    dedup.remember("payments", "warm")  # probes CLIENT REPLY SKIP through the pool once
+    with mock.patch.object(
+        ConnectionPool, "get_connection", side_effect=AssertionError("pool checkout")
+    ):
+        for n in range(20):
+            dedup.remember("payments", f"own-{n}")
+        assert all(dedup.redis.contains("payments", f"own-{n}") for n in range(20))
+        assert not dedup.redis.contains("payments", "never")
+    assert redis_server.keys("*processed:payments:own-19")
+
+
+def test_a_redis_restart_costs_the_fast_path_at_most_one_key(redis_server) -> None:
+    dedup.reset()
+    dedup.remember("payments", "before")
+    assert dedup.redis.contains("payments", "before")
+    redis_server.stop()
+    redis_server.start()  # same port, empty: the thread's connection is dead
+    for n in range(3):
+        dedup.remember("payments", f"after-{n}")
+    # The first write may vanish into the closed connection; the next one notices
+    # and goes out on a new connection, without marking Redis down.
+    assert dedup.redis.contains("payments", "after-2")
+    assert dedup.redis._down_until == 0.0
+    assert not dedup.redis.contains("payments", "before")
+
+
 def test_a_batch_of_keys_goes_in_one_send_and_replies_stay_in_step(redis_server) -> None:
     from django.core.cache import caches
 

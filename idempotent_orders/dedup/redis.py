@@ -3,21 +3,25 @@
 The write is sent without waiting for Redis's reply (``CLIENT REPLY SKIP``)
 where the cache is django-redis's default client and the server takes that
 command: the key is advisory, so a write that never lands only sends the next
-copy of the message to the database, and nobody needs to wait for it. The same
-pooled connection then serves the next command in order, so this process's own
-lookups see the key. A server that refuses ``CLIENT REPLY`` gets the usual
-``SET`` and its reply.
+copy of the message to the database, and nobody needs to wait for it. Each
+thread then keeps one connection of its own to that server for these keys,
+opened with the pool's settings (no pool checkout per message, and the
+commands are packed by hand): writes and lookups go over it in order, so
+this thread's own lookups see the key. A server that refuses ``CLIENT REPLY``
+gets the usual ``SET`` and its reply, through the cache.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
 from typing import Any
 
 from django.core.cache import caches
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from idempotent_orders.conf import conf
 
@@ -28,10 +32,6 @@ logger = logging.getLogger("idempotent_orders")
 
 class RedisUnavailable(Exception):
     """The cache did not answer; the caller goes to the database instead."""
-
-
-#: ``CLIENT REPLY SKIP`` and the head of a five-part ``SET``, in the Redis protocol.
-_SKIP_SET = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$4\r\nSKIP\r\n*5\r\n$3\r\nSET\r\n"
 
 
 def _key(consumer: str, message_id: str) -> str:
@@ -50,6 +50,8 @@ class RedisLayer:
         self._lock = threading.Lock()
         #: Whether each connection pool's server takes ``CLIENT REPLY SKIP`` (probed once).
         self._no_reply: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        #: This thread's own connection: ``(pool, connection, pid)``.
+        self._own = threading.local()
 
     @property
     def enabled(self) -> bool:
@@ -72,14 +74,21 @@ class RedisLayer:
     def contains(self, consumer: str, message_id: str) -> bool:
         """True when the key exists; raises :class:`RedisUnavailable` when Redis is down."""
         cache = self._cache()
-        return bool(self._call("get", cache.get, _key(consumer, message_id)))
+        key = _key(consumer, message_id)
+        if self._direct(cache) is None:
+            return bool(self._call("get", cache.get, key))
+        return bool(self._call("get", self._get, cache, key))
 
     def contains_many(self, consumer: str, message_ids: list[str]) -> set[str]:
         """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`."""
         cache = self._cache()
         keys = {_key(consumer, m): m for m in message_ids}
-        found = self._call("get", cache.get_many, list(keys))
-        return {keys[key] for key, value in found.items() if value}
+        if self._direct(cache) is None:
+            found = self._call("get", cache.get_many, list(keys))
+            return {keys[key] for key, value in found.items() if value}
+        # On this thread's own connection, after its own writes: it sees them.
+        values = self._call("get", self._get_many, cache, list(keys))
+        return {keys[key] for key, value in zip(keys, values, strict=True) if value is not None}
 
     def add(self, consumer: str, message_id: str) -> None:
         """Set the key; only call after the message's transaction committed."""
@@ -98,30 +107,85 @@ class RedisLayer:
         self._set_many(cache, [key], ttl)
 
     def _set_many(self, cache: Any, keys: list[str], ttl: int) -> None:
-        pool = self._pool(cache)
-        if pool is None or not self._takes_no_reply(pool):
+        pool = self._direct(cache)
+        if pool is None:
             if len(keys) == 1:
                 cache.set(keys[0], 1, timeout=ttl)
             else:
                 cache.set_many(dict.fromkeys(keys, 1), timeout=ttl)
             return
-        # CLIENT REPLY SKIP, SET <key> 1 EX <ttl> per key, written out in the
-        # protocol directly (redis-py packs argument by argument). The value as
-        # django-redis stores an int (unserialised), so cache.get reads 1.
-        seconds = str(int(ttl)).encode()
-        tail = b"\r\n$1\r\n1\r\n$2\r\nEX\r\n$%d\r\n%b\r\n" % (len(seconds), seconds)
-        parts: list[bytes] = []
-        for key in keys:
-            name = str(cache.client.make_key(key)).encode()
-            parts.append(_SKIP_SET + b"$%d\r\n%b%b" % (len(name), name, tail))
-        connection = pool.get_connection()
-        try:
-            connection.send_packed_command([b"".join(parts)])
-        except BaseException:
-            connection.disconnect()  # nothing half-sent stays on a pooled connection
-            raise
-        finally:
-            pool.release(connection)
+        # The value as django-redis stores an int (unserialised), so cache.get reads 1.
+        connection = self._connection(pool)
+        encode = connection.encoder.encode
+        expiry = b"%d" % int(ttl)
+        packed = b"".join(
+            _SKIP + _pack(b"SET", encode(cache.client.make_key(key)), b"1", b"EX", expiry)
+            for key in keys
+        )
+        self._send(pool, packed, read=False)
+
+    def _get(self, cache: Any, key: str) -> bool:
+        pool = self._direct(cache)
+        connection = self._connection(pool)
+        packed = _pack(b"GET", connection.encoder.encode(cache.client.make_key(key)))
+        return self._send(pool, packed, read=True) is not None
+
+    def _get_many(self, cache: Any, keys: list[str]) -> list[Any]:
+        pool = self._direct(cache)
+        connection = self._connection(pool)
+        encode = connection.encoder.encode
+        packed = _pack(b"MGET", *(encode(cache.client.make_key(key)) for key in keys))
+        return list(self._send(pool, packed, read=True))
+
+    def _send(self, pool: Any, packed: bytes, *, read: bool) -> Any:
+        """Send ``packed`` on this thread's connection (and read one reply when ``read``).
+
+        A connection the server closed since its last use (a Redis restart, an
+        idle timeout) fails on use: it is dropped and the command sent once
+        more on a new one. Any failure drops the connection, so nothing
+        half-sent or unread stays on it.
+        """
+        for attempt in (1, 2):
+            connection = self._connection(pool)
+            try:
+                connection.send_packed_command([packed], check_health=False)
+                return connection.read_response() if read else None
+            except (ConnectionError, OSError, RedisConnectionError):
+                self._drop()
+                if attempt == 2:
+                    raise
+            except BaseException:
+                self._drop()
+                raise
+        return None  # pragma: no cover - the loop returns or raises
+
+    def _direct(self, cache: Any) -> Any:
+        """The pool whose server this thread may talk to directly; None: go through the cache."""
+        pool = self._pool(cache)
+        if pool is None or not self._takes_no_reply(pool):
+            return None
+        return pool
+
+    def _connection(self, pool: Any) -> Any:
+        """This thread's own connection to ``pool``'s server, opened with the pool's settings.
+
+        Kept per thread (a connection serves one command stream at a time) and
+        per process (a forked child opens its own).
+        """
+        own = self._own
+        current = getattr(own, "current", None)
+        pid = os.getpid()
+        if current is not None and current[0] is pool and current[2] == pid:
+            return current[1]
+        connection = pool.connection_class(**pool.connection_kwargs)
+        own.current = (pool, connection, pid)
+        return connection
+
+    def _drop(self) -> None:
+        current = getattr(self._own, "current", None)
+        self._own.current = None
+        if current is not None and current[2] == os.getpid():
+            current[1].disconnect()
 
     @staticmethod
     def _pool(cache: Any) -> Any:
@@ -170,3 +234,12 @@ class RedisLayer:
     def reset(self) -> None:
         self._down_until = 0.0
         self._no_reply.clear()
+        self._drop()
+
+
+def _pack(*parts: bytes) -> bytes:
+    """One Redis command in the protocol's wire form."""
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+_SKIP = _pack(b"CLIENT", b"REPLY", b"SKIP")
