@@ -10,7 +10,7 @@ import pytest
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
 from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
-from tests.support.services import ROOT
+from tests.support.services import ROOT, wait_until
 
 pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
 
@@ -65,6 +65,9 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
                 page.locator("#order").wait_for(timeout=30_000)
                 landed = page.url
                 heading = page.text_content("#order")
+                # Under load the first response can land before the second submit is
+                # answered: let the server finish with both before the browser closes.
+                wait_until(lambda: len(outcomes) >= 2, timeout=30)
             finally:
                 browser.close()
     finally:
