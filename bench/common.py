@@ -168,3 +168,21 @@ def _wrap(text: str, width: int = 26) -> str:
     import textwrap
 
     return "\n".join(textwrap.wrap(text, width)) or text
+
+
+def kill_at_marker(relay: Any, marker: Path, what: str, timeout: float = 120) -> float:
+    """SIGKILL the process group of ``relay`` once it wrote ``marker``; the kill's moment.
+
+    The crash sections' relays write the marker when they stall after the
+    publishes they were told to make.
+    """
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and relay.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), f"{what} did not reach its publishes"
+    os.killpg(relay.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    relay.wait(30)
+    return killed

@@ -36,7 +36,7 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
-from bench.common import RUNS, Row, fmt, median, na, setup
+from bench.common import RUNS, Row, fmt, kill_at_marker, median, na, setup
 
 PRODUCER_TXNS = int(os.environ.get("BENCH_OUTBOX_TXNS", "300"))
 RELAY_ROWS = int(os.environ.get("BENCH_OUTBOX_ROWS", "3000"))
@@ -347,13 +347,7 @@ def _crash(kind: str, url: str, queue: str) -> dict[str, float]:
             cwd=ROOT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 120
-        while not marker.exists() and relay.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert marker.exists(), f"the {kind} relay did not reach {CRASH_AFTER} publishes"
-        os.killpg(relay.pid, 9)
-        killed = time.monotonic()
-        relay.wait(30)
+        killed = kill_at_marker(relay, marker, f"the {kind} relay")
         published = set(log.read_text().split())
     # The rows the dead relay published but had not marked: held until a new relay may take them.
     if kind == "ours":

@@ -108,7 +108,7 @@ def _crash(rows: int, after: int, queue: str) -> dict[str, Any]:
     from reliable_outbox.models import OutboxMessage
     from reliable_outbox.worker import Worker
 
-    from bench.common import ROOT
+    from bench.common import ROOT, kill_at_marker
     from bench.outbox import _drain_all
     from demo_project.models import LoyaltyAccount
 
@@ -136,13 +136,7 @@ def _crash(rows: int, after: int, queue: str) -> dict[str, Any]:
             start_new_session=True,
             stdout=sys.stderr,
         )
-        deadline = time.monotonic() + 120
-        while not marker.exists() and relay.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert marker.exists(), f"its worker did not reach {after} publishes"
-        os.killpg(relay.pid, 9)
-        killed = time.monotonic()
-        relay.wait(30)
+        killed = kill_at_marker(relay, marker, "its worker")
         published = set(log.read_text().split())
     worker = Worker(batch_size=100, lease_seconds=CRASH_LEASE_S, notify=False)
     waiting = OutboxMessage.objects.filter(message_id__in=published, status="pending")
