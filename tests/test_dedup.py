@@ -227,6 +227,16 @@ def test_bloom_refresh_puts_rows_into_their_buckets(clock) -> None:
 
 
 @pytest.mark.django_db
+def test_bloom_refresh_adds_rows_in_chunks_without_losing_any(clock) -> None:
+    for i in range(7):
+        _committed_late(f"m-{i}", clock.at - timedelta(seconds=i))
+    bloom = BloomLayer()
+    with mock.patch("idempotent_orders.dedup.bloom._CHUNK", 3):
+        assert bloom.rebuild() == 7
+    assert all(bloom.might_contain("payments", f"m-{i}") for i in range(7))
+
+
+@pytest.mark.django_db
 def test_a_bloom_positive_alone_never_drops_a_message(make_order, layers) -> None:
     order = make_order()
     msg = payment(order)
