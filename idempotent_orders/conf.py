@@ -67,8 +67,9 @@ DEFAULTS: dict[str, Any] = {
     "DEDUP_BLOOM_CAPACITY": 1_000_000,
     "DEDUP_BLOOM_ERROR_RATE": 0.001,
     "DEDUP_BLOOM_BUCKET_SECONDS": 3600,
-    # Read ids other processes recorded at most this often (seconds), overlapping
-    # the previous read by OVERLAP seconds for rows that committed late.
+    # Read ids other processes recorded at most this often (seconds), each read going
+    # back one interval before the previous one; once per OVERLAP seconds a read goes
+    # back OVERLAP seconds before the previous such read, for rows that committed late.
     "DEDUP_BLOOM_REFRESH": 5,
     "DEDUP_BLOOM_REFRESH_OVERLAP": 30,
     # Counters are kept per process and added to a Redis hash at most this often.

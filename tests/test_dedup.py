@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from unittest import mock
 
@@ -120,6 +120,120 @@ def test_bloom_rebuilds_from_the_inbox_window(make_order) -> None:
         assert bloom.rebuild() == 1
     assert bloom.might_contain("payments", "recent")
     assert not bloom.might_contain("payments", "ancient")
+
+
+class _Clock:
+    """Stands in for the ``time`` and ``timezone`` modules inside the Bloom layer."""
+
+    def __init__(self, start: datetime) -> None:
+        self.at = start
+
+    def now(self) -> datetime:
+        return self.at
+
+    def time(self) -> float:
+        return self.at.timestamp()
+
+    def monotonic(self) -> float:
+        return self.at.timestamp()
+
+
+@pytest.fixture
+def clock() -> Iterator[_Clock]:
+    clock = _Clock(timezone.now())
+    with (
+        mock.patch("idempotent_orders.dedup.bloom.time", clock),
+        mock.patch("idempotent_orders.dedup.bloom.timezone", clock),
+    ):
+        yield clock
+
+
+def _committed_late(message_id: str, created_at: datetime) -> None:
+    """An inbox row whose transaction commits after its ``created_at``."""
+    ProcessedMessage.objects.create(
+        consumer="payments", message_id=message_id, created_at=created_at
+    )
+
+
+@pytest.mark.django_db
+def test_bloom_refresh_reads_the_overlap_once_per_overlap_period(clock) -> None:
+    bloom = BloomLayer()
+    with settings_with(DEDUP_BLOOM_REFRESH=5, DEDUP_BLOOM_REFRESH_OVERLAP=30):
+        bloom.rebuild()
+        read_at = clock.at
+        # Committed now, 8 s after its created_at: later than one refresh interval.
+        _committed_late("late", read_at - timedelta(seconds=8))
+        _committed_late("prompt", read_at - timedelta(seconds=2))
+        clock.at = read_at + timedelta(seconds=5)
+        assert bloom.refresh() == 1  # only the last interval and a margin of one more
+        assert bloom.might_contain("payments", "prompt")
+        assert not bloom.might_contain("payments", "late")
+        for _ in range(4):
+            clock.at += timedelta(seconds=5)
+            assert bloom.refresh() == 0
+        assert not bloom.might_contain("payments", "late")
+        clock.at = read_at + timedelta(seconds=30)
+        # The overlap read goes back the overlap before the previous one began,
+        # not before its own start (which would be 22 s after "late").
+        assert bloom.refresh() == 2
+        assert bloom.might_contain("payments", "late")
+        clock.at += timedelta(seconds=5)
+        assert bloom.refresh() == 0
+
+
+@pytest.mark.django_db
+def test_bloom_refresh_loses_no_row_committed_within_the_overlap(clock) -> None:
+    bloom = BloomLayer()
+    clock.at -= timedelta(seconds=240)
+    expected: list[str] = []
+    with settings_with(DEDUP_BLOOM_REFRESH=5, DEDUP_BLOOM_REFRESH_OVERLAP=30):
+        bloom.rebuild()
+        for step in range(40):
+            # Irregular gaps between refreshes, as lookups come.
+            clock.at += timedelta(seconds=(5, 11, 6, 17)[step % 4])
+            for delay in (0, 1, 4, 5, 6, 10, 17, 29, 30):
+                message_id = f"s{step}-d{delay}"
+                _committed_late(message_id, clock.at - timedelta(seconds=delay))
+                expected.append(message_id)
+            bloom.refresh()
+            clock.at += timedelta(seconds=1)
+            bloom.refresh()  # too soon: reads nothing
+        for _ in range(8):  # one more overlap period without new rows
+            clock.at += timedelta(seconds=5)
+            bloom.refresh()
+    missing = [m for m in expected if not bloom.might_contain("payments", m)]
+    assert missing == []
+
+
+@pytest.mark.django_db
+def test_bloom_refresh_puts_rows_into_their_buckets(clock) -> None:
+    bloom = BloomLayer()
+    now = clock.at
+    with settings_with(DEDUP_WINDOW=60, DEDUP_BLOOM_BUCKET_SECONDS=10):
+        _committed_late("gone", now - timedelta(seconds=90))
+        _committed_late("older", now - timedelta(seconds=25))
+        _committed_late("recent", now - timedelta(seconds=12))
+        _committed_late("now", now)
+        _committed_late("ahead", now + timedelta(seconds=3600))  # a skewed clock
+        assert bloom.rebuild() == 4
+        assert not bloom.might_contain("payments", "gone")
+        for message_id in ("older", "recent", "now", "ahead"):
+            assert bloom.might_contain("payments", message_id)
+        assert bloom.bucket_count() == 3
+        # 50 s later the bucket of "older" has left the window; the current one has not.
+        clock.at = now + timedelta(seconds=50)
+        assert not bloom.might_contain("payments", "older")
+        assert bloom.might_contain("payments", "ahead")
+
+
+@pytest.mark.django_db
+def test_bloom_refresh_adds_rows_in_chunks_without_losing_any(clock) -> None:
+    for i in range(7):
+        _committed_late(f"m-{i}", clock.at - timedelta(seconds=i))
+    bloom = BloomLayer()
+    with mock.patch("idempotent_orders.dedup.bloom._CHUNK", 3):
+        assert bloom.rebuild() == 7
+    assert all(bloom.might_contain("payments", f"m-{i}") for i in range(7))
 
 
 @pytest.mark.django_db
