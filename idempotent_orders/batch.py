@@ -68,14 +68,14 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.services import consume_message, park, release_parked
-from idempotent_orders.signals import message_released, order_transitioned
+from idempotent_orders.signals import message_released
 from idempotent_orders.statements import _names as _inbox_names
 from idempotent_orders.statements import _on_conflict, inbox_template, insert_inbox_values
 from idempotent_orders.transitions import (
     TransitionResult,
     advance,
-    in_transaction_work,
     state_field,
+    transition_heard,
     transition_starting,
     transition_written,
     written_values,
@@ -570,15 +570,13 @@ def _decide_and_write(
     _record_released(released)
     _record_outcomes(claimed)
     # Nothing to announce when nobody listens and no follow-up wants the target
-    # (the single path skips the same work; see presume.py).
-    announced: dict[str, bool] = {}
+    # (the same rule as the single path's, see presume.py).
+    heard: dict[str, bool] = {}
     for order, name, result in transitions:
         target = result.target
-        if target not in announced:
-            announced[target] = in_transaction_work(
-                model, target
-            ) or order_transitioned.has_listeners(model)
-        if announced[target]:
+        if target not in heard:
+            heard[target] = transition_heard(model, target)
+        if heard[target]:
             transition_written(order, name, result)
 
 

@@ -38,7 +38,6 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DataError, connection, connections
 from django.db.models import CharField, Field, Model, TextField
 from django.utils import timezone
-from django_fsm.signals import post_transition
 
 from idempotent_orders import handlers
 
@@ -51,7 +50,6 @@ except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
 from idempotent_orders.engine import Envelope
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome
-from idempotent_orders.signals import order_transitioned
 from idempotent_orders.statements import build, compiled_read, inbox_template
 from idempotent_orders.transitions import (
     TransitionResult,
@@ -60,6 +58,7 @@ from idempotent_orders.transitions import (
     has_transition,
     in_transaction_work,
     state_field,
+    transition_heard,
     transition_written,
     written_values,
 )
@@ -387,7 +386,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     meta = model._meta
     template = inbox_template()
     # The order as written is built only for someone to hand it to.
-    announced = order_transitioned.has_listeners(model) or post_transition.has_listeners(model)
+    announced = transition_heard(model, shape.target)
     key = (
         alias,
         model,

@@ -266,6 +266,15 @@ def in_transaction_work(model: type[Model], target: str) -> bool:
     )
 
 
+def transition_heard(model: type[Model], target: str) -> bool:
+    """Whether announcing a transition into ``target`` reaches anyone: work inside
+    its transaction (:func:`in_transaction_work`) or a receiver of
+    :data:`~idempotent_orders.signals.order_transitioned`. The consuming paths
+    skip :func:`transition_written` (and building what it is handed) otherwise.
+    """
+    return in_transaction_work(model, target) or order_transitioned.has_listeners(model)
+
+
 def transition_written(instance: Model, name: str, result: TransitionResult) -> None:
     """Announce a transition whose UPDATE succeeded: fsm-2's ``post_transition`` and the
     follow-ups now, in the transaction (they may write in it), and
