@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Permission
 from django.core.checks import run_checks
 from django.core.management import CommandError, call_command
 from django.db import OperationalError, connection, transaction
@@ -25,7 +23,7 @@ from idempotent_orders.exceptions import MessageDead, PermanentFailure
 from idempotent_orders.idempotent import idempotent, inbox_stats, requeue_inbox
 from idempotent_orders.models import AuditEntry, InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import message_dead
-from tests.support.admin import shown
+from tests.support.admin import requeue_refused_to_a_viewer, shown
 from tests.support.metrics import sample
 from tests.support.services import wait_until
 
@@ -302,18 +300,7 @@ def test_admin_requeue_confirms_then_requeues_and_audits(staff: Client) -> None:
 @pytest.mark.django_db
 def test_admin_requeue_needs_the_change_permission() -> None:
     dead = _dead()
-    user = get_user_model().objects.create_user("clerk", password="pw", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="view_processedmessage"))
-    client = Client()
-    client.force_login(user)
-    page = client.get(changelist())
-    assert page.status_code == 200
-    form = page.context["action_form"]
-    choices = dict(form.fields["action"].choices) if form is not None else {}
-    assert "requeue_dead" not in choices
-    client.post(
-        changelist(), {"action": "requeue_dead", "_selected_action": [dead.pk], "post": "yes"}
-    )
+    requeue_refused_to_a_viewer("view_processedmessage", changelist(), dead.pk)
     assert ProcessedMessage.objects.get(pk=dead.pk).status == InboxStatus.DEAD
     assert not AuditEntry.objects.exists()
 

@@ -8,8 +8,6 @@ from io import StringIO
 from typing import Any
 
 import pytest
-from django.contrib.auth import get_user_model
-from django.contrib.auth.models import Permission
 from django.core.checks import run_checks
 from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
@@ -26,7 +24,7 @@ from idempotent_orders.outbox import (
     requeue_outbox,
 )
 from idempotent_orders.signals import outbox_dead
-from tests.support.admin import shown
+from tests.support.admin import requeue_refused_to_a_viewer, shown
 from tests.support.metrics import sample
 
 pytestmark = pytest.mark.django_db
@@ -191,18 +189,7 @@ def test_admin_requeue_confirms_then_requeues_and_audits(staff: Client) -> None:
 
 def test_admin_requeue_needs_the_change_permission() -> None:
     dead = _dead_row()
-    user = get_user_model().objects.create_user("clerk", password="pw", is_staff=True)
-    user.user_permissions.add(Permission.objects.get(codename="view_outboxmessage"))
-    client = Client()
-    client.force_login(user)
-    page = client.get(changelist())
-    assert page.status_code == 200
-    form = page.context["action_form"]
-    choices = dict(form.fields["action"].choices) if form is not None else {}
-    assert "requeue_dead" not in choices
-    client.post(
-        changelist(), {"action": "requeue_dead", "_selected_action": [dead.pk], "post": "yes"}
-    )
+    requeue_refused_to_a_viewer("view_outboxmessage", changelist(), dead.pk)
     assert OutboxMessage.objects.get(pk=dead.pk).status == OutboxStatus.DEAD
     assert not AuditEntry.objects.exists()
 
