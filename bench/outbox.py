@@ -224,11 +224,27 @@ def _peer_relay_rate(queue: str) -> float:
     return RELAY_ROWS / elapsed
 
 
+def _fill_outbox(messages: list[dict[str, Any]], queue: str) -> None:
+    """The outbox holds exactly one pending ``award_points`` row per message, for ``queue``."""
+    from demo_project.tasks import award_points
+    from idempotent_orders.models import OutboxMessage
+
+    OutboxMessage.objects.all().delete()
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(
+            message_id=m["message_id"],
+            task_name=award_points.name,
+            payload=m,
+            options={"queue": queue},
+        )
+        for m in messages
+    )
+
+
 def _relay_rate(queue: str, direct: bool) -> float:
     from django.test import override_settings
 
     from demo_project.tasks import award_points
-    from idempotent_orders.models import OutboxMessage
     from idempotent_orders.outbox import relay_outbox
 
     tag = uuid.uuid4().hex[:8]
@@ -240,16 +256,7 @@ def _relay_rate(queue: str, direct: bool) -> float:
         for m in messages:
             award_points.apply_async(args=(m,), task_id=m["message_id"], queue=queue)
         return RELAY_ROWS / (time.perf_counter() - start)
-    OutboxMessage.objects.all().delete()  # the producer runs' relay-only rows among them
-    OutboxMessage.objects.bulk_create(
-        OutboxMessage(
-            message_id=m["message_id"],
-            task_name=award_points.name,
-            payload=m,
-            options={"queue": queue},
-        )
-        for m in messages
-    )
+    _fill_outbox(messages, queue)  # the producer runs' relay-only rows go first
     before = _depth(queue)
     with override_settings(IDEMPOTENT_ORDERS={}):
         start = time.perf_counter()
@@ -311,16 +318,7 @@ def _crash(kind: str, url: str, queue: str) -> dict[str, float]:
         for i in range(CRASH_ROWS)
     ]
     if kind == "ours":
-        OutboxMessage.objects.all().delete()
-        OutboxMessage.objects.bulk_create(
-            OutboxMessage(
-                message_id=m["message_id"],
-                task_name=award_points.name,
-                payload=m,
-                options={"queue": queue},
-            )
-            for m in messages
-        )
+        _fill_outbox(messages, queue)
     else:
         from django.db import transaction
         from django_celery_outbox.models import CeleryOutbox
