@@ -38,6 +38,8 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections
 from django.db.models import (
+    AutoField,
+    BigAutoField,
     BigIntegerField,
     CharField,
     DateTimeField,
@@ -46,6 +48,9 @@ from django.db.models import (
     Model,
     PositiveBigIntegerField,
     PositiveIntegerField,
+    PositiveSmallIntegerField,
+    SmallAutoField,
+    SmallIntegerField,
     TextField,
 )
 from django.utils import timezone
@@ -248,6 +253,40 @@ _OPTIONLESS = frozenset(
 _PLAIN = frozenset({str, int})
 
 
+#: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
+#: as it is.
+_TEXT_FIELDS = frozenset({CharField, TextField})
+_INTEGER_FIELDS = frozenset(
+    {
+        AutoField,
+        BigAutoField,
+        SmallAutoField,
+        IntegerField,
+        BigIntegerField,
+        SmallIntegerField,
+        PositiveIntegerField,
+        PositiveBigIntegerField,
+        PositiveSmallIntegerField,
+    }
+)
+
+
+def _prepare(field: Field[Any, Any]) -> _Prepare:
+    """An order column's preparation (``get_db_prep_save``), skipped where it returns the
+    value unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields.
+    """
+    prepare = field.get_db_prep_save
+    kind = type(field)
+    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
+    if plain is None:
+        return prepare
+
+    def unchanged(value: Any, conn: Any) -> Any:
+        return value if type(value) is plain else prepare(value, conn)
+
+    return unchanged
+
+
 def _inbox_prepare(field: Field[Any, Any]) -> _Prepare:
     """An inbox column's preparation: a plain ``str``/``int`` (or None) goes as it is,
     as :meth:`~idempotent_orders.statements.InboxTemplate.params` sends it."""
@@ -314,23 +353,23 @@ def _compile(
     for name in value_names:
         written = _field(model, name)
         source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
-        placeholder = args.ref(source, written, written.get_db_prep_save)
+        placeholder = args.ref(source, written, _prepare(written))
         sets.append(f"{qn(str(written.column))} = {placeholder}")
     where = [
-        f"{pk} = {args.ref('order_id', pk_field, pk_field.get_db_prep_save)}",
+        f"{pk} = {args.ref('order_id', pk_field, _prepare(pk_field))}",
         f'{state} = {_literal(conn, shape.source)} COLLATE "C"',
         f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
     ]
     if seq:
         last_seq = _field(model, "last_seq")
         column = qn(str(last_seq.column))
-        where.append(f"{column} = {args.ref('previous_seq', last_seq, last_seq.get_db_prep_save)}")
+        where.append(f"{column} = {args.ref('previous_seq', last_seq, _prepare(last_seq))}")
     for name, empty, shared in tests:
         tested = _field(model, name)
         column = qn(str(tested.column))
         collate = ' COLLATE "C"' if _is_text(tested) else ""
         source = f"set:{name}" if shared else f"test:{name}"
-        test = f"{column} = {args.ref(source, tested, tested.get_db_prep_save)}{collate}"
+        test = f"{column} = {args.ref(source, tested, _prepare(tested))}{collate}"
         where.append(f"({column} = '' OR {test})" if empty else test)
     by_attname = {f.attname: f for f in meta.concrete_fields}
     # Without anyone to hand the order to, the statement returns none of it.
@@ -390,7 +429,7 @@ def fetch_one(sql: str, args: Sequence[Any], conn: Any = None) -> Any:
             return cursor.fetchone()
     conn.validate_thread_sharing()
     with conn.wrap_database_errors, _DriverCursor(raw) as cursor:
-        return _run_prepared(raw, cursor, sql, args)
+        return _run_prepared(raw, cursor, sql, args, _transformer(conn, raw))
 
 
 @dataclass(frozen=True)
@@ -441,7 +480,20 @@ def _prepared_form(sql: str) -> _Prepared | None:
     return form
 
 
-def _execute(form: _Prepared, args: Sequence[Any], raw: Any) -> bytes:
+#: Per Django connection: its psycopg connection and a Transformer of it (the dumpers it
+#: found are kept from one message to the next). Keyed by Django's wrapper, so the value
+#: holds no reference to its own key.
+_transformers: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _transformer(conn: Any, raw: Any) -> Any:
+    found = _transformers.get(conn)
+    if found is None or found[0] is not raw:
+        found = _transformers[conn] = (raw, _Transformer(raw))
+    return found[1]
+
+
+def _execute(form: _Prepared, args: Sequence[Any], transformer: Any) -> bytes:
     """``EXECUTE`` of ``form`` with ``args`` as literals.
 
     ``EXECUTE`` takes no bound parameters, so its arguments are composed into
@@ -449,12 +501,12 @@ def _execute(form: _Prepared, args: Sequence[Any], raw: Any) -> bytes:
     (``Transformer.as_literal``; the server coerces each to the type it chose
     for that parameter).
     """
-    literal = _Transformer(raw).as_literal
+    literal = transformer.as_literal
     values = [b"NULL" if value is None else literal(value) for value in args]
     return form.execute + b", ".join(values) + b")"
 
 
-def _run_prepared(raw: Any, cursor: Any, sql: str, args: Sequence[Any]) -> Any:
+def _run_prepared(raw: Any, cursor: Any, sql: str, args: Sequence[Any], transformer: Any) -> Any:
     """Run ``sql`` as a prepared statement of ``raw``'s session (prepared on its second use).
 
     The statement is named after a hash of its text, so a name can only ever
@@ -484,7 +536,7 @@ def _run_prepared(raw: Any, cursor: Any, sql: str, args: Sequence[Any]) -> Any:
             with contextlib.suppress(_errors.DuplicatePreparedStatement):
                 cursor.execute(form.prepare)
             prepared.add(form.name)
-        cursor.execute(_execute(form, args, raw))
+        cursor.execute(_execute(form, args, transformer))
         return cursor.fetchone()
     except (_errors.InvalidSqlStatementName, _errors.FeatureNotSupported):
         prepared.discard(form.name)
@@ -512,7 +564,12 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         return None
     name = envelope.handler.transition
     shape = _shape(model, name)
-    if shape is None or in_transaction_work(model, shape.target):
+    if shape is None:
+        return None
+    # The order as written is built only for someone to hand it to. Nobody to hand
+    # it to means no work inside the transaction either (the common case: one look).
+    announced = transition_heard(model, shape.target)
+    if announced and in_transaction_work(model, shape.target):
         return None
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
@@ -525,8 +582,6 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         return None
     fields, tests = guessed
     seq = envelope.seq
-    # The order as written is built only for someone to hand it to.
-    announced = transition_heard(model, shape.target)
     shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
     key = (alias, model, name, tuple(fields), shapes, seq is None, announced)
     statement = _statements.get(key)
