@@ -374,13 +374,14 @@ def test_the_key_writer_outlives_a_redis_outage(redis_server) -> None:
 def test_a_forked_child_starts_with_no_queue_and_no_writer(redis_server) -> None:
     dedup.reset()
     dedup.remember("payments", "parent")
-    with dedup.redis._writing:  # held by the parent at the fork
+    with dedup.redis._writing, dedup.redis._lock:  # held by the parent at the fork
         pid = os.fork()
-        if pid == 0:  # the child: its own lock, queue and (not yet) writer
+        if pid == 0:  # the child: its own locks, queue and (not yet) writer
             fresh = (
                 dedup.redis._queued == []
                 and dedup.redis._writer is None
                 and dedup.redis._writing.acquire(timeout=1)
+                and dedup.redis._lock.acquire(timeout=1)
             )
             os._exit(0 if fresh else 1)
         _, status = os.waitpid(pid, 0)

@@ -62,7 +62,6 @@ class RedisLayer:
 
     def __init__(self) -> None:
         self._down_until = 0.0
-        self._lock = threading.Lock()
         #: Whether each connection pool's server takes ``CLIENT REPLY SKIP`` (probed once).
         self._no_reply: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         #: This thread's own connection: ``(pool, connection, pid)``.
@@ -74,6 +73,7 @@ class RedisLayer:
     def _start_fresh(self) -> None:
         """No queue and no writer thread (at creation, and in a forked child: its locks
         may have been held by a thread of the parent that the child does not have)."""
+        self._lock = threading.Lock()
         #: Queued keys: ``(cache alias, key, ttl)``.
         self._queued: list[tuple[str, str, int]] = []
         self._queue_lock = threading.Lock()
