@@ -11,10 +11,18 @@ __version__ = "0.1.0"
 __all__ = ["get_order_model"]
 
 
+#: The order model once the app registry is ready (forgotten when the setting naming it,
+#: or the installed apps, change: see conf.py): the consumers ask for it on every message.
+_found: type[AbstractOrder] | None = None
+
+
 def get_order_model() -> type[AbstractOrder]:
     """The order model in use: ``settings.IDEMPOTENT_ORDERS_ORDER_MODEL`` (default
     ``"idempotent_orders.Order"``), as ``get_user_model()`` is for the user.
     """
+    global _found
+    if _found is not None:
+        return _found
     from django.apps import apps
     from django.core.exceptions import ImproperlyConfigured
 
@@ -31,4 +39,12 @@ def get_order_model() -> type[AbstractOrder]:
         raise ImproperlyConfigured(
             f"{ORDER_MODEL_SETTING} refers to model {label!r}, which is not installed"
         ) from None
+    if apps.ready:
+        _found = model
     return model
+
+
+def _forget_order_model() -> None:
+    """Look the order model up again on the next call (the settings or apps changed)."""
+    global _found
+    _found = None

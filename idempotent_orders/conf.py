@@ -390,3 +390,13 @@ class Settings:
 
 conf = Settings()
 setting_changed.connect(conf.forget, dispatch_uid="idempotent_orders.conf.forget")
+
+
+def _order_model_changed(setting: str, **kwargs: Any) -> None:
+    if setting in (ORDER_MODEL_SETTING, "INSTALLED_APPS"):
+        from idempotent_orders import _forget_order_model
+
+        _forget_order_model()
+
+
+setting_changed.connect(_order_model_changed, dispatch_uid="idempotent_orders.conf.order_model")

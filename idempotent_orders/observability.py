@@ -167,8 +167,17 @@ class DatabaseCollector:
         )
 
 
+#: ``idempotent_orders_messages_total`` by ``(consumer, outcome)``: found once, counted often.
+_message_counters: dict[tuple[str, str], Any] = {}
+
+
 def _on_consumed(sender: Any, consumer: str, outcome: Any, **kwargs: Any) -> None:
-    _metrics["idempotent_orders_messages"].labels(consumer=consumer, outcome=str(outcome)).inc()
+    key = (consumer, str(outcome))
+    counter = _message_counters.get(key)
+    if counter is None:
+        labels = {"consumer": key[0], "outcome": key[1]}
+        counter = _message_counters[key] = _metrics["idempotent_orders_messages"].labels(**labels)
+    counter.inc()
 
 
 def _on_lease(sender: Any, consumer: str, result: str, **kwargs: Any) -> None:

@@ -179,6 +179,13 @@ class InboxTemplate:
     base: list[Any]
     #: Position of each per-message column in ``base``.
     positions: dict[str, int]
+    #: ``sql`` around its value list: ``INSERT INTO <inbox> (<columns>) VALUES (`` and the rest.
+    head: str
+    tail: str
+
+    def insert(self, values: Sequence[str]) -> str:
+        """``sql`` with ``values`` (SQL expressions, one per field) as its value list."""
+        return f"{self.head}{', '.join(values)}{self.tail}"
 
     def params(self, values: Mapping[str, Any], now: Any) -> list[Any]:
         """``base`` with ``values`` and ``updated_at`` = ``now``, prepared by their fields.
@@ -238,9 +245,11 @@ def inbox_template() -> InboxTemplate:
         attnames = [f.attname for f in fields]
         positions = {name: attnames.index(name) for name in (*PER_MESSAGE, "updated_at")}
         table, _, _ = _names()
-        placeholder = ", ".join(["%s"] * len(fields))
-        sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholder}) {_on_conflict()}"
-        template = _templates[connection.alias] = InboxTemplate(fields, sql, base, positions)
+        head, tail = f"INSERT INTO {table} ({columns}) VALUES (", f") {_on_conflict()}"
+        sql = head + ", ".join(["%s"] * len(fields)) + tail
+        template = _templates[connection.alias] = InboxTemplate(
+            fields, sql, base, positions, head, tail
+        )
     return template
 
 

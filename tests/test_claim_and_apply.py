@@ -195,7 +195,7 @@ class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
     ran: list[str] = []
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        _Recording.ran.append(str(query))
+        _Recording.ran.append(query.decode() if isinstance(query, bytes) else str(query))
         return super().execute(query, params, **kwargs)
 
 
@@ -233,6 +233,29 @@ def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
     assert row.version == (1 if outcome is Outcome.APPLIED else 0)
     assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
     assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+
+
+def test_the_statement_sends_only_what_changes_and_a_value_once(
+    make_order, driver: list[str]
+) -> None:
+    for _ in range(2):  # the second use on this connection prepares it
+        consume_message(payment(make_order(), seq=1), consumer="payments")
+    order = make_order()
+    driver.clear()
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    (execute,) = driver
+    assert execute.startswith("EXECUTE idempotent_orders_")
+    # The inbox row's fixed columns, source and target are in the prepared text;
+    # the payment id, written and tested, is one argument; so is the time.
+    assert "'done'" not in execute
+    assert "'pending_payment'" not in execute
+    assert execute.count(f"'pay-{order.pk}'") == 1
+    assert execute.count("::timestamptz") == 1
+    row = Order.objects.get(pk=order.pk)
+    inbox = ProcessedMessage.objects.get(order_id=order.pk)
+    assert (row.status, row.payment_id, row.last_seq) == (OrderStatus.PAID, f"pay-{order.pk}", 1)
+    assert (inbox.status, inbox.outcome, inbox.seq, inbox.error) == ("done", "applied", 1, "")
+    assert inbox.updated_at == row.updated_at
 
 
 def test_a_session_that_lost_the_prepared_statement_runs_it_plainly_then_prepares_again(
@@ -277,3 +300,11 @@ def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str])
         assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
     assert [s for s in seen if s.startswith("WITH claim AS")]
     assert driver == []
+
+
+def test_the_prepared_form_numbers_the_arguments_and_unescapes_percent_signs() -> None:
+    form = presume._prepared_form("SELECT %(a0)s, '100%%', %(a1)s, %(a0)s")
+    assert form is not None
+    assert form.prepare.endswith(" AS SELECT $1, '100%', $2, $1")
+    assert form.execute == f"EXECUTE {form.name}(".encode()
+    assert presume._prepared_form("SELECT '5%'") is None  # run plainly, never prepared

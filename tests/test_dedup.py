@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -254,6 +256,7 @@ def test_redis_hit_answers_without_the_database(make_order, redis_server, layers
     order = make_order()
     msg = payment(order)
     assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert dedup.flush()  # written by the background thread
     assert redis_server.keys("*processed:payments:*")
     with CaptureQueriesContext(connection) as queries:
         assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
@@ -269,6 +272,7 @@ def test_fast_path_keys_are_sent_without_waiting_and_replies_stay_in_step(redis_
     dedup.reset()
     for n in range(50):
         dedup.remember("payments", f"m-{n}")
+    assert dedup.flush()
     assert list(dedup.redis._no_reply.values()) == [True]  # CLIENT REPLY SKIP was taken
     cache = caches["dedup"]
     cache.set("other", "value")  # a reply left unread on the pool would answer this get
@@ -283,6 +287,7 @@ def test_fast_path_keys_and_lookups_use_the_threads_own_connection(redis_server)
 
     dedup.reset()
     dedup.remember("payments", "warm")  # probes CLIENT REPLY SKIP through the pool once
+    assert dedup.flush()
     with mock.patch.object(
         ConnectionPool, "get_connection", side_effect=AssertionError("pool checkout")
     ):
@@ -301,11 +306,86 @@ def test_a_redis_restart_costs_the_fast_path_at_most_one_key(redis_server) -> No
     redis_server.start()  # same port, empty: the thread's connection is dead
     for n in range(3):
         dedup.remember("payments", f"after-{n}")
-    # The first write may vanish into the closed connection; the next one notices
-    # and goes out on a new connection, without marking Redis down.
-    assert dedup.redis.contains("payments", "after-2")
+    # The batch's PING finds the connection closed: the batch goes out again on a
+    # new connection, without marking Redis down.
+    assert all(dedup.redis.contains("payments", f"after-{n}") for n in range(3))
     assert dedup.redis._down_until == 0.0
     assert not dedup.redis.contains("payments", "before")
+
+
+def test_fast_path_keys_are_written_by_a_background_thread(redis_server) -> None:
+    dedup.reset()
+    dedup.remember("payments", "warm")
+    assert dedup.flush()
+    # A batch being written holds the writer's lock: remember() does not wait for it.
+    with dedup.redis._writing:
+        dedup.remember("payments", "queued")
+        assert not redis_server.keys("*processed:payments:queued")
+        assert not dedup.flush(timeout=0.01)  # the batch in progress is not done
+    assert dedup.flush()
+    assert redis_server.keys("*processed:payments:queued")
+    writer = dedup.redis._writer
+    assert writer is not None
+    assert writer.is_alive()
+    assert writer is not threading.current_thread()
+
+
+def test_a_lookup_here_sees_a_key_still_queued(redis_server, monkeypatch) -> None:
+    dedup.reset()
+    dedup.remember("payments", "warm")
+    assert dedup.flush()
+    monkeypatch.setattr(dedup.redis, "linger", 0.5)  # the writer waits before it writes
+    dedup.remember("payments", "just-done")
+    # The lookup writes what this process queued before it asks.
+    assert dedup.redis.contains("payments", "just-done")
+    assert dedup.redis.contains_many("payments", ["just-done", "never"]) == {"just-done"}
+
+
+def test_reset_drops_the_queued_keys(redis_server, monkeypatch) -> None:
+    dedup.reset()
+    dedup.remember("payments", "warm")
+    assert dedup.flush()
+    monkeypatch.setattr(dedup.redis, "linger", 5.0)
+    dedup.remember("payments", "dropped")
+    dedup.reset()
+    assert dedup.flush()
+    assert not redis_server.keys("*processed:payments:dropped")
+
+
+def test_the_key_writer_outlives_a_redis_outage(redis_server) -> None:
+    dedup.reset()
+    dedup.remember("payments", "before")
+    assert dedup.flush()
+    redis_server.stop()
+    dedup.remember("payments", "lost")
+    assert dedup.flush()  # the write failed: logged, Redis skipped for a while
+    assert dedup.redis._down_until > 0
+    redis_server.start()
+    dedup.redis._down_until = 0.0  # the back-off is over
+    dedup.remember("payments", "after")
+    assert dedup.flush()
+    assert redis_server.keys("*processed:payments:after")
+    writer = dedup.redis._writer
+    assert writer is not None
+    assert writer.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_with_no_queue_and_no_writer(redis_server) -> None:
+    dedup.reset()
+    dedup.remember("payments", "parent")
+    with dedup.redis._writing, dedup.redis._lock:  # held by the parent at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: its own locks, queue and (not yet) writer
+            fresh = (
+                dedup.redis._queued == []
+                and dedup.redis._writer is None
+                and dedup.redis._writing.acquire(timeout=1)
+                and dedup.redis._lock.acquire(timeout=1)
+            )
+            os._exit(0 if fresh else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_batch_of_keys_goes_in_one_send_and_replies_stay_in_step(redis_server) -> None:
@@ -332,6 +412,7 @@ def test_a_server_refusing_client_reply_gets_a_plain_set() -> None:
             dedup.reset()
             dedup.remember("payments", "m-1")
             dedup.remember_many("payments", ["m-2", "m-4"])
+            assert dedup.flush()
             assert list(dedup.redis._no_reply.values()) == [False]
             assert dedup.redis.contains("payments", "m-4")
             cache = caches["dedup"]
@@ -350,6 +431,7 @@ def test_redis_flushed_or_down_falls_back_to_the_database(make_order, redis_serv
     order = make_order()
     msg = payment(order)
     assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert dedup.flush()
     redis_server.flushall()
     assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
     assert layers[-2:] == ["redis-miss", "database-conflict"]

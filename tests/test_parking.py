@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from idempotent_orders import services
+from idempotent_orders import dedup, services
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage
 from idempotent_orders.services import consume_message
 from tests.support.messages import payment, shipment
@@ -80,6 +80,7 @@ def test_filler_redelivered_after_a_crash_still_releases(make_order, monkeypatch
             assert not ParkedMessage.objects.exists()
             order.refresh_from_db()
             assert (order.status, order.last_seq) == (OrderStatus.SHIPPED, 2)
+            assert dedup.flush()
             assert server.keys("*processed:payments:*")
     finally:
         server.stop()

@@ -51,3 +51,15 @@ def test_a_default_manager_with_its_own_queryset_is_read_through_the_orm(
     assert read_order(model, order.pk) is not None
     hidden.append(order.pk)  # the manager's filter changed since the first read
     assert read_order(model, order.pk) is None
+
+
+def test_the_order_model_is_looked_up_again_when_its_setting_changes() -> None:
+    from django.contrib.auth.models import User
+    from django.test import override_settings
+
+    from idempotent_orders.models import Order
+
+    assert get_order_model() is Order
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="auth.User"):
+        assert get_order_model() is User
+    assert get_order_model() is Order

@@ -26,6 +26,7 @@ from idempotent_orders.signals import dedup_answered
 __all__ = [
     "Layer",
     "bloom",
+    "flush",
     "lookup",
     "lookup_many",
     "redis",
@@ -166,6 +167,14 @@ def remember_on_commit(consumer: str, message_id: str) -> None:
     the database and releases the successors itself.
     """
     transaction.on_commit(lambda: remember(consumer, message_id))
+
+
+def flush(timeout: float = 10.0) -> bool:
+    """Wait until Redis has the fast-path keys this process remembered so far; False on
+    timeout. They are written by a background thread, a few milliseconds after
+    :func:`remember` (this process's own lookups see them at once).
+    """
+    return redis.flush(timeout)
 
 
 def reset() -> None:

@@ -55,6 +55,8 @@ class BloomLayer:
         self._overlap_watermark: datetime | None = None
         self._next_refresh = 0.0
         self._next_overlap_read = 0.0
+        #: The live buckets at the last rotation (none is dropped until they change).
+        self._live: range | None = None
 
     # -- buckets ---------------------------------------------------------------
     def _bucket_of(self, when: float) -> int:
@@ -77,6 +79,9 @@ class BloomLayer:
 
     def _rotate(self, now: float) -> None:
         live = self._live_buckets(now)
+        if live == self._live:
+            return
+        self._live = live
         for bucket in [b for b in self._buckets if b not in live]:
             del self._buckets[bucket]
 
@@ -89,10 +94,11 @@ class BloomLayer:
             return any(key in bloom for bloom in self._buckets.values())
 
     def add(self, consumer: str, message_id: str, when: float | None = None) -> None:
-        when = time.time() if when is None else when
+        now = time.time()
+        bucket = self._bucket_of(now if when is None else when)
         with self._lock:
-            if self._bucket_of(when) in self._live_buckets(time.time()):
-                self._filter(self._bucket_of(when)).add(_key(consumer, message_id))
+            if bucket in self._live_buckets(now):
+                self._filter(bucket).add(_key(consumer, message_id))
 
     def add_many(self, consumer: str, message_ids: Sequence[str]) -> None:
         """:meth:`add` for several messages seen now."""
@@ -105,6 +111,7 @@ class BloomLayer:
     def clear(self) -> None:
         with self._lock:
             self._buckets.clear()
+            self._live = None
             self._watermark = None
             self._overlap_watermark = None
             self._next_refresh = 0.0

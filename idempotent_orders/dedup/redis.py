@@ -1,23 +1,31 @@
 """Redis ``processed:`` keys through a Django cache (django-redis), written after commit.
 
-The write is sent without waiting for Redis's reply (``CLIENT REPLY SKIP``)
-where the cache is django-redis's default client and the server takes that
-command: the key is advisory, so a write that never lands only sends the next
-copy of the message to the database, and nobody needs to wait for it. Each
-thread then keeps one connection of its own to that server for these keys,
-opened with the pool's settings (no pool checkout per message, and the
-commands are packed by hand): writes and lookups go over it in order, so
-this thread's own lookups see the key. A server that refuses ``CLIENT REPLY``
-gets the usual ``SET`` and its reply, through the cache.
+The keys are written by a background thread of the process, a batch at a
+time (:meth:`RedisLayer.add` only queues the key): the key is advisory, so
+a key that appears a few milliseconds later, or never (the process dies
+first, Redis is down), only sends a copy of the message to the database,
+which still answers exactly. A lookup in this process first writes what is
+still queued and waits for a batch being written, so this process's own
+lookups see every key it queued before them.
+
+The writes are sent without waiting for Redis's reply (``CLIENT REPLY
+SKIP``) where the cache is django-redis's default client and the server
+takes that command; a batch ends with one ``PING`` whose reply says Redis
+has applied it. Each thread keeps one connection of its own to that server
+for these keys, opened with the pool's settings (no pool checkout per
+batch, and the commands are packed by hand). A server that refuses
+``CLIENT REPLY`` gets the usual ``SET`` and its reply, through the cache.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
 import weakref
+from collections import defaultdict
 from typing import Any
 
 from django.core.cache import caches
@@ -45,13 +53,35 @@ class RedisLayer:
     so an outage costs one timeout, not one per message.
     """
 
+    #: Seconds the writer thread waits, once woken, for more keys to write them as one batch.
+    linger = 0.005
+    #: Keys queued beyond this many are dropped (their copies go to the database).
+    capacity = 10_000
+    #: Seconds the process waits at exit for the queued keys to be written.
+    exit_timeout = 2.0
+
     def __init__(self) -> None:
         self._down_until = 0.0
-        self._lock = threading.Lock()
         #: Whether each connection pool's server takes ``CLIENT REPLY SKIP`` (probed once).
         self._no_reply: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         #: This thread's own connection: ``(pool, connection, pid)``.
         self._own = threading.local()
+        self._start_fresh()
+        self._exit_hook = False
+        os.register_at_fork(after_in_child=self._start_fresh)
+
+    def _start_fresh(self) -> None:
+        """No queue and no writer thread (at creation, and in a forked child: its locks
+        may have been held by a thread of the parent that the child does not have)."""
+        self._lock = threading.Lock()
+        #: Queued keys: ``(cache alias, key, ttl)``.
+        self._queued: list[tuple[str, str, int]] = []
+        self._queue_lock = threading.Lock()
+        #: Held while keys taken from the queue are written, until Redis has applied them.
+        self._writing = threading.Lock()
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._stopping = False
 
     @property
     def enabled(self) -> bool:
@@ -72,39 +102,111 @@ class RedisLayer:
             raise RedisUnavailable(str(exc)) from exc
 
     def contains(self, consumer: str, message_id: str) -> bool:
-        """True when the key exists; raises :class:`RedisUnavailable` when Redis is down."""
+        """True when the key exists; raises :class:`RedisUnavailable` when Redis is down.
+
+        What this process queued before is written first, so it is seen.
+        """
+        self.flush()
         cache = self._cache()
         key = _key(consumer, message_id)
-        if self._direct(cache) is None:
+        if self._call("get", self._direct, cache) is None:
             return bool(self._call("get", cache.get, key))
         return bool(self._call("get", self._get, cache, key))
 
     def contains_many(self, consumer: str, message_ids: list[str]) -> set[str]:
         """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`."""
+        self.flush()
         cache = self._cache()
         keys = {_key(consumer, m): m for m in message_ids}
-        if self._direct(cache) is None:
+        if self._call("get", self._direct, cache) is None:
             found = self._call("get", cache.get_many, list(keys))
             return {keys[key] for key, value in found.items() if value}
-        # On this thread's own connection, after its own writes: it sees them.
         values = self._call("get", self._get_many, cache, list(keys))
         return {keys[key] for key, value in zip(keys, values, strict=True) if value is not None}
 
     def add(self, consumer: str, message_id: str) -> None:
-        """Set the key; only call after the message's transaction committed."""
-        cache = self._cache()
-        ttl = conf.DEDUP_WINDOW + conf.DEDUP_REDIS_TTL_MARGIN
-        self._call("set", self._set, cache, _key(consumer, message_id), ttl)
+        """Queue the key for the writer thread; only call after the message's transaction
+        committed (and its work is done)."""
+        self.add_many(consumer, [message_id])
 
     def add_many(self, consumer: str, message_ids: list[str]) -> None:
-        """Set the keys of several messages in one send; only call after their commit."""
-        cache = self._cache()
+        """:meth:`add` for several messages (written in the same batch)."""
+        alias = conf.DEDUP_CACHE_ALIAS
         ttl = conf.DEDUP_WINDOW + conf.DEDUP_REDIS_TTL_MARGIN
-        keys = [_key(consumer, m) for m in message_ids]
-        self._call("set", self._set_many, cache, keys, ttl)
+        if self._writer is None:
+            self._start_writer()
+        with self._queue_lock:
+            room = self.capacity - len(self._queued)
+            self._queued.extend((alias, _key(consumer, m), ttl) for m in message_ids[:room])
+        if room < len(message_ids):
+            logger.debug("dedup keys: queue full; %d key(s) not written", len(message_ids) - room)
+        if not self._wake.is_set():
+            self._wake.set()
 
-    def _set(self, cache: Any, key: str, ttl: int) -> None:
-        self._set_many(cache, [key], ttl)
+    def flush(self, timeout: float = -1) -> bool:
+        """Write the queued keys now, in this thread, after a batch being written;
+        False when that batch was not done within ``timeout`` seconds (-1: no limit).
+
+        Once it returns True, Redis has applied every key queued before the
+        call (or their write failed, which only sends their copies to the database).
+        """
+        if not self._writing.acquire(timeout=timeout):
+            return False
+        try:
+            with self._queue_lock:
+                batch, self._queued = self._queued, []
+            if batch:
+                self._write(batch)
+        finally:
+            self._writing.release()
+        return True
+
+    def _write(self, batch: list[tuple[str, str, int]]) -> None:
+        """Write ``batch`` (holding ``_writing``); a failure is logged and marks Redis down."""
+        groups: defaultdict[tuple[str, int], list[str]] = defaultdict(list)
+        for alias, key, ttl in batch:
+            groups[alias, ttl].append(key)
+        for (alias, ttl), keys in groups.items():
+            try:
+                self._call("set", self._set_many, caches[alias], keys, ttl)
+            except RedisUnavailable:
+                pass  # logged; these keys' copies go to the database
+            except Exception:  # e.g. a cache alias gone from the settings since
+                logger.exception("dedup keys: could not write %d key(s)", len(keys))
+
+    def _start_writer(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                return
+            self._stopping = False
+            self._writer = threading.Thread(
+                target=self._run, name="idempotent-orders-dedup-keys", daemon=True
+            )
+            self._writer.start()
+            if not self._exit_hook:
+                atexit.register(self._stop)
+                self._exit_hook = True
+
+    def _run(self) -> None:
+        wake = self._wake
+        while not self._stopping:
+            wake.wait()
+            # Keys keep coming while a consumer is busy: one batch takes what came meanwhile.
+            time.sleep(self.linger)
+            wake.clear()  # before taking the queue: a key queued after this wakes us again
+            try:
+                self.flush()
+            except Exception:  # the thread must not die; the keys are advisory
+                logger.exception("dedup keys: writer failed")
+
+    def _stop(self) -> None:
+        writer = self._writer
+        if writer is None or not writer.is_alive():
+            return
+        self._stopping = True
+        self._wake.set()
+        writer.join(self.exit_timeout)
+        self.flush(self.exit_timeout)
 
     def _set_many(self, cache: Any, keys: list[str], ttl: int) -> None:
         pool = self._direct(cache)
@@ -118,11 +220,12 @@ class RedisLayer:
         connection = self._connection(pool)
         encode = connection.encoder.encode
         expiry = b"%d" % int(ttl)
+        make_key = cache.client.make_key
         packed = b"".join(
-            _SKIP + _pack(b"SET", encode(cache.client.make_key(key)), b"1", b"EX", expiry)
-            for key in keys
+            _SKIP + _pack(b"SET", encode(make_key(key)), b"1", b"EX", expiry) for key in keys
         )
-        self._send(pool, packed, read=False)
+        # The PING's reply comes once Redis applied every SET before it.
+        self._send(pool, packed + _PING, read=True)
 
     def _get(self, cache: Any, key: str) -> bool:
         pool = self._direct(cache)
@@ -232,6 +335,9 @@ class RedisLayer:
         return ok
 
     def reset(self) -> None:
+        """Drop the queued keys (after any batch being written) and forget the back-off."""
+        with self._writing, self._queue_lock:
+            self._queued.clear()
         self._down_until = 0.0
         self._no_reply.clear()
         self._drop()
@@ -243,3 +349,4 @@ def _pack(*parts: bytes) -> bytes:
 
 
 _SKIP = _pack(b"CLIENT", b"REPLY", b"SKIP")
+_PING = _pack(b"PING")
