@@ -9,7 +9,7 @@ validator's comparisons with the order, such as the amount and currency of a
 payment). Those tests go into the claim-and-apply statement's WHERE clause
 instead of a version read beforehand, so the message costs one statement,
 committed on its own (prepared once per database session, see
-:func:`fetch_one`):
+:func:`~idempotent_orders.statements.fetch_one`):
 
 ``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
 moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
@@ -26,10 +26,7 @@ write. A project's own validator never takes this path.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -40,17 +37,10 @@ from django.db.models import CharField, Field, Model, TextField
 from django.utils import timezone
 
 from idempotent_orders import handlers
-
-try:
-    from psycopg import ClientCursor as _DriverCursor
-    from psycopg import Connection as _Psycopg
-    from psycopg import errors as _errors
-except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
-    _Psycopg = _DriverCursor = _errors = None  # type: ignore[assignment,misc]
 from idempotent_orders.engine import Envelope
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome
-from idempotent_orders.statements import build, compiled_read, inbox_template
+from idempotent_orders.statements import build, compiled_read, fetch_one, inbox_template
 from idempotent_orders.transitions import (
     TransitionResult,
     TransitionStatus,
@@ -229,128 +219,6 @@ def _sql(
         " SELECT c.n, CASE WHEN c.n = 1 THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END,"
         " moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
     )
-
-
-def fetch_one(sql: str, params: list[Any], conn: Any = None) -> Any:
-    """Run ``sql`` on ``conn`` (the default database's) and return its first row.
-
-    On psycopg 3 the statement goes straight to the driver as a prepared
-    statement of the session (see :func:`_run_prepared`): the server neither
-    parses nor plans it again, which is most of its own work on this
-    statement. Django's checks and error mapping stay
-    (``ensure_connection``, ``validate_thread_sharing``,
-    ``wrap_database_errors``). Django's cursor runs it, unprepared, whenever
-    something must see the query: execute wrappers, query logging (``DEBUG``
-    or a test capturing queries), a health check not yet done in this
-    request, or a connection not in autocommit.
-    """
-    conn = conn if conn is not None else connections[DEFAULT_DB_ALIAS]
-    conn.ensure_connection()
-    raw = conn.connection
-    unchecked = getattr(conn, "health_check_enabled", False) and not getattr(
-        conn, "health_check_done", False
-    )
-    if (
-        _DriverCursor is None
-        or not isinstance(raw, _Psycopg)
-        or conn.execute_wrappers
-        or conn.queries_logged
-        or not conn.autocommit
-        or unchecked
-    ):
-        with conn.cursor() as cursor:
-            cursor.execute(sql, params)
-            return cursor.fetchone()
-    conn.validate_thread_sharing()
-    with conn.wrap_database_errors, _DriverCursor(raw) as cursor:
-        return _run_prepared(raw, cursor, sql, params)
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    name: str
-    prepare: str
-    arguments: int
-
-
-_prepared_forms: dict[str, _Prepared | None] = {}
-#: Per psycopg connection: the ``EXECUTE`` text of each statement prepared on it,
-#: and how many times one went missing there.
-_prepared_on: weakref.WeakKeyDictionary[Any, tuple[dict[str, str], list[int], set[str]]] = (
-    weakref.WeakKeyDictionary()
-)
-#: A connection whose prepared statements went missing this often stops preparing
-#: (e.g. behind a transaction pooler that does not keep them).
-_MAX_MISSES = 3
-
-
-def _prepared_form(sql: str) -> _Prepared | None:
-    """``PREPARE`` of ``sql``, named after a hash of its text; None: run it plainly."""
-    try:
-        return _prepared_forms[sql]
-    except KeyError:
-        pass
-    pieces = sql.split("%s")
-    form: _Prepared | None = None
-    if not any("%" in piece for piece in pieces):
-        digest = hashlib.blake2b(sql.encode(), digest_size=12).hexdigest()
-        name = f"idempotent_orders_{digest}"
-        body = pieces[0] + "".join(f"${n}{piece}" for n, piece in enumerate(pieces[1:], 1))
-        form = _Prepared(name, f"PREPARE {name} AS {body}", len(pieces) - 1)
-    _prepared_forms[sql] = form
-    return form
-
-
-def _prepare(cursor: Any, form: _Prepared) -> str:
-    """Prepare ``form`` in the cursor's session; its ``EXECUTE`` (arguments as literals).
-
-    ``EXECUTE`` takes no bound parameters, so its arguments are composed into
-    the text by the driver's client-side binding (the server coerces each to
-    the type it chose for that parameter).
-    """
-    # A session that has it already has this very text under that name.
-    with contextlib.suppress(_errors.DuplicatePreparedStatement):
-        cursor.execute(form.prepare)
-    return f"EXECUTE {form.name}({', '.join(['%s'] * form.arguments)})"
-
-
-def _run_prepared(raw: Any, cursor: Any, sql: str, params: list[Any]) -> Any:
-    """Run ``sql`` as a prepared statement of ``raw``'s session (prepared on its second use).
-
-    The statement is named after a hash of its text, so a name can only ever
-    stand for this text, on any server session (a pooler's included). A
-    session that lost it (``DISCARD ALL``, a pooler's other server) or whose
-    plan no longer fits (a column type changed) runs this message's
-    statement unprepared, which is the same statement; the next message
-    prepares it again, up to a few misses per connection. Only in autocommit:
-    a failed ``EXECUTE`` did nothing.
-    """
-    form = _prepared_form(sql)
-    state = _prepared_on.get(raw)
-    if state is None:
-        state = _prepared_on[raw] = ({}, [0], set())
-    executes, misses, used = state
-    if form is None or misses[0] >= _MAX_MISSES or form.name not in used:
-        # The first use on a connection runs plainly: a connection that serves
-        # one message (CONN_MAX_AGE=0, closed after each task) never pays the
-        # PREPARE round trip.
-        if form is not None:
-            used.add(form.name)
-        cursor.execute(sql, params)
-        return cursor.fetchone()
-    try:
-        execute = executes.get(form.name)
-        if execute is None:
-            execute = executes[form.name] = _prepare(cursor, form)
-        cursor.execute(execute, params)
-        return cursor.fetchone()
-    except (_errors.InvalidSqlStatementName, _errors.FeatureNotSupported):
-        executes.pop(form.name, None)
-        misses[0] += 1
-        with contextlib.suppress(_errors.Error):
-            cursor.execute(f"DEALLOCATE {form.name}")
-    cursor.execute(sql, params)
-    return cursor.fetchone()
 
 
 _statements: dict[tuple[Any, ...], tuple[str, list[Field[Any, Any]], list[Field[Any, Any]]]] = {}

@@ -13,7 +13,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders import presume, services, statements
+from idempotent_orders import services, statements
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
@@ -189,7 +189,7 @@ def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:
     assert not any(s.startswith("WITH claim") for s in sql)
 
 
-class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
+class _Recording(statements._DriverCursor):  # type: ignore[misc,name-defined]
     """The driver's own cursor, recording what it ran."""
 
     ran: list[str] = []
@@ -202,7 +202,7 @@ class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     _Recording.ran = []
-    monkeypatch.setattr(presume, "_DriverCursor", _Recording)
+    monkeypatch.setattr(statements, "_DriverCursor", _Recording)
     return _Recording.ran
 
 
