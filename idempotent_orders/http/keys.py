@@ -124,7 +124,7 @@ def parse_key(raw: str) -> str:
             raise KeyInvalid("a bare Idempotency-Key must not contain spaces, quotes or '\\'")
     if not key:
         raise KeyInvalid("Idempotency-Key is empty")
-    if not all(" " <= c <= "~" for c in key):
+    if not (key.isascii() and key.isprintable()):  # " " to "~"
         raise KeyInvalid("Idempotency-Key must be printable ASCII")
     limit = min(conf.KEY_MAX_LENGTH, 255)
     if len(key) > limit:
