@@ -554,7 +554,7 @@ def _joined(statements: tuple[_Statement, ...], values: dict[str, Any]) -> tuple
     )
 
 
-#: Names of the claim's prepared statements (PostgreSQL), in the order they run.
+#: What the claim's prepared statements (PostgreSQL) are named after, in the order they run.
 _CLAIM_STATEMENTS = (
     "idempotent_orders_claim_read",
     "idempotent_orders_claim_lock",
@@ -562,9 +562,23 @@ _CLAIM_STATEMENTS = (
 )
 #: Raw connections that hold the claim's prepared statements.
 _prepared_on: weakref.WeakSet[Any] = weakref.WeakSet()
-#: Per database alias: the PREPARE of each claim statement, the query that executes
-#: them, and the names of its parameters.
-_prepared_sql: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {}
+
+
+@dataclass(frozen=True)
+class _PreparedClaim:
+    """The claim's statements prepared on a connection, and the query that runs them."""
+
+    #: ``PREPARE`` of each statement, named after its role and a hash of its text (so a
+    #: name stands for one text only, across versions of the app sharing a server session).
+    prepares: tuple[str, ...]
+    names: tuple[str, ...]
+    #: One simple query ``EXECUTE``-ing them all, and the names of its parameters in order.
+    execute: str
+    order: tuple[str, ...]
+
+
+#: Per database alias.
+_prepared_sql: dict[str, _PreparedClaim] = {}
 
 
 def _param_type(conn: BaseDatabaseWrapper, name: str) -> str:
@@ -576,16 +590,16 @@ def _param_type(conn: BaseDatabaseWrapper, name: str) -> str:
 
 def _prepared_claim(
     conn: BaseDatabaseWrapper, statements: tuple[_Statement, ...]
-) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
-    """``PREPARE`` texts of ``statements``, one simple query that ``EXECUTE``s them
-    all, and the names of its parameters in order (each name once per statement)."""
+) -> _PreparedClaim:
+    """The claim's ``statements`` as prepared statements (each parameter name once)."""
     found = _prepared_sql.get(conn.alias)
     if found is not None:
         return found
     prepares: list[str] = []
+    names: list[str] = []
     executes: list[str] = []
     order: list[str] = []
-    for name, statement in zip(_CLAIM_STATEMENTS, statements, strict=True):
+    for role, statement in zip(_CLAIM_STATEMENTS, statements, strict=True):
         distinct = tuple(dict.fromkeys(statement.names))
         parts = statement.sql.split("%s")
         assert len(parts) == len(statement.names) + 1, "one placeholder per name"
@@ -593,11 +607,15 @@ def _prepared_claim(
             f"${distinct.index(n) + 1}{part}"
             for n, part in zip(statement.names, parts[1:], strict=True)
         )
-        types = ", ".join(_param_type(conn, n) for n in distinct)
-        prepares.append(f"PREPARE {name} ({types}) AS {numbered}")
+        body = f"({', '.join(_param_type(conn, n) for n in distinct)}) AS {numbered}"
+        name = f"{role}_{hashlib.blake2b(body.encode(), digest_size=5).hexdigest()}"
+        prepares.append(f"PREPARE {name} {body}")
+        names.append(name)
         executes.append(f"EXECUTE {name} ({', '.join(['%s'] * len(distinct))})")
         order.extend(distinct)
-    found = _prepared_sql[conn.alias] = (tuple(prepares), "; ".join(executes), tuple(order))
+    found = _prepared_sql[conn.alias] = _PreparedClaim(
+        tuple(prepares), tuple(names), "; ".join(executes), tuple(order)
+    )
     return found
 
 
@@ -650,15 +668,15 @@ def _execute_claim(
     if settings.get("DISABLE_SERVER_SIDE_CURSORS") or settings.get("CONN_MAX_AGE") == 0:
         cursor.execute(*_joined(statements, values))
         return
-    prepares, execute, order = _prepared_claim(conn, statements)
-    params = [values[name] for name in order]
+    prepared = _prepared_claim(conn, statements)
+    params = [values[name] for name in prepared.order]
     raw = conn.connection
     for attempt in (1, 2):
         if raw not in _prepared_on:
-            _prepare(cursor, prepares)
+            _prepare(cursor, prepared)
             _prepared_on.add(raw)
         try:
-            cursor.execute(execute, params)
+            cursor.execute(prepared.execute, params)
             return
         except _DB_ERRORS as exc:
             if attempt == 2 or _sqlstate(exc) != "26000":  # no such prepared statement
@@ -676,19 +694,19 @@ def _sqlstate(exc: BaseException) -> str | None:
     return getattr(exc, "sqlstate", None) or getattr(exc.__cause__, "sqlstate", None)
 
 
-def _prepare(cursor: Any, prepares: tuple[str, ...]) -> None:
+def _prepare(cursor: Any, prepared: _PreparedClaim) -> None:
     try:
-        cursor.execute("; ".join(prepares))
+        cursor.execute("; ".join(prepared.prepares))
     except _DB_ERRORS as exc:
         if _sqlstate(exc) != "42P05":  # already prepared (by an earlier client of a pooler)
             raise
         cursor.execute(
             "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)",
-            [list(_CLAIM_STATEMENTS)],
+            [list(prepared.names)],
         )
         for (name,) in cursor.fetchall():
             cursor.execute(f"DEALLOCATE {name}")
-        cursor.execute("; ".join(prepares))
+        cursor.execute("; ".join(prepared.prepares))
 
 
 def _insert_portable(fields: dict[str, Any], now: Any) -> int | None:
