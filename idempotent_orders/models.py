@@ -360,3 +360,22 @@ class IdempotencyKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.method or 'token'} {self.route} {self.key[:16]} ({self.state})"
+
+
+class KeyQuota(models.Model):
+    """Per principal, a bound its live keys and tokens never exceed (PostgreSQL's quota check).
+
+    Every key a claim inserts adds one, in the claim's own transaction, so the
+    bound never falls below the principal's count of live keys; keys that
+    expire or are released leave it higher. A claim reads this row instead of
+    counting the principal's keys; only once the bound reaches ``KEY_QUOTA``
+    are the keys counted, and the bound set to the count. Rows untouched for
+    ``KEY_TTL`` are purged with the keys.
+    """
+
+    principal = models.CharField(max_length=191, primary_key=True)
+    bound = models.BigIntegerField(default=0)
+    updated_at = models.DateTimeField(db_default=Now())
+
+    def __str__(self) -> str:
+        return f"{self.principal}: at most {self.bound} live keys"

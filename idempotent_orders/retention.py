@@ -20,6 +20,7 @@ from idempotent_orders.conf import conf
 from idempotent_orders.models import (
     IdempotencyKey,
     InboxStatus,
+    KeyQuota,
     KeyState,
     Outcome,
     ParkedMessage,
@@ -112,6 +113,9 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
         Q(expires_at__lt=now) & ~Q(state=KeyState.IN_FLIGHT, lease_expires_at__gt=now),
         size,
     )
+    # Quota bounds no claim raised for KEY_TTL: their keys have expired (a principal
+    # without a bound is counted at its next claim).
+    _delete_in_batches(KeyQuota, Q(updated_at__lt=now - timedelta(seconds=conf.KEY_TTL)), size)
     if report.inbox or report.parked or report.keys:
         logger.info("purged %s", report.as_dict())
     return report

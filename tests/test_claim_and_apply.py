@@ -13,7 +13,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders import presume, services, statements
+from idempotent_orders import services, statements
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
@@ -189,7 +189,7 @@ def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:
     assert not any(s.startswith("WITH claim") for s in sql)
 
 
-class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
+class _Recording(statements._DriverCursor):  # type: ignore[misc,name-defined]
     """The driver's own cursor, recording what it ran."""
 
     ran: list[str] = []
@@ -202,7 +202,7 @@ class _Recording(presume._DriverCursor):  # type: ignore[misc,name-defined]
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     _Recording.ran = []
-    monkeypatch.setattr(presume, "_DriverCursor", _Recording)
+    monkeypatch.setattr(statements, "_DriverCursor", _Recording)
     return _Recording.ran
 
 
@@ -303,8 +303,8 @@ def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str])
 
 
 def test_the_prepared_form_numbers_the_arguments_and_unescapes_percent_signs() -> None:
-    form = presume._prepared_form("SELECT %(a0)s, '100%%', %(a1)s, %(a0)s")
+    form = statements._prepared_form("SELECT %(a0)s, '100%%', %(a1)s, %(a0)s")
     assert form is not None
     assert form.prepare.endswith(" AS SELECT $1, '100%', $2, $1")
     assert form.execute == f"EXECUTE {form.name}(".encode()
-    assert presume._prepared_form("SELECT '5%'") is None  # run plainly, never prepared
+    assert statements._prepared_form("SELECT '5%'") is None  # run plainly, never prepared

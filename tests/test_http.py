@@ -934,11 +934,13 @@ def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(
         assert cursor.fetchone()[0] == 3
     assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 3
     # Already prepared on the server (a pooler handed over a used connection).
-    with connection.cursor() as cursor:
-        cursor.execute("DEALLOCATE ALL")
-        cursor.execute("PREPARE idempotent_orders_claim_lock AS SELECT 1")
     from idempotent_orders.http import keys
 
+    prepared = keys._prepared_sql[connection.alias]
+    assert all(name.startswith("idempotent_orders_claim_") for name in prepared.names)
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+        cursor.execute(prepared.prepares[1])
     keys._prepared_on.discard(connection.connection)
     fourth = post(client, "/api/orders/", basket("p-4"), key="p-4")
     assert fourth.status_code == 201

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -155,20 +155,21 @@ def _wait_for_first(request: HttpRequest, key: str, policy: Policy) -> HttpRespo
     return None
 
 
-def _atomic_requests() -> ExitStack:
+def _atomic_requests() -> AbstractContextManager[Any]:
     """``transaction.atomic()`` for each database with ``ATOMIC_REQUESTS``, as Django would."""
+    aliases = _atomic_aliases()
+    if not aliases:
+        return nullcontext()
     stack = ExitStack()
-    for alias in _atomic_aliases():
+    for alias in aliases:
         stack.enter_context(transaction.atomic(using=alias))
     return stack
 
 
 def _atomic_aliases() -> list[str]:
-    return [
-        db.alias
-        for db in connections.all(initialized_only=False)
-        if db.settings_dict.get("ATOMIC_REQUESTS")
-    ]
+    # The settings themselves (each connection's settings_dict is its entry here):
+    # reading them through the connections would look each one up context-locally.
+    return [alias for alias, db in connections.settings.items() if db.get("ATOMIC_REQUESTS")]
 
 
 class _LostClaim(Exception):

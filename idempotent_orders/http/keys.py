@@ -26,6 +26,7 @@ A request carrying a key runs like this:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import secrets
@@ -39,7 +40,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-from django.db import DatabaseError, IntegrityError, connection, models, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    connection,
+    connections,
+    models,
+    transaction,
+)
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Greatest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils import timezone
@@ -54,8 +64,13 @@ from idempotent_orders.exceptions import (
     QuotaExceeded,
     TokenInvalid,
 )
-from idempotent_orders.models import IdempotencyKey, KeyState
-from idempotent_orders.statements import build, compiled_read
+from idempotent_orders.models import IdempotencyKey, KeyQuota, KeyState
+from idempotent_orders.statements import build, compiled_read, driver_cursor, fetch_one
+
+try:
+    from psycopg import Error as _DriverError
+except ImportError:  # psycopg2, or no PostgreSQL driver
+    _DriverError = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "HEADER",
@@ -109,7 +124,7 @@ def parse_key(raw: str) -> str:
             raise KeyInvalid("a bare Idempotency-Key must not contain spaces, quotes or '\\'")
     if not key:
         raise KeyInvalid("Idempotency-Key is empty")
-    if not all(" " <= c <= "~" for c in key):
+    if not (key.isascii() and key.isprintable()):  # " " to "~"
         raise KeyInvalid("Idempotency-Key must be printable ASCII")
     limit = min(conf.KEY_MAX_LENGTH, 255)
     if len(key) > limit:
@@ -138,12 +153,17 @@ def default_principal(request: HttpRequest) -> str | None:
     return f"session:{session.session_key}"
 
 
+@functools.lru_cache(maxsize=8)
+def _resolver(path: str) -> Any:
+    return import_string(path)
+
+
 def get_principal(request: HttpRequest) -> str | None:
     """The principal of ``request`` through the ``PRINCIPAL_RESOLVER`` setting."""
     cached = getattr(request, "_idempotency_principal", None)
     if cached is not None:
         return str(cached)
-    principal = import_string(conf.PRINCIPAL_RESOLVER)(request)
+    principal = _resolver(conf.PRINCIPAL_RESOLVER)(request)
     if principal is not None:
         principal = str(principal)[:191]
         request._idempotency_principal = principal  # type: ignore[attr-defined]
@@ -317,10 +337,10 @@ def _field(name: str) -> Any:
     return IdempotencyKey._meta.get_field(name)
 
 
-def _one_round_trip() -> bool:
+def _one_round_trip(conn: BaseDatabaseWrapper) -> bool:
     """Whether the claim can go as one multi-statement query: psycopg 3 with
     client-side binding (Django's default) and no transaction open around it."""
-    if connection.in_atomic_block or connection.settings_dict["OPTIONS"].get("server_side_binding"):
+    if conn.in_atomic_block or conn.settings_dict["OPTIONS"].get("server_side_binding"):
         return False
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
@@ -334,55 +354,117 @@ def _lock_id(principal: str) -> int:
 
 
 @dataclass(frozen=True)
+class _Statement:
+    """One statement of a claim: its SQL (``%s`` placeholders) and what each one stands for.
+
+    A name is a column of :data:`_CLAIM_COLUMNS`, or ``now``, ``quota`` or ``lock``
+    (the advisory lock id); :func:`_claim_params` gives their values.
+    """
+
+    sql: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class _ClaimTexts:
     """The SQL of a claim on one database (built once per alias: it never changes)."""
 
-    #: The INSERT guarded by the quota (``%s``: the claim's columns, principal, now, quota).
-    insert: str
-    #: PostgreSQL: the advisory lock, taken only if the key has no row (``%s``: lock, scope, key).
-    lock_if_absent: str
-    #: PostgreSQL: the INSERT, skipped too if the key has a row (scope, key after the columns).
-    insert_if_absent: str
+    #: The INSERT guarded by the quota.
+    insert: _Statement
+    #: PostgreSQL: the advisory lock, taken only if the key has no row.
+    lock_if_absent: _Statement
+    #: PostgreSQL: the INSERT, skipped too if the key has a row.
+    insert_if_absent: _Statement
 
 
 _claim_texts_by_alias: dict[str, _ClaimTexts] = {}
 
 
-def _claim_texts() -> _ClaimTexts:
-    found = _claim_texts_by_alias.get(connection.alias)
+def _claim_texts(conn: BaseDatabaseWrapper) -> _ClaimTexts:
+    found = _claim_texts_by_alias.get(conn.alias)
     if found is not None:
         return found
-    vendor = connection.vendor
-    qn = connection.ops.quote_name
+    vendor = conn.vendor
+    qn = conn.ops.quote_name
     table = qn(IdempotencyKey._meta.db_table)
     columns = ", ".join(qn(c) for c in _CLAIM_COLUMNS)
     values = ", ".join(["%s"] * len(_CLAIM_COLUMNS))
     json_empty = "'[]'::jsonb" if vendor == "postgresql" else "'[]'"
     extra_cols = f"{qn('is_token')}, {qn('body_omitted')}, {qn('response_headers')}"
     extra_vals = f"FALSE, FALSE, {json_empty}"
-    guard = (
-        f"(SELECT COUNT(*) FROM {table} WHERE {qn('principal')} = %s"
-        f" AND {qn('expires_at')} > %s) < %s"
-    )
+    count = f"SELECT COUNT(*) FROM {table} WHERE {qn('principal')} = %s AND {qn('expires_at')} > %s"
     absent = f"NOT EXISTS (SELECT 1 FROM {table} WHERE {qn('scope')} = %s AND {qn('key')} = %s)"
-    if vendor == "mysql":
-        sql = (
-            f"INSERT IGNORE INTO {table} ({columns}, {extra_cols}) "
-            f"SELECT {values}, {extra_vals} FROM DUAL WHERE {guard} RETURNING {qn('id')}"
+    if vendor == "postgresql":
+        # The principal's bound (KeyQuota) instead of a count of its keys: they are
+        # counted only when it has no bound or the bound has reached the quota,
+        # and the count then sets the bound. The CTE runs when first read, so not
+        # at all below the quota.
+        quota = qn(KeyQuota._meta.db_table)
+        text = (
+            f"WITH live AS MATERIALIZED ({count}), "
+            f"held AS MATERIALIZED (SELECT {qn('bound')} FROM {quota}"
+            f" WHERE {qn('principal')} = %s), "
+            f"claim AS (INSERT INTO {table} ({columns}, {extra_cols}) "
+            f"SELECT {values}, {extra_vals} WHERE {{absent}}"
+            "(COALESCE((SELECT * FROM held), %s) < %s OR (SELECT * FROM live) < %s) "
+            f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}), "
+            # Without a bound the keys were counted for the guard: the count starts one.
+            f"bound AS (INSERT INTO {quota} AS q ({qn('principal')}, {qn('bound')},"
+            f" {qn('updated_at')}) SELECT %s, CASE WHEN (SELECT * FROM held) IS NULL"
+            " THEN (SELECT * FROM live) + 1 ELSE 1 END, now() FROM claim "
+            f"ON CONFLICT ({qn('principal')}) DO UPDATE SET {qn('bound')} ="
+            f" CASE WHEN q.{qn('bound')} < %s THEN q.{qn('bound')} + 1"
+            f" ELSE (SELECT * FROM live) + 1 END, {qn('updated_at')} = now()) "
+            f"SELECT {qn('id')} FROM claim"
+        )
+        head = ("principal", "now", "principal", *_CLAIM_COLUMNS)
+        tail = ("quota", "quota", "quota", "principal", "quota")
+        insert = _Statement(text.format(absent=""), (*head, *tail))
+        insert_if_absent = _Statement(
+            text.format(absent=f"{absent} AND "), (*head, "scope", "key", *tail)
         )
     else:
-        sql = (
-            f"INSERT INTO {table} ({columns}, {extra_cols}) "
-            f"SELECT {values}, {extra_vals} WHERE {guard} "
-            f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
-        )
-    found = _claim_texts_by_alias[connection.alias] = _ClaimTexts(
-        insert=sql,
-        lock_if_absent="SELECT pg_advisory_xact_lock(%s),"
-        f" set_config('synchronous_commit', 'off', true) WHERE {absent}",
-        insert_if_absent=sql.replace(f" WHERE {guard} ", f" WHERE {absent} AND {guard} ", 1),
+        guard = f"({count}) < %s"
+        if vendor == "mysql":
+            sql = (
+                f"INSERT IGNORE INTO {table} ({columns}, {extra_cols}) "
+                f"SELECT {values}, {extra_vals} FROM DUAL WHERE {guard} RETURNING {qn('id')}"
+            )
+        else:
+            sql = (
+                f"INSERT INTO {table} ({columns}, {extra_cols}) "
+                f"SELECT {values}, {extra_vals} WHERE {guard} "
+                f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
+            )
+        insert = insert_if_absent = _Statement(sql, (*_CLAIM_COLUMNS, "principal", "now", "quota"))
+    found = _claim_texts_by_alias[conn.alias] = _ClaimTexts(
+        insert=insert,
+        lock_if_absent=_Statement(
+            "SELECT pg_advisory_xact_lock(%s),"
+            f" set_config('synchronous_commit', 'off', true) WHERE {absent}",
+            ("lock", "scope", "key"),
+        ),
+        insert_if_absent=insert_if_absent,
     )
     return found
+
+
+#: Columns of a claim holding a date and time; the others hold text.
+_CLAIM_MOMENTS = frozenset({"lease_expires_at", "expires_at"})
+
+
+def _claim_params(conn: BaseDatabaseWrapper, fields: dict[str, Any], now: Any) -> dict[str, Any]:
+    """What each name of a :class:`_Statement` stands for, as the database takes it.
+
+    The claim makes the column values itself: strings, which text columns
+    take as they are, and aware datetimes, which the backend adapts
+    (``get_db_prep_save`` would convert nothing else).
+    """
+    adapt = conn.ops.adapt_datetimefield_value
+    params = {c: adapt(fields[c]) if c in _CLAIM_MOMENTS else fields[c] for c in _CLAIM_COLUMNS}
+    params["now"] = adapt(now)
+    params["quota"] = conf.KEY_QUOTA
+    return params
 
 
 def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyKey | None:
@@ -399,20 +481,20 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyK
     taken after the lock, so it counts every claim committed before), by a
     named lock (``GET_LOCK``) around the autocommitted statement on MariaDB and
     MySQL, and by SQLite's single writer. Other databases take the portable path.
+    On PostgreSQL the live keys are counted only when the principal's
+    :class:`~idempotent_orders.models.KeyQuota` bound has reached the quota.
     """
-    vendor = connection.vendor
+    conn = connections[DEFAULT_DB_ALIAS]  # the wrapper: each read through the proxy costs
+    vendor = conn.vendor
     if vendor not in {"postgresql", "mysql", "sqlite"} or (
-        vendor == "mysql" and not getattr(connection, "mysql_is_mariadb", False)
+        vendor == "mysql" and not getattr(conn, "mysql_is_mariadb", False)
     ):
         return _insert_portable(fields, now)
-    texts = _claim_texts()
-    sql = texts.insert
-    prep = [_field(c).get_db_prep_save(fields[c], connection) for c in _CLAIM_COLUMNS]
-    now_param = _field("expires_at").get_db_prep_save(now, connection)
-    params = [*prep, fields["principal"], now_param, conf.KEY_QUOTA]
+    texts = _claim_texts(conn)
+    values = _claim_params(conn, fields, now)
     if vendor == "postgresql":
-        lock_params = [_lock_id(fields["principal"])]
-        if _one_round_trip():
+        values["lock"] = _lock_id(fields["principal"])
+        if _one_round_trip(conn):
             # The statements in one simple query: PostgreSQL runs them as one
             # implicit transaction (the lock is held until its end, the INSERT
             # takes a fresh snapshot after it), and rolls it back on an error.
@@ -425,56 +507,54 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyK
             # insert then skip themselves (each statement has its own snapshot,
             # so a key inserted meanwhile is still found by ON CONFLICT).
             alias, plan = compiled_read(IdempotencyKey, "scope", "key")
-            if plan is None or alias != connection.alias:
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT pg_advisory_xact_lock(%s),"
-                        f" set_config('synchronous_commit', 'off', true); {sql}",
-                        lock_params + params,
-                    )
+            if plan is None or alias != conn.alias:
+                statements = (texts.lock_if_absent, texts.insert)
+                with conn.cursor() as cursor:
+                    cursor.execute(*_joined(statements, values))
                     cursor.nextset()
                     found = cursor.fetchone()
                 return int(found[0]) if found else None
-            ident = [prep[_CLAIM_COLUMNS.index("scope")], prep[_CLAIM_COLUMNS.index("key")]]
-            with connection.cursor() as cursor:
-                _execute_claim(
-                    cursor,
-                    (plan.sql, texts.lock_if_absent, texts.insert_if_absent),
-                    [*ident, *lock_params, *ident, *prep, *ident, *params[len(prep) :]],
-                )
-                existing = cursor.fetchall()
-                cursor.nextset()
-                cursor.nextset()
-                found = cursor.fetchone()
+            read = _Statement(plan.sql, ("scope", "key"))
+            existing, found = _run_claim(
+                conn, (read, texts.lock_if_absent, texts.insert_if_absent), values
+            )
             if existing:
                 return cast(IdempotencyKey, build(IdempotencyKey, alias, plan, existing[0]))
         else:
             # Inside a caller's transaction: a savepoint, the lock held until
             # that transaction ends, and its durability left as it is.
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(%s)", lock_params)
-                cursor.execute(sql, params)
+            with transaction.atomic(using=conn.alias), conn.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [values["lock"]])
+                cursor.execute(*_joined((texts.insert,), values))
                 found = cursor.fetchone()
     elif vendor == "mysql":
         name = "io_quota_" + hashlib.sha256(fields["principal"].encode()).hexdigest()[:48]
-        with connection.cursor() as cursor:
+        with conn.cursor() as cursor:
             cursor.execute("SELECT GET_LOCK(%s, %s)", [name, conf.KEY_LEASE])
             if cursor.fetchone()[0] != 1:
                 raise KeyInFlight("too many concurrent claims; retry", retry_after=conf.RETRY_AFTER)
             try:
-                cursor.execute(sql, params)
+                cursor.execute(*_joined((texts.insert,), values))
                 found = cursor.fetchone()
             finally:
                 cursor.execute("SELECT RELEASE_LOCK(%s)", [name])
                 cursor.fetchall()
     else:
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(sql, params)
+        with transaction.atomic(using=conn.alias), conn.cursor() as cursor:
+            cursor.execute(*_joined((texts.insert,), values))
             found = cursor.fetchone()
     return int(found[0]) if found else None
 
 
-#: Names of the claim's prepared statements (PostgreSQL), in the order they run.
+def _joined(statements: tuple[_Statement, ...], values: dict[str, Any]) -> tuple[str, list[Any]]:
+    """One query of ``statements`` and its parameters in placeholder order."""
+    return (
+        "; ".join(s.sql for s in statements),
+        [values[name] for s in statements for name in s.names],
+    )
+
+
+#: What the claim's prepared statements (PostgreSQL) are named after, in the order they run.
 _CLAIM_STATEMENTS = (
     "idempotent_orders_claim_read",
     "idempotent_orders_claim_lock",
@@ -482,40 +562,98 @@ _CLAIM_STATEMENTS = (
 )
 #: Raw connections that hold the claim's prepared statements.
 _prepared_on: weakref.WeakSet[Any] = weakref.WeakSet()
-#: Per database alias: the PREPARE of each claim statement, and the query that executes them.
-_prepared_sql: dict[str, tuple[tuple[str, ...], str]] = {}
 
 
-def _claim_param_types() -> tuple[list[str], ...]:
-    """The SQL types of the parameters of each claim statement, in placeholder order."""
-    scope, key = _field("scope").db_type(connection), _field("key").db_type(connection)
-    principal, moment = (
-        _field("principal").db_type(connection),
-        _field("expires_at").db_type(connection),
-    )
-    values = [_field(c).db_type(connection) for c in _CLAIM_COLUMNS]
-    return [scope, key], ["bigint", scope, key], [*values, scope, key, principal, moment, "bigint"]
+@dataclass(frozen=True)
+class _PreparedClaim:
+    """The claim's statements prepared on a connection, and the query that runs them."""
+
+    #: ``PREPARE`` of each statement, named after its role and a hash of its text (so a
+    #: name stands for one text only, across versions of the app sharing a server session).
+    prepares: tuple[str, ...]
+    names: tuple[str, ...]
+    #: One simple query ``EXECUTE``-ing them all, and the names of its parameters in order.
+    execute: str
+    order: tuple[str, ...]
 
 
-def _prepared_claim(statements: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
-    """``PREPARE`` texts of ``statements`` and one simple query that ``EXECUTE``s them all."""
-    found = _prepared_sql.get(connection.alias)
+#: Per database alias.
+_prepared_sql: dict[str, _PreparedClaim] = {}
+
+
+def _param_type(conn: BaseDatabaseWrapper, name: str) -> str:
+    """The SQL type of a claim statement's parameter ``name`` (see :class:`_Statement`)."""
+    if name in {"quota", "lock"}:
+        return "bigint"
+    return str(_field("expires_at" if name == "now" else name).db_type(conn))
+
+
+def _prepared_claim(
+    conn: BaseDatabaseWrapper, statements: tuple[_Statement, ...]
+) -> _PreparedClaim:
+    """The claim's ``statements`` as prepared statements (each parameter name once)."""
+    found = _prepared_sql.get(conn.alias)
     if found is not None:
         return found
-    prepares, executes = [], []
-    for name, statement, types in zip(
-        _CLAIM_STATEMENTS, statements, _claim_param_types(), strict=True
-    ):
-        parts = statement.split("%s")
-        assert len(parts) == len(types) + 1, "one placeholder per typed parameter"
-        numbered = parts[0] + "".join(f"${n}{part}" for n, part in enumerate(parts[1:], 1))
-        prepares.append(f"PREPARE {name} ({', '.join(types)}) AS {numbered}")
-        executes.append(f"EXECUTE {name} ({', '.join(['%s'] * len(types))})")
-    found = _prepared_sql[connection.alias] = (tuple(prepares), "; ".join(executes))
+    prepares: list[str] = []
+    names: list[str] = []
+    executes: list[str] = []
+    order: list[str] = []
+    for role, statement in zip(_CLAIM_STATEMENTS, statements, strict=True):
+        distinct = tuple(dict.fromkeys(statement.names))
+        parts = statement.sql.split("%s")
+        assert len(parts) == len(statement.names) + 1, "one placeholder per name"
+        numbered = parts[0] + "".join(
+            f"${distinct.index(n) + 1}{part}"
+            for n, part in zip(statement.names, parts[1:], strict=True)
+        )
+        body = f"({', '.join(_param_type(conn, n) for n in distinct)}) AS {numbered}"
+        name = f"{role}_{hashlib.blake2b(body.encode(), digest_size=5).hexdigest()}"
+        prepares.append(f"PREPARE {name} {body}")
+        names.append(name)
+        executes.append(f"EXECUTE {name} ({', '.join(['%s'] * len(distinct))})")
+        order.extend(distinct)
+    found = _prepared_sql[conn.alias] = _PreparedClaim(
+        tuple(prepares), tuple(names), "; ".join(executes), tuple(order)
+    )
     return found
 
 
-def _execute_claim(cursor: Any, statements: tuple[str, ...], params: list[Any]) -> None:
+def _run_claim(
+    conn: BaseDatabaseWrapper, statements: tuple[_Statement, ...], values: dict[str, Any]
+) -> tuple[list[Any], Any]:
+    """Run the claim's three statements: the key's row if it exists, and the inserted id.
+
+    Straight on the driver's connection where nothing needs to see the query
+    (see :func:`~idempotent_orders.statements.driver_cursor`).
+    """
+    cursor = driver_cursor(conn)
+    if cursor is None:
+        with conn.cursor() as cursor:
+            return _claim_results(conn, cursor, statements, values)
+    with conn.wrap_database_errors, cursor:
+        return _claim_results(conn, cursor, statements, values)
+
+
+def _claim_results(
+    conn: BaseDatabaseWrapper,
+    cursor: Any,
+    statements: tuple[_Statement, ...],
+    values: dict[str, Any],
+) -> tuple[list[Any], Any]:
+    _execute_claim(conn, cursor, statements, values)
+    existing = cursor.fetchall()
+    cursor.nextset()
+    cursor.nextset()
+    return existing, cursor.fetchone()
+
+
+def _execute_claim(
+    conn: BaseDatabaseWrapper,
+    cursor: Any,
+    statements: tuple[_Statement, ...],
+    values: dict[str, Any],
+) -> None:
     """Run the claim's statements as one simple query, through prepared statements
     where the connection allows them (parsed and planned once per connection).
 
@@ -526,42 +664,49 @@ def _execute_claim(cursor: Any, statements: tuple[str, ...], params: list[Any]) 
     client). A connection that lost its prepared statements (a pooler's
     ``DISCARD ALL``) prepares them again; the failed query was rolled back whole.
     """
-    settings = connection.settings_dict
+    settings = conn.settings_dict
     if settings.get("DISABLE_SERVER_SIDE_CURSORS") or settings.get("CONN_MAX_AGE") == 0:
-        cursor.execute("; ".join(statements), params)
+        cursor.execute(*_joined(statements, values))
         return
-    prepares, execute = _prepared_claim(statements)
-    raw = connection.connection
+    prepared = _prepared_claim(conn, statements)
+    params = [values[name] for name in prepared.order]
+    raw = conn.connection
     for attempt in (1, 2):
         if raw not in _prepared_on:
-            _prepare(cursor, prepares)
+            _prepare(cursor, prepared)
             _prepared_on.add(raw)
         try:
-            cursor.execute(execute, params)
+            cursor.execute(prepared.execute, params)
             return
-        except DatabaseError as exc:
+        except _DB_ERRORS as exc:
             if attempt == 2 or _sqlstate(exc) != "26000":  # no such prepared statement
                 raise
             _prepared_on.discard(raw)
 
 
+#: What a failed statement raises: Django's error, or the driver's own on its cursor.
+_DB_ERRORS: tuple[type[Exception], ...] = (
+    (DatabaseError,) if _DriverError is None else (DatabaseError, _DriverError)
+)
+
+
 def _sqlstate(exc: BaseException) -> str | None:
-    return getattr(exc.__cause__, "sqlstate", None)
+    return getattr(exc, "sqlstate", None) or getattr(exc.__cause__, "sqlstate", None)
 
 
-def _prepare(cursor: Any, prepares: tuple[str, ...]) -> None:
+def _prepare(cursor: Any, prepared: _PreparedClaim) -> None:
     try:
-        cursor.execute("; ".join(prepares))
-    except DatabaseError as exc:
+        cursor.execute("; ".join(prepared.prepares))
+    except _DB_ERRORS as exc:
         if _sqlstate(exc) != "42P05":  # already prepared (by an earlier client of a pooler)
             raise
         cursor.execute(
             "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)",
-            [list(_CLAIM_STATEMENTS)],
+            [list(prepared.names)],
         )
         for (name,) in cursor.fetchall():
             cursor.execute(f"DEALLOCATE {name}")
-        cursor.execute("; ".join(prepares))
+        cursor.execute("; ".join(prepared.prepares))
 
 
 def _insert_portable(fields: dict[str, Any], now: Any) -> int | None:
@@ -613,49 +758,81 @@ def release(held: Claim) -> None:
         mine.delete()
 
 
-#: The stored response's UPDATE, by database alias (its columns are those of ``store``).
+#: Columns the stored response sets, in the order of its UPDATE's assignments.
+_STORE_COLUMNS = (
+    "state",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "body_omitted",
+    "completed_at",
+    "lease_owner",
+    "lease_expires_at",
+)
+#: The stored response's UPDATE, by database alias.
 _store_sql: dict[str, str] = {}
+#: The lower-cased ``REPLAY_HEADERS``, and the setting's value they were made from.
+_replay_headers: tuple[list[str], frozenset[str]] = ([], frozenset())
+
+
+def _kept_headers(response: HttpResponseBase) -> list[list[str]]:
+    """The response's headers that ``REPLAY_HEADERS`` allows to be replayed."""
+    global _replay_headers
+    setting = conf.REPLAY_HEADERS
+    if _replay_headers[0] != setting:
+        _replay_headers = (setting, frozenset(h.lower() for h in setting))
+    allowed = _replay_headers[1]
+    return [[k, v] for k, v in response.items() if k.lower() in allowed]
 
 
 def store(held: Claim, response: HttpResponseBase) -> bool:
     """Store ``response`` under the key; False when the lease was lost to a takeover."""
-    allowed = {h.lower() for h in conf.REPLAY_HEADERS}
-    headers = [[k, v] for k, v in response.items() if k.lower() in allowed]
+    conn = connections[DEFAULT_DB_ALIAS]
     body: bytes | None = None
     omitted = True
     if not response.streaming and isinstance(response, HttpResponse):
         content = response.content
         if len(content) <= conf.MAX_STORED_RESPONSE_BYTES:
             body, omitted = content, False
-    values = {
-        "state": KeyState.COMPLETED,
-        "response_status": response.status_code,
-        "response_headers": headers,
-        "response_body": body,
-        "body_omitted": omitted,
-        "completed_at": timezone.now(),
-        "lease_owner": "",
-        "lease_expires_at": None,
-    }
     # One UPDATE in SQL of our own: the ORM's query building costs as much as
     # the round trip on this hot path. Fenced by the lease owner and state.
-    sql = _store_sql.get(connection.alias)
+    sql = _store_sql.get(conn.alias)
     if sql is None:
-        qn = connection.ops.quote_name
-        assignments = ", ".join(f"{qn(name)} = %s" for name in values)
-        sql = _store_sql[connection.alias] = (
-            f"UPDATE {qn(IdempotencyKey._meta.db_table)} SET {assignments} "
-            f"WHERE {qn('id')} = %s AND {qn('lease_owner')} = %s AND {qn('state')} = %s"
+        qn = conn.ops.quote_name
+        assignments = ", ".join(f"{qn(name)} = %(a{n})s" for n, name in enumerate(_STORE_COLUMNS))
+        n = len(_STORE_COLUMNS)
+        sql = (
+            f"UPDATE {qn(IdempotencyKey._meta.db_table)} SET {assignments} WHERE {qn('id')}"
+            f" = %(a{n})s AND {qn('lease_owner')} = %(a{n + 1})s AND {qn('state')} = %(a{n + 2})s"
         )
-    params = [_field(name).get_db_prep_save(v, connection) for name, v in values.items()]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, held.row.pk, held.owner, KeyState.IN_FLIGHT])
-        stored = cursor.rowcount
+        if conn.vendor == "postgresql":
+            sql += f" RETURNING {qn('id')}"
+        _store_sql[conn.alias] = sql
+    args = [
+        KeyState.COMPLETED,
+        response.status_code,
+        _field("response_headers").get_db_prep_save(_kept_headers(response), conn),
+        _field("response_body").get_db_prep_save(body, conn),
+        omitted,
+        conn.ops.adapt_datetimefield_value(timezone.now()),
+        "",
+        None,
+        held.row.pk,
+        held.owner,
+        KeyState.IN_FLIGHT,
+    ]
+    if conn.vendor == "postgresql":
+        # A prepared statement of the session from its second use on.
+        stored = fetch_one(sql, args, conn) is not None
+    else:
+        with conn.cursor() as cursor:
+            cursor.execute(sql, {f"a{n}": value for n, value in enumerate(args)})
+            stored = bool(cursor.rowcount)
     if not stored:
         logger.warning(
             "idempotency key %s lost its lease before the response was stored", held.row.pk
         )
-    return bool(stored)
+    return stored
 
 
 def replay(row: IdempotencyKey) -> HttpResponse:
@@ -761,9 +938,12 @@ def heartbeat(held: Claim) -> Iterator[None]:
         _beater.remove(ident)
 
 
+_HEADER_META = "HTTP_" + HEADER.upper().replace("-", "_")
+
+
 def header_key(request: HttpRequest) -> str | None:
     """The key of the request's ``Idempotency-Key`` header, or None without one."""
-    raw = request.headers.get(HEADER)
+    raw = request.META.get(_HEADER_META)  # request.headers would parse every header
     if raw is None:
         return None
     return parse_key(raw)
@@ -799,4 +979,40 @@ def purge_expired(*, now: Any = None) -> int:
         .exclude(state=KeyState.IN_FLIGHT, lease_expires_at__gt=now)
         .delete()
     )
+    forget_stale_bounds(now=now)
     return deleted
+
+
+def forget_stale_bounds(*, now: Any = None) -> int:
+    """Delete the quota bounds no claim has raised for ``KEY_TTL`` (their keys have expired).
+
+    Always safe: a principal without a bound has its live keys counted at its
+    next claim, which sets a new bound.
+    """
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=conf.KEY_TTL)
+    deleted, _ = KeyQuota.objects.filter(updated_at__lt=cutoff).delete()
+    return deleted
+
+
+def raise_bound(conn: BaseDatabaseWrapper, principal: str) -> None:
+    """Count one more live key for ``principal`` in its quota bound, if it has one (PostgreSQL).
+
+    For keys inserted outside a claim (tokens), in their inserting transaction,
+    which must hold the principal's claim lock (:func:`lock_principal`).
+    """
+    if conn.vendor == "postgresql":
+        qn = conn.ops.quote_name
+        with conn.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {qn(KeyQuota._meta.db_table)} SET {qn('bound')} = {qn('bound')} + 1,"
+                f" {qn('updated_at')} = now() WHERE {qn('principal')} = %s",
+                [principal],
+            )
+
+
+def lock_principal(conn: BaseDatabaseWrapper, principal: str) -> None:
+    """Serialize with ``principal``'s claims until the transaction ends (PostgreSQL)."""
+    if conn.vendor == "postgresql":
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_lock_id(principal)])
