@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 
@@ -175,3 +175,28 @@ def test_purge_forgets_bounds_untouched_for_the_key_ttl(settings: Any) -> None:
     KeyQuota.objects.create(principal="user:again", bound=1)
     purge(now=now + timedelta(hours=3))
     assert not KeyQuota.objects.exists()
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_a_token_is_issued_under_the_principals_claim_lock(alice: Any) -> None:
+    """Concurrent claims wait for a token's issue: the bound it raises stays exact."""
+    import psycopg
+
+    principal = principal_of(alice)
+    settings_dict = connection.settings_dict
+    with transaction.atomic():
+        issue_token(principal)
+        other = psycopg.connect(
+            host=settings_dict["HOST"] or None,
+            port=settings_dict["PORT"] or None,
+            user=settings_dict["USER"] or None,
+            password=settings_dict["PASSWORD"] or None,
+            dbname=settings_dict["NAME"],
+            autocommit=True,
+        )
+        with other:
+            taken = other.execute(
+                "SELECT pg_try_advisory_lock(%s)", [keys._lock_id(principal)]
+            ).fetchone()
+    assert taken == (False,)

@@ -524,7 +524,7 @@ def _insert_within_quota(fields: dict[str, Any], now: Any) -> int | IdempotencyK
             # Inside a caller's transaction: a savepoint, the lock held until
             # that transaction ends, and its durability left as it is.
             with transaction.atomic(using=conn.alias), conn.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [values["lock"]])
+                lock_principal(conn, fields["principal"])
                 cursor.execute(*_joined((texts.insert,), values))
                 found = cursor.fetchone()
     elif vendor == "mysql":
