@@ -59,7 +59,8 @@ from idempotent_orders.engine import (
     serialise,
     unknown_order,
 )
-from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
+from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage, UnknownTransition
+from idempotent_orders.failures import RETRYABLE, TRANSIENT, MessageFailed
 from idempotent_orders.models import (
     AbstractOrder,
     InboxStatus,
@@ -74,6 +75,7 @@ from idempotent_orders.statements import _on_conflict, inbox_template, insert_in
 from idempotent_orders.transitions import (
     TransitionResult,
     advance,
+    runs_user_code,
     state_field,
     transition_heard,
     transition_starting,
@@ -148,6 +150,12 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             repeats.append((index, envelope))
             continue
         items[envelope.message_id] = _Item(index=index, envelope=envelope)
+    if items and not _plain(get_order_model(), items.values()):
+        # A transition with a body or a receiver runs one message at a time, in
+        # arrival order, on the single path: each sees what the previous ones wrote.
+        rest = sorted([(i.index, i.envelope) for i in items.values()] + repeats, key=lambda x: x[0])
+        outcomes.update(_one_by_one([(index, messages[index]) for index, _ in rest], consumer))
+        return outcomes
     # One look at the fast path for the whole chunk (one Redis round trip at most).
     if items:
         layers = dedup.lookup_many(consumer, list(items))
@@ -171,11 +179,43 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
                 if attempt + 1 == attempts or not is_retryable(exc):
                     raise
                 time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+            except TRANSIENT:
+                raise
+            except Exception:
+                # A validator raised (or the database refused a row): the chunk rolled
+                # back whole. Each message goes alone, so the bad one is recorded as
+                # failed and the good ones commit.
+                logger.warning(
+                    "a batch of %d rolled back on an error; consuming its messages one by one",
+                    len(items),
+                    exc_info=True,
+                )
+                rest = sorted(
+                    [(i.index, i.envelope) for i in items.values()] + repeats,
+                    key=lambda x: x[0],
+                )
+                outcomes.update(
+                    _one_by_one([(index, messages[index]) for index, _ in rest], consumer)
+                )
+                return outcomes
             else:
                 items = fresh
                 break
 
     claimed_ids = {item.envelope.message_id for item in claimed}
+    unclaimed = [m for m in items if m not in claimed_ids]
+    if unclaimed:
+        # Failed deliveries of these messages (or requeued dead letters): run again.
+        again = set(
+            ProcessedMessage.objects.filter(
+                RETRYABLE, consumer=consumer, message_id__in=unclaimed
+            ).values_list("message_id", flat=True)
+        )
+        if again:
+            retried = sorted(items[m].index for m in again)
+            outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
+            for message_id in again:
+                items.pop(message_id)
     for item in items.values():
         if item.envelope.message_id in claimed_ids:
             outcomes[item.index] = item.outcome
@@ -208,6 +248,28 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     # point leaves no fast-path key, so the redelivery reaches the database.
     remembered = list(items)
     transaction.on_commit(lambda: dedup.remember_many(consumer, remembered))
+    return outcomes
+
+
+def _plain(model: type[Model], items: Any) -> bool:
+    """Whether every message of the chunk drives a transition with nothing of the
+    project's to run: no body, no fsm-2 receiver (see ``runs_user_code``).
+    """
+    names = {item.envelope.handler.transition for item in items}
+    try:
+        return not any(runs_user_code(model, name) for name in names)
+    except UnknownTransition:
+        return False  # the single path records why
+
+
+def _one_by_one(messages: list[tuple[int, Any]], consumer: str) -> dict[int, Outcome]:
+    """The single path for each message, in order; a failure is kept and does not stop the rest."""
+    outcomes: dict[int, Outcome] = {}
+    for index, message in messages:
+        try:
+            outcomes[index] = consume_message(message, consumer=consumer)
+        except MessageFailed:
+            outcomes[index] = Outcome.FAILED
     return outcomes
 
 

@@ -69,7 +69,7 @@ def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     from idempotent_orders.exceptions import UnknownTransition
     from idempotent_orders.models import AbstractOrder
     from idempotent_orders.services import missing_create_fields
-    from idempotent_orders.transitions import edges, has_transition
+    from idempotent_orders.transitions import edges, has_transition, parameters
 
     try:
         model = get_order_model()
@@ -105,6 +105,29 @@ def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
                     id="idempotent_orders.E043",
                 )
             )
+    undrivable = []
+    for handler in handlers.registered():
+        if not has_transition(model, handler.transition):
+            continue
+        accepted = parameters(model, handler.transition)
+        unnamed = sorted(accepted.required - accepted.names)
+        if unnamed:
+            undrivable.append(
+                f"{handler.message_type!r} -> {handler.transition}() "
+                f"(positional-only: {', '.join(unnamed)})"
+            )
+    if undrivable:
+        # Only what a message type is bound to is checked; all of it in one message.
+        errors.append(
+            Error(
+                f"{label}: a message cannot call these transitions, whose methods take "
+                f"parameters that cannot be passed by name: {'; '.join(undrivable)}.",
+                hint="Give the parameters names (drop the '/'), or register the type with "
+                "arguments= and a method that takes keyword arguments.",
+                obj=model,
+                id="idempotent_orders.E044",
+            )
+        )
     missing = missing_create_fields(model)
     if missing:
         errors.append(

@@ -26,8 +26,11 @@ from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import message_consumed
 from idempotent_orders.transitions import (
     TransitionStatus,
-    check_transition,
+    arguments,
+    classify,
     current_state,
+    may_apply_later,
+    missing_arguments,
     unmet_conditions,
 )
 
@@ -44,6 +47,8 @@ __all__ = [
 
 #: Stored excerpt of a rejected message's raw body.
 BODY_EXCERPT = 4096
+#: What a rejection of a message that carries money says (the operator gives it back).
+REFUND = "the payment is money to give back"
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,8 @@ class Verdict:
     values: Mapping[str, Any] = field(default_factory=dict)
     #: A message that uses up its sequence slot without a transition moves ``last_seq`` here.
     advance_to: int | None = None
+    #: The keyword arguments the transition method is called with.
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def inbox_status(self) -> InboxStatus:
@@ -194,9 +201,17 @@ def decide(order: Model, envelope: Envelope) -> Verdict:
     beyond ``last_seq + 1`` is parked (an invalid one too: it is rejected in its
     turn, so that it still fills its slot); an invalid payload is rejected;
     then the fsm-2 graph says applied, duplicate (at the target), stale (past
-    it), parked (reachable later) or rejected (never). A transition whose
-    ``conditions=`` fail is rejected with their names. A message in sequence
-    that changes no state still moves ``last_seq`` on.
+    it), parked (reachable later) or rejected (never); a message that carries
+    money is never stale: it is rejected as money to give back. A transition
+    whose ``conditions=`` fail is parked when the message has no ``seq`` and
+    the graph leads back to a state it may start from (the condition may hold
+    later), and rejected with their names otherwise. A payload that lacks an
+    argument the transition method requires is rejected. A message in
+    sequence that changes no state still moves ``last_seq`` on.
+
+    Applied means: call the model's own method with ``Verdict.kwargs``
+    (``handler.arguments(order, payload)``, or the payload entries the method
+    takes) and commit what it did.
     """
     seq = envelope.seq
     last: int = order.last_seq  # type: ignore[attr-defined]
@@ -213,26 +228,57 @@ def decide(order: Model, envelope: Envelope) -> Verdict:
             return Verdict(Outcome.STALE, f"seq {seq} is not after the last applied seq {last}")
         if seq > last + 1:
             return Verdict(Outcome.PARKED, f"waiting for seq {last + 1}")
-    name = envelope.handler.transition
+    handler = envelope.handler
+    name = handler.transition
+    model = type(order)
     state = current_state(order)
-    checked = check_transition(order, name)
-    status = checked.status
+    status = classify(model, name, state)
     if status is TransitionStatus.APPLIED:
-        values = {**fields, "last_seq": seq} if seq is not None else fields
-        return Verdict(Outcome.APPLIED, transition=name, values=values)
+        try:
+            kwargs = (
+                handler.arguments(order, envelope.payload)
+                if handler.arguments is not None
+                else arguments(model, name, envelope.payload)
+            )
+        except InvalidMessage as exc:
+            return Verdict(Outcome.REJECTED, exc.message, advance_to=slot)
+        missing = missing_arguments(model, name, kwargs)
+        if missing:
+            return Verdict(
+                Outcome.REJECTED,
+                f"payload lacks {', '.join(missing)}, which {model.__name__}.{name}() requires",
+                advance_to=slot,
+            )
+        if getattr(model, name)._django_fsm.conditions_met(order, state):
+            values = {**fields, "last_seq": seq} if seq is not None else fields
+            return Verdict(Outcome.APPLIED, transition=name, values=values, kwargs=kwargs)
+        unmet = ", ".join(unmet_conditions(order, name))
+        if seq is None and may_apply_later(model, name, state):
+            # The order can still change (a cycle through this state): the condition
+            # may hold after another message. Kept, and looked at again then.
+            return Verdict(Outcome.PARKED, f"order is {state}; {name} waits for {unmet} to hold")
+        return Verdict(
+            Outcome.REJECTED,
+            f"order is {state}; {name} is not allowed: {unmet} does not hold",
+            advance_to=slot,
+        )
     if status is TransitionStatus.AT_TARGET:
         return Verdict(Outcome.DUPLICATE, f"order is already {state}", advance_to=slot)
     if status is TransitionStatus.PAST_TARGET:
+        if handler.money:
+            return Verdict(
+                Outcome.REJECTED,
+                f"order has moved past this step (now {state}); {REFUND}",
+                advance_to=slot,
+            )
         return Verdict(
             Outcome.STALE, f"order has moved past this step (now {state})", advance_to=slot
         )
     if status is TransitionStatus.LATER:
         return Verdict(Outcome.PARKED, f"order is {state}; {name} is not possible yet")
-    unmet = unmet_conditions(order, name)
-    if unmet:
-        reason = f"order is {state}; {name} is not allowed: {', '.join(unmet)} does not hold"
-    else:
-        reason = f"order is {state}; {envelope.message_type} can never apply to it"
+    reason = f"order is {state}; {envelope.message_type} can never apply to it"
+    if handler.money:
+        reason += f"; {REFUND}"
     return Verdict(Outcome.REJECTED, reason, advance_to=slot)
 
 

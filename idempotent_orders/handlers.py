@@ -23,6 +23,8 @@ from idempotent_orders.exceptions import InvalidMessage
 #: Turns (order, payload) into the extra columns the transition writes; raises InvalidMessage.
 #: The order is an instance of the order model (typed loosely so validators may name their own).
 Validator = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+#: Turns (order, payload) into the keyword arguments the transition method is called with.
+Arguments = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,12 @@ class MessageHandler:
     validate: Validator
     #: Consumers allowed to receive this type; empty means any.
     consumers: frozenset[str] = frozenset()
+    #: Shapes the transition method's keyword arguments; None: the payload entries
+    #: whose names the method takes as parameters (all of them for ``**kwargs``).
+    arguments: Arguments | None = None
+    #: The message carries money (a payment): when it cannot apply, it is kept as
+    #: rejected and said to be money to give back, never counted stale.
+    money: bool = False
 
 
 _registry: dict[str, MessageHandler] = {}
@@ -44,8 +52,17 @@ def register(
     transition: str,
     validate: Validator | None = None,
     consumers: frozenset[str] | set[str] | None = None,
+    arguments: Arguments | None = None,
+    money: bool = False,
 ) -> None:
     """Make ``message_type`` drive the order model's ``transition``.
+
+    A message of the type calls the model's own ``@transition`` method, as
+    django-fsm-2 would: with the payload entries whose names are parameters of
+    the method as keyword arguments (every entry when it takes ``**kwargs``),
+    or with what ``arguments(order, payload)`` returns when given. ``money``
+    marks a type that carries a payment: one that arrives after its order was
+    cancelled or moved past its step is rejected as money to give back.
 
     ``validate(order, payload)`` returns the columns the transition writes
     besides the state (``{}`` for none) or raises
@@ -58,6 +75,8 @@ def register(
         transition=transition,
         validate=validate or _no_payload,
         consumers=frozenset(consumers or ()),
+        arguments=arguments,
+        money=money,
     )
 
 
@@ -184,6 +203,12 @@ def register_built_in(model: type[Model]) -> list[str]:
             transition = conf.FULFILMENT_TRANSITION
         if message_type in _registry or not has_transition(model, transition):
             continue
-        register(message_type, transition=transition, validate=validate, consumers=consumers)
+        register(
+            message_type,
+            transition=transition,
+            validate=validate,
+            consumers=consumers,
+            money=message_type == "payment.succeeded",
+        )
         done.append(message_type)
     return done

@@ -139,6 +139,9 @@ class Outcome(models.TextChoices):
     STALE = "stale", "stale"
     PARKED = "parked", "parked"
     REJECTED = "rejected", "rejected"
+    #: Handling it raised (a bug in a body, condition, receiver or validator): kept
+    #: as a ``failed`` inbox row with why, retried, and dead-lettered at last.
+    FAILED = "failed", "failed"
 
 
 class ProcessedMessage(models.Model):

@@ -62,6 +62,7 @@ from idempotent_orders.transitions import (
     edge,
     has_transition,
     in_transaction_work,
+    runs_user_code,
     state_field,
     transition_heard,
     transition_written,
@@ -396,8 +397,8 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         return None
     name = envelope.handler.transition
     shape = _shape(model, name)
-    if shape is None:
-        return None
+    if shape is None or runs_user_code(model, name):
+        return None  # the model's own method must run: read, run, write
     # The order as written is built only for someone to hand it to. Nobody to hand
     # it to means no work inside the transaction either (the common case: one look).
     announced = transition_heard(model, shape.target)

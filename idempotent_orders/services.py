@@ -13,6 +13,7 @@ from typing import Any, cast
 from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import F, Model
+from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.conf import conf
@@ -32,6 +33,14 @@ from idempotent_orders.engine import (
     valid_message_id,
 )
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
+from idempotent_orders.failures import (
+    RETRYABLE,
+    TRANSIENT,
+    MessageFailed,
+    describe,
+    record_failure,
+    retryable,
+)
 from idempotent_orders.models import (
     AbstractOrder,
     InboxStatus,
@@ -52,10 +61,14 @@ from idempotent_orders.statements import (
     read_order,
 )
 from idempotent_orders.transitions import (
+    TransitionResult,
+    TransitionStatus,
     advance,
-    apply_transition,
+    call_transition,
+    commit,
     edge,
     in_transaction_work,
+    runs_user_code,
     state_field,
     transition_written,
     written_values,
@@ -63,6 +76,7 @@ from idempotent_orders.transitions import (
 
 __all__ = [
     "Envelope",
+    "MessageFailed",
     "Outcome",
     "consume_message",
     "parse_envelope",
@@ -120,7 +134,31 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             dedup.remember_on_commit(consumer, envelope.message_id)
             return applied
     waiting: list[bool] = []
-    outcome = _consume(envelope, consumer, waiting=waiting)
+    try:
+        outcome = _consume(envelope, consumer, waiting=waiting)
+    except TRANSIENT:
+        raise  # the delivery is retried as it is; nothing was written
+    except Exception as exc:
+        # A bug in a body, condition, receiver or validator, or a constraint the
+        # database refused: the transaction rolled back. Keep the message, say why.
+        failure = record_failure(
+            consumer,
+            message_id=envelope.message_id,
+            message_type=envelope.message_type,
+            order_id=envelope.order_id,
+            seq=envelope.seq,
+            envelope=envelope.as_dict(),
+            exc=exc,
+        )
+        consumed(
+            consumer,
+            envelope.message_id,
+            Outcome.FAILED,
+            message_type=envelope.message_type,
+            order_id=envelope.order_id,
+            reason=failure.reason,
+        )
+        raise failure from exc
     if outcome is Outcome.PARKED or any(waiting):
         # Every outcome may unblock a successor: an applied message fills a gap,
         # a duplicate may be the redelivery of one whose worker died before
@@ -210,6 +248,7 @@ def _consume(
     deleting it first. ``waiting`` receives the ``has_parked`` flag of the
     order as last read (nothing when there is no order).
     """
+    retrying = False
     for _attempt in range(conf.CONFLICT_RETRIES):
         order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
         if order is not None and waiting is not None:
@@ -230,8 +269,13 @@ def _consume(
         if parked is not None and verdict.outcome is Outcome.PARKED:
             return Outcome.PARKED  # still waiting; leave the parked row alone
         try:
-            outcome = _write(envelope, consumer, order, verdict, parked)
+            outcome = _write(envelope, consumer, order, verdict, parked, retrying=retrying)
         except _Duplicate:
+            if parked is None and not retrying and retryable(consumer, envelope.message_id):
+                # A failed delivery of this message (or one an operator requeued):
+                # run it again, claiming its row instead of inserting one.
+                retrying = True
+                continue
             if parked is None:
                 _database_conflict(consumer, envelope.message_id)
                 announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
@@ -265,20 +309,50 @@ def _write(
     order: AbstractOrder,
     verdict: Verdict,
     parked: ParkedMessage | None,
+    *,
+    retrying: bool = False,
 ) -> Outcome:
-    """Write ``verdict`` in one transaction; raise _Duplicate or _Conflict when it cannot."""
+    """Write ``verdict`` in one transaction; raise _Duplicate or _Conflict when it cannot.
+
+    ``retrying``: the message has a failed inbox row, which is claimed by a
+    conditional update instead of an insert.
+    """
     outcome = verdict.outcome
     # A write that may unblock a successor is conditional on the has_parked
     # flag as read, so a message parked since our read makes it conflict.
     unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
-    if verdict.transition and parked is None and can_claim_and_apply():
-        target = edge(type(order), verdict.transition).target
-        if not in_transaction_work(type(order), target):
-            return _claim_and_apply(envelope, consumer, order, verdict, unflagged)
+    model = type(order)
+    if (
+        verdict.transition
+        and parked is None
+        and not retrying
+        and can_claim_and_apply()
+        and not runs_user_code(model, verdict.transition)
+        and not in_transaction_work(model, edge(model, verdict.transition).target)
+    ):
+        # No body, no receiver, nothing else to write: one statement commits it.
+        return _claim_and_apply(envelope, consumer, order, verdict, unflagged)
+    body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
     with transaction.atomic():
         # The first statement claims the message: the inbox insert (the unique
         # index decides duplicates), or for a release, deleting the parked row.
-        if parked is None:
+        if retrying:
+            claimed = ProcessedMessage.objects.filter(
+                RETRYABLE, consumer=consumer, message_id=envelope.message_id
+            ).update(
+                status=verdict.inbox_status,
+                outcome=outcome,
+                order_id=order.pk,
+                seq=envelope.seq,
+                error=verdict.reason,
+                body=body,
+                attempts=F("attempts") + 1,
+                dead_at=None,
+                updated_at=timezone.now(),
+            )
+            if not claimed:
+                raise _Duplicate  # another delivery ran it meanwhile
+        elif parked is None:
             try:
                 with transaction.atomic(savepoint=False):
                     ProcessedMessage.objects.create(
@@ -290,11 +364,7 @@ def _write(
                         order_id=order.pk,
                         seq=envelope.seq,
                         error=verdict.reason,
-                        body=(
-                            serialise(envelope.as_dict())[:BODY_EXCERPT]
-                            if outcome is Outcome.REJECTED
-                            else ""
-                        ),
+                        body=body,
                     )
             except IntegrityError:
                 raise _Duplicate from None
@@ -315,11 +385,7 @@ def _write(
             extra: dict[str, Any] = dict(unflagged)
             if envelope.seq is not None:
                 extra["last_seq"] = envelope.seq - 1
-            result = apply_transition(
-                order, verdict.transition, fields=verdict.values, extra_filters=extra
-            )
-            if not result.applied:
-                raise _Conflict
+            outcome = _run(envelope, consumer, order, verdict, extra)
         elif outcome is Outcome.PARKED:
             if not park(consumer, envelope, order, verdict.reason):
                 # Another message already waits with this (order, seq): a producer bug.
@@ -347,6 +413,51 @@ def _write(
             if advanced != 1:
                 raise _Conflict
     return outcome
+
+
+def _run(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    conditions: Mapping[str, Any],
+) -> Outcome:
+    """Call the model's own transition and commit it with one conditional UPDATE.
+
+    In the transaction that claimed the message. Raises _Conflict when another
+    writer changed the order since it was read (the caller reads and decides
+    again); an exception from the body, a condition or a receiver propagates
+    and rolls the transaction back.
+    """
+    version: int = order.version  # type: ignore[attr-defined]
+    ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+    if not commit(order, ran, version, conditions):
+        raise _Conflict
+    result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+    transition_written(order, verdict.transition, result, fsm_sent=True)
+    if ran.error is None:
+        return Outcome.APPLIED
+    # fsm-2's on_error: the body raised and the order moved to the error state,
+    # which is committed, as fsm-2 and a save() would. The message is kept as
+    # rejected, with what was raised.
+    reason = (
+        f"{verdict.transition} raised {describe(ran.error)}; "
+        f"the order moved to its on_error state {ran.target}"
+    )
+    ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id).update(
+        outcome=Outcome.REJECTED,
+        status=InboxStatus.REJECTED,
+        error=reason,
+        body=serialise(envelope.as_dict()),
+    )
+    logger.warning(
+        "message %s (%s): %s",
+        envelope.message_id,
+        consumer,
+        reason,
+        extra={"message_id": envelope.message_id, "order_id": order.pk},
+    )
+    return Outcome.REJECTED
 
 
 def _claim_and_apply(

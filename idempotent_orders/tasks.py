@@ -6,30 +6,20 @@ import logging
 from typing import Any
 
 from celery import Task, shared_task
-from django.db import InterfaceError, OperationalError
 
 from idempotent_orders.conf import conf
-from idempotent_orders.exceptions import ConcurrentUpdate
+from idempotent_orders.failures import TRANSIENT, MessageFailed, dead_letter
+from idempotent_orders.models import Outcome
 from idempotent_orders.services import consume_message
+
+#: What a consuming task returns for a message that failed its last retry.
+DEAD = "dead"
 
 logger = logging.getLogger("idempotent_orders")
 
-try:  # redis is installed with django-redis; the tuple just grows when it is there
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    _REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
-except ImportError:  # pragma: no cover
-    _REDIS_ERRORS = ()
-
 #: Errors worth a retry: the message may apply once the connection or the race settles.
 #: Business rejections never raise, so they are never retried.
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
-    OperationalError,  # lost connection, serialization failure, deadlock, lock timeout
-    InterfaceError,
-    ConcurrentUpdate,
-    *_REDIS_ERRORS,
-)
+TRANSIENT_ERRORS = TRANSIENT
 
 #: Options every consuming task carries: a message is acknowledged only after
 #: its transaction committed, and goes back to the queue if the worker dies.
@@ -43,6 +33,8 @@ CONSUMER_TASK_OPTIONS: dict[str, Any] = {
 def _consume(task: Task, message: Any, consumer: str) -> str:
     try:
         return consume_message(message, consumer=consumer).value
+    except MessageFailed as exc:
+        return _failed(task, exc)
     except TRANSIENT_ERRORS as exc:
         retries = task.request.retries
         countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**retries)
@@ -54,6 +46,27 @@ def _consume(task: Task, message: Any, consumer: str) -> str:
             exc,
         )
         raise task.retry(exc=exc, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
+
+
+def _failed(task: Task, failure: MessageFailed) -> str:
+    """Retry a failed message with backoff; after the last retry it becomes a dead letter.
+
+    The failed inbox row (with the envelope and why) was committed before this
+    runs, so whatever happens to the task, the message is kept.
+    """
+    retries = task.request.retries
+    if retries >= conf.TASK_MAX_RETRIES:
+        dead_letter(failure.consumer, failure.message_id)
+        logger.error(
+            "message %s (%s) is a dead letter after %d attempts: %s",
+            failure.message_id,
+            failure.consumer,
+            retries + 1,
+            failure.reason,
+        )
+        return DEAD
+    countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**retries)
+    raise task.retry(exc=failure, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES)
 
 
 @shared_task(name="idempotent_orders.consume_payment", **CONSUMER_TASK_OPTIONS)
@@ -167,7 +180,7 @@ def consume_batch_task(self: Task, messages: list[Any], consumer: str) -> list[s
     from idempotent_orders.batch import consume_batch
 
     try:
-        return [o.value for o in consume_batch(messages, consumer=consumer)]
+        outcomes = consume_batch(messages, consumer=consumer)
     except TRANSIENT_ERRORS as exc:
         retries = self.request.retries
         countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**retries)
@@ -179,3 +192,18 @@ def consume_batch_task(self: Task, messages: list[Any], consumer: str) -> list[s
             exc,
         )
         raise self.retry(exc=exc, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
+    failed = [
+        str(message.get("message_id"))
+        for message, outcome in zip(messages, outcomes, strict=True)
+        if outcome is Outcome.FAILED and isinstance(message, dict)
+    ]
+    if failed:
+        # The rest committed; the inbox makes them duplicates on the retry, which
+        # runs the failed ones again (their rows are kept as failed meanwhile).
+        retries = self.request.retries
+        if retries < conf.TASK_MAX_RETRIES:
+            countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**retries)
+            raise self.retry(countdown=countdown, max_retries=conf.TASK_MAX_RETRIES)
+        for message_id in failed:
+            dead_letter(consumer, message_id)
+    return [DEAD if o is Outcome.FAILED else o.value for o in outcomes]

@@ -6,7 +6,12 @@ here, or anywhere else in the project, writes a second copy of it.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dis
 import enum
+import inspect
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -14,8 +19,9 @@ from typing import Any, Protocol
 
 from django.db import transaction
 from django.db.models import F, Model
+from django.db.models.signals import post_save
 from django.utils import timezone
-from django_fsm import ANY_OTHER_STATE, ANY_STATE, FSMFieldMixin
+from django_fsm import ANY_OTHER_STATE, ANY_STATE, FSMFieldMixin, State
 from django_fsm.signals import post_transition, pre_transition
 
 from idempotent_orders.exceptions import UnknownTransition
@@ -34,13 +40,15 @@ class TransitionStatus(enum.Enum):
     NOT_ALLOWED = "not_allowed"
     #: Someone else changed the row between our read and our UPDATE.
     CONFLICT = "conflict"
+    #: The body raised and fsm-2's ``on_error`` moved the order (committed).
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
 class TransitionResult:
     status: TransitionStatus
-    source: str
-    target: str
+    source: Any
+    target: Any
     version: int
 
     @property
@@ -50,11 +58,32 @@ class TransitionResult:
 
 @dataclass(frozen=True)
 class Edge:
-    """One declared transition: ``name`` moves ``sources`` to ``target``."""
+    """One declared transition: ``name`` moves ``sources`` to ``target``.
+
+    States keep the Python type of the state field's values (``str`` for
+    ``FSMField``, ``int`` for ``FSMIntegerField``, the key for ``FSMKeyField``).
+    ``source="*"`` and ``source="+"`` (``ANY_STATE``, ``ANY_OTHER_STATE``) are
+    kept as ``any_source`` / ``any_other`` besides the known states they
+    expand to. ``target`` is the one concrete target, or ``None`` for a
+    transition without one (targetless: the state stays; ``RETURN_VALUE`` /
+    ``GET_STATE``: the body decides); ``targets`` lists every state it may end in.
+    """
 
     name: str
-    sources: frozenset[str]
-    target: str
+    sources: frozenset[Any]
+    target: Any
+    targets: frozenset[Any] = frozenset()
+    any_source: bool = False
+    any_other: bool = False
+    #: The body picks the target (``RETURN_VALUE``/``GET_STATE``) or there is none.
+    dynamic: bool = False
+    targetless: bool = False
+
+    def allows(self, state: Any) -> bool:
+        """Whether the transition may start from ``state`` (fsm-2's ``has_transition``)."""
+        if state in self.sources or self.any_source:
+            return True
+        return self.any_other and state != self.target
 
 
 @cache
@@ -76,35 +105,72 @@ def state_field(model: type[Model]) -> FSMFieldMixin:
     return fields[0]
 
 
+def _possible_targets(transition: Any, source: Any) -> tuple[set[Any], bool, bool]:
+    """The states one declared ``(source, target)`` may end in; (targets, dynamic, targetless)."""
+    target = transition.target
+    if target is None:
+        return ({source} if source not in (ANY_STATE, ANY_OTHER_STATE) else set()), False, True
+    if isinstance(target, State):
+        return set(target.allowed_states or ()), True, False
+    return {target}, False, False
+
+
 @cache
-def _graph(model: type[Model]) -> tuple[dict[str, Edge], dict[str, frozenset[str]]]:
+def _graph(model: type[Model]) -> tuple[dict[str, Edge], dict[Any, frozenset[Any]]]:
     """Edges by method name, and the states reachable from each state, from the fsm meta."""
     field = state_field(model)
-    all_states = {str(value) for value, _ in field.flatchoices}
+    known: set[Any] = {value for value, _ in field.flatchoices if value not in ("", None)}
+    for method in field.transitions[model].values():
+        for source, declared in method._django_fsm.transitions.items():
+            if source not in (ANY_STATE, ANY_OTHER_STATE):
+                known.add(source)
+            targets, _, _ = _possible_targets(declared, source)
+            known |= targets
     edges: dict[str, Edge] = {}
     for name, method in field.transitions[model].items():
         meta = method._django_fsm
-        targets = {t.target for t in meta.transitions.values()}
-        if len(targets) != 1 or None in targets:
-            raise UnknownTransition(f"{model.__name__}.{name} must have one concrete target")
-        (target,) = targets
-        sources: set[str] = set()
-        for source in meta.transitions:
+        sources: set[Any] = set()
+        targets: set[Any] = set()
+        dynamic = targetless = any_source = any_other = False
+        concrete: set[Any] = set()
+        for source, declared in meta.transitions.items():
+            possible, is_dynamic, is_targetless = _possible_targets(declared, source)
+            dynamic |= is_dynamic
+            targetless |= is_targetless
+            if not is_dynamic and not is_targetless:
+                concrete.add(declared.target)
+            targets |= possible
             if source == ANY_STATE:
-                sources |= all_states
+                any_source = True
+                sources |= known
             elif source == ANY_OTHER_STATE:
-                sources |= all_states - {target}
+                any_other = True
+                sources |= known - {declared.target}
             else:
-                sources.add(str(source))
-        edges[name] = Edge(name=name, sources=frozenset(sources), target=str(target))
+                sources.add(source)
+        if targetless:
+            targets |= sources
+        single = (
+            next(iter(concrete)) if len(concrete) == 1 and not (dynamic or targetless) else None
+        )
+        edges[name] = Edge(
+            name=name,
+            sources=frozenset(sources),
+            target=single,
+            targets=frozenset(targets),
+            any_source=any_source,
+            any_other=any_other,
+            dynamic=dynamic,
+            targetless=targetless,
+        )
 
-    successors: dict[str, set[str]] = {state: set() for state in all_states}
-    for edge in edges.values():
-        for source in edge.sources:
-            successors.setdefault(source, set()).add(edge.target)
-    reachable: dict[str, frozenset[str]] = {}
+    successors: dict[Any, set[Any]] = {state: set() for state in known}
+    for e in edges.values():
+        for source in e.sources:
+            successors.setdefault(source, set()).update({source} if e.targetless else e.targets)
+    reachable: dict[Any, frozenset[Any]] = {}
     for state in successors:
-        seen: set[str] = set()
+        seen: set[Any] = set()
         stack = list(successors[state])
         while stack:
             nxt = stack.pop()
@@ -133,23 +199,39 @@ def edges(model: type[Model]) -> Iterable[Edge]:
     return _graph(model)[0].values()
 
 
-def reachable_from(model: type[Model], state: str) -> frozenset[str]:
+def reachable_from(model: type[Model], state: Any) -> frozenset[Any]:
     """States that some sequence of declared transitions leads to from ``state``."""
     return _graph(model)[1].get(state, frozenset())
 
 
-def classify(model: type[Model], name: str, current: str) -> TransitionStatus:
-    """Where ``current`` stands relative to transition ``name``, without touching the database."""
+def classify(model: type[Model], name: str, current: Any) -> TransitionStatus:
+    """Where ``current`` stands relative to transition ``name``, without touching the database.
+
+    ``APPLIED`` when fsm-2 itself would let the transition start from ``current``
+    (its ``has_transition``: the listed sources, ``"*"``, ``"+"``), conditions aside.
+    """
     e = edge(model, name)
-    if current in e.sources:
+    if e.allows(current):
         return TransitionStatus.APPLIED
-    if current == e.target:
+    if not e.targetless and not e.dynamic and current in e.targets:
+        # (Where the body picks the target, being at one of them proves nothing.)
         return TransitionStatus.AT_TARGET
-    if current in reachable_from(model, e.target):
+    if any(current in reachable_from(model, t) for t in e.targets):
         return TransitionStatus.PAST_TARGET
-    if any(src in reachable_from(model, current) for src in e.sources):
+    later = reachable_from(model, current)
+    if any(src in later for src in e.sources) or (
+        (e.any_source or e.any_other) and any(e.allows(s) for s in later)
+    ):
         return TransitionStatus.LATER
     return TransitionStatus.NOT_ALLOWED
+
+
+def may_apply_later(model: type[Model], name: str, state: Any) -> bool:
+    """Whether transition ``name`` may start again after the order leaves ``state``
+    (some path of declared transitions leads from ``state`` back to one of its sources).
+    """
+    e = edge(model, name)
+    return any(e.allows(s) for s in reachable_from(model, state))
 
 
 def written_values(model: type[Model], fields: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -167,9 +249,9 @@ def _has_updated_at(model: type[Model]) -> bool:
     return any(f.name == "updated_at" for f in model._meta.concrete_fields)
 
 
-def current_state(instance: Model) -> str:
-    """The state of ``instance`` as read."""
-    return str(state_field(type(instance)).get_state(instance))
+def current_state(instance: Model) -> Any:
+    """The state of ``instance`` as read, with the state field's own Python type."""
+    return state_field(type(instance)).get_state(instance)
 
 
 def check_transition(instance: Model, name: str) -> TransitionResult:
@@ -239,7 +321,7 @@ def transition_starting(instance: Model, name: str) -> None:
 class FollowUp(Protocol):
     """Work a transition queues in its own transaction (an outbox row, for instance)."""
 
-    def wanted(self, model: type[Model], target: str) -> bool:
+    def wanted(self, model: type[Model], target: Any) -> bool:
         """Whether entering ``target`` on ``model`` queues this follow-up."""
 
     def write(self, instance: Model, name: str, result: TransitionResult) -> None:
@@ -255,7 +337,7 @@ def register_follow_up(follow_up: FollowUp) -> None:
         _follow_ups.append(follow_up)
 
 
-def in_transaction_work(model: type[Model], target: str) -> bool:
+def in_transaction_work(model: type[Model], target: Any) -> bool:
     """Whether a transition into ``target`` has work to do inside its transaction:
     a follow-up, or a receiver of fsm-2's ``pre_transition``/``post_transition``.
     """
@@ -266,7 +348,7 @@ def in_transaction_work(model: type[Model], target: str) -> bool:
     )
 
 
-def transition_heard(model: type[Model], target: str) -> bool:
+def transition_heard(model: type[Model], target: Any) -> bool:
     """Whether announcing a transition into ``target`` reaches anyone: work inside
     its transaction (:func:`in_transaction_work`) or a receiver of
     :data:`~idempotent_orders.signals.order_transitioned`. The consuming paths
@@ -275,13 +357,16 @@ def transition_heard(model: type[Model], target: str) -> bool:
     return in_transaction_work(model, target) or order_transitioned.has_listeners(model)
 
 
-def transition_written(instance: Model, name: str, result: TransitionResult) -> None:
-    """Announce a transition whose UPDATE succeeded: fsm-2's ``post_transition`` and the
-    follow-ups now, in the transaction (they may write in it), and
+def transition_written(
+    instance: Model, name: str, result: TransitionResult, *, fsm_sent: bool = False
+) -> None:
+    """Announce a transition whose UPDATE succeeded: fsm-2's ``post_transition`` (unless the
+    model's own method already sent it: ``fsm_sent``) and the follow-ups now, in the
+    transaction (they may write in it), and
     :data:`~idempotent_orders.signals.order_transitioned` after commit.
     """
     model = type(instance)
-    if post_transition.has_listeners(model):
+    if not fsm_sent and post_transition.has_listeners(model):
         post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
     for follow_up in _follow_ups:
         if follow_up.wanted(model, result.target):
@@ -299,7 +384,7 @@ def transition_written(instance: Model, name: str, result: TransitionResult) -> 
     )
 
 
-def _fsm_signal(instance: Model, name: str, source: str, target: str) -> dict[str, Any]:
+def _fsm_signal(instance: Model, name: str, source: Any, target: Any) -> dict[str, Any]:
     return {
         "sender": type(instance),
         "instance": instance,
@@ -312,42 +397,281 @@ def _fsm_signal(instance: Model, name: str, source: str, target: str) -> dict[st
     }
 
 
+# -- Running the model's own transition ---------------------------------------------------
+
+
+def _returns_none_only(func: Any) -> bool:
+    """Whether ``func``'s body does nothing: ``pass``, a docstring, ``...``, ``return None``."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    ops = [
+        (i.opname, i.argval)
+        for i in dis.get_instructions(code)
+        if i.opname not in ("RESUME", "NOP", "CACHE")
+    ]
+    return ops in ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+
+
+@cache
+def has_body(model: type[Model], name: str) -> bool:
+    """Whether transition ``name`` does more than move the state: a body that is not empty,
+    a target its body decides (``RETURN_VALUE``, ``GET_STATE``), no target, or ``on_error``.
+    """
+    e = edge(model, name)
+    if e.dynamic or e.targetless:
+        return True
+    declared = getattr(model, name)._django_fsm.transitions.values()
+    return any(t.on_error is not None or not _returns_none_only(t.method) for t in declared)
+
+
+def runs_user_code(model: type[Model], name: str) -> bool:
+    """Whether committing ``name`` must call the model's method: it has a body
+    (:func:`has_body`) or someone receives fsm-2's ``pre_transition``/``post_transition``.
+    A transition for which this is false may be committed by one SQL statement.
+    """
+    return (
+        has_body(model, name)
+        or pre_transition.has_listeners(model)
+        or post_transition.has_listeners(model)
+    )
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """The keyword parameters of a transition method (``self`` left out)."""
+
+    names: frozenset[str]
+    required: frozenset[str]
+    #: The method takes ``**kwargs``: every payload entry is passed.
+    any: bool
+
+
+@cache
+def parameters(model: type[Model], name: str) -> Parameters:
+    """What transition ``name``'s method accepts as keyword arguments."""
+    declared = next(iter(getattr(model, name)._django_fsm.transitions.values()))
+    signature = inspect.signature(declared.method)
+    names: set[str] = set()
+    required: set[str] = set()
+    takes_any = False
+    for position, p in enumerate(signature.parameters.values()):
+        if position == 0 and p.kind is not p.KEYWORD_ONLY:
+            continue  # self
+        if p.kind is p.VAR_KEYWORD:
+            takes_any = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            names.add(p.name)
+            if p.default is p.empty:
+                required.add(p.name)
+        elif p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+            required.add(p.name)  # never passed by name: the check names it
+    return Parameters(frozenset(names), frozenset(required), takes_any)
+
+
+def arguments(model: type[Model], name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a message with ``payload`` calls transition ``name`` with:
+    the payload entries the method names as parameters (all of them for ``**kwargs``).
+    """
+    accepted = parameters(model, name)
+    if accepted.any:
+        return {str(k): v for k, v in payload.items()}
+    return {k: v for k, v in payload.items() if k in accepted.names}
+
+
+def missing_arguments(model: type[Model], name: str, kwargs: Mapping[str, Any]) -> list[str]:
+    """The required parameters of transition ``name`` that ``kwargs`` does not carry."""
+    return sorted(parameters(model, name).required - set(kwargs))
+
+
+class _Saves(threading.local):
+    watched: dict[int, bool]
+
+    def __init__(self) -> None:
+        self.watched = {}
+
+
+_saves = _Saves()
+
+
+def _note_save(sender: Any, instance: Model, **kwargs: Any) -> None:
+    watched = _saves.watched
+    if watched and id(instance) in watched:
+        watched[id(instance)] = True
+
+
+post_save.connect(_note_save, dispatch_uid="idempotent_orders.transitions.note_save")
+
+
+@dataclass
+class Ran:
+    """What calling the model's transition method did to the instance, in memory."""
+
+    name: str
+    source: Any
+    #: The state after the call (the ``on_error`` state when the body raised).
+    target: Any
+    #: Fields the body or a receiver changed, by attname (state and version left out).
+    values: dict[str, Any]
+    returned: Any = None
+    #: What the body raised when fsm-2 moved the order to the ``on_error`` state.
+    error: BaseException | None = None
+    #: A receiver or the body saved the instance itself (in this transaction).
+    saved: bool = False
+
+
+_DEFERRED = object()
+
+
+def _tracked(model: type[Model]) -> list[Any]:
+    return [f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"]
+
+
+def _snapshot(instance: Model) -> dict[str, Any]:
+    state = instance.__dict__
+    taken: dict[str, Any] = {}
+    for f in _tracked(type(instance)):
+        value = state.get(f.attname, _DEFERRED)
+        taken[f.attname] = copy.deepcopy(value) if isinstance(value, dict | list) else value
+    return taken
+
+
+def restore(instance: Model, snapshot: Mapping[str, Any], version: int) -> None:
+    """Put ``instance`` back as :func:`_snapshot` saw it (protected state fields too)."""
+    for attname, value in snapshot.items():
+        if value is _DEFERRED:
+            instance.__dict__.pop(attname, None)
+        else:
+            instance.__dict__[attname] = value
+    instance.__dict__["version"] = version
+    instance._state.fields_cache.clear()
+
+
+def call_transition(
+    instance: Model,
+    name: str,
+    kwargs: Mapping[str, Any],
+    *,
+    fields: Mapping[str, Any] | None = None,
+    snapshot: Mapping[str, Any] | None = None,
+) -> Ran:
+    """Call the model's own transition method ``name`` on ``instance`` with ``kwargs``, as
+    fsm-2 does (conditions, body, ``pre_transition``/``post_transition`` with the
+    arguments, ``on_error``, ``RETURN_VALUE``/``GET_STATE``), and collect what it changed.
+
+    ``fields`` (a validator's columns) are set on the instance first, so the body
+    and the conditions see them. Nothing is written: :func:`commit` does that.
+    An exception from the body, a condition or a receiver propagates, except
+    where fsm-2's ``on_error`` moved the state: then it is kept in ``Ran.error``.
+    """
+    model = type(instance)
+    field = state_field(model)
+    before = snapshot if snapshot is not None else _snapshot(instance)
+    source = field.get_state(instance)
+    for key, value in (fields or {}).items():
+        setattr(instance, key, value)
+    key = id(instance)
+    _saves.watched[key] = False
+    error: BaseException | None = None
+    returned: Any = None
+    try:
+        returned = getattr(instance, name)(**kwargs)
+    except Exception as exc:
+        on_error = getattr(model, name)._django_fsm.exception_state(source)
+        if on_error is None or field.get_state(instance) != on_error:
+            raise
+        error = exc
+    finally:
+        saved = _saves.watched.pop(key, False)
+    values: dict[str, Any] = {}
+    state_attname = field.attname
+    now = instance.__dict__
+    for f in _tracked(model):
+        if f.attname == state_attname:
+            continue
+        value = now.get(f.attname, _DEFERRED)
+        if value is _DEFERRED:
+            continue
+        if getattr(f, "auto_now", False):
+            values[f.attname] = f.pre_save(instance, False)
+        elif value != before.get(f.attname, _DEFERRED):
+            values[f.attname] = value
+    return Ran(name, source, field.get_state(instance), values, returned, error, saved)
+
+
+def commit(
+    instance: Model, ran: Ran, version: int, extra_filters: Mapping[str, Any] | None = None
+) -> bool:
+    """Write what :func:`call_transition` did with one conditional UPDATE: the state, every
+    changed field and ``version + 1``, ``WHERE pk AND state AND version`` (and
+    ``extra_filters``). False when another writer changed the row first.
+    """
+    model = type(instance)
+    field = state_field(model)
+    states = [ran.source]
+    if ran.saved and ran.target != ran.source:
+        # Saved by a receiver in this very transaction: the row holds the target already.
+        states.append(ran.target)
+    rows = model._default_manager.filter(
+        pk=instance.pk,
+        **{f"{field.attname}__in": states},
+        version=version,
+        **dict(extra_filters or {}),
+    ).update(**{field.attname: ran.target, "version": F("version") + 1}, **ran.values)
+    if rows != 1:
+        return False
+    instance.__dict__["version"] = version + 1
+    return True
+
+
+class _Lost(Exception):
+    """The conditional UPDATE found the row changed: undo what the body wrote."""
+
+
 def apply_transition(
     instance: Model,
     name: str,
     *,
     fields: Mapping[str, Any] | None = None,
     extra_filters: Mapping[str, Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> TransitionResult:
-    """Commit transition ``name`` with one conditional UPDATE; never raises on a lost race.
+    """Run transition ``name`` (the model's own method) and commit it with one conditional
+    UPDATE; never raises on a lost race.
 
-    ``UPDATE ... SET <state>=:target, version=version+1, <fields> WHERE id=:id AND
-    <state> IN :sources AND version=:v``. On success the instance is updated to
-    match the row; on any other result it is left as it was read, so it never
-    holds a state the database does not. ``extra_filters`` add conditions to the
-    WHERE clause (the consumer uses them for ``last_seq``). The transition's
-    ``conditions=`` are checked on the instance as read; fsm-2's
-    ``pre_transition`` is sent before the UPDATE and ``post_transition`` after
-    it, both inside the caller's transaction.
+    ``UPDATE ... SET <state>=:target, version=version+1, <changed fields> WHERE
+    id=:id AND <state>=:source AND version=:v``. The method runs as fsm-2 runs it
+    (conditions, body, signals, ``on_error``) with ``kwargs``; what its body
+    creates is written in the same transaction (a savepoint, when the caller
+    has one). On success the instance matches the row; on any other result it
+    is left as it was read, so it never holds a state the database does not.
+    ``extra_filters`` add conditions to the WHERE clause. An exception from the
+    method propagates, after its writes were rolled back.
     """
     checked = check_transition(instance, name)
     if not checked.applied:
         return checked
-    model = type(instance)
-    field = state_field(model)
-    e = edge(model, name)
-    values = written_values(model, fields)
-    transition_starting(instance, name)
-    rows = model._default_manager.filter(
-        pk=instance.pk,
-        **{f"{field.name}__in": sorted(e.sources)},
-        version=checked.version,
-        **dict(extra_filters or {}),
-    ).update(**{field.name: e.target, "version": F("version") + 1}, **values)
-    if rows != 1:
-        return TransitionResult(
-            TransitionStatus.CONFLICT, checked.source, e.target, checked.version
-        )
-    result = advance(instance, name, values)
-    transition_written(instance, name, result)
+    version: int = instance.version  # type: ignore[attr-defined]
+    before = _snapshot(instance)
+    # Only the project's code can write other rows; without any, no savepoint is needed.
+    atomic = (
+        transaction.atomic(using=instance._state.db)
+        if runs_user_code(type(instance), name)
+        else contextlib.nullcontext()
+    )
+    try:
+        with atomic:
+            ran = call_transition(instance, name, kwargs or {}, fields=fields, snapshot=before)
+            if not commit(instance, ran, version, extra_filters):
+                raise _Lost
+            result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+            transition_written(instance, name, result, fsm_sent=True)
+    except _Lost:
+        restore(instance, before, version)
+        return TransitionResult(TransitionStatus.CONFLICT, checked.source, ran.target, version)
+    except BaseException:
+        restore(instance, before, version)
+        raise
+    if ran.error is not None:
+        return TransitionResult(TransitionStatus.FAILED, ran.source, ran.target, version + 1)
     return result

@@ -28,7 +28,14 @@ def status(order: Order) -> tuple[str, int, int]:
 
 
 def test_outcome_values_are_the_public_strings() -> None:
-    assert [o.value for o in Outcome] == ["applied", "duplicate", "stale", "parked", "rejected"]
+    assert [o.value for o in Outcome] == [
+        "applied",
+        "duplicate",
+        "stale",
+        "parked",
+        "rejected",
+        "failed",
+    ]
 
 
 def test_applied_then_exact_duplicate(make_order) -> None:

@@ -12,6 +12,8 @@ class ShopOrderAdmin(OrderAdminMixin, admin.ModelAdmin):
     list_filter = ["phase", "blocked"]
     # Voiding an unpaid order is the operator's call; `hold` waits for the warehouse's message.
     operator_transitions = ["void"]
+    # The state fields and records of the differential suite's proxies (see models.py).
+    exclude = ["flow", "istate", "kstate", "paid_total", "note"]
 
 
 # Like the handlers in apps.py: only when shop.Order is the configured order model.

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django_fsm import FSMField, transition
+from django_fsm import (
+    GET_STATE,
+    RETURN_VALUE,
+    ConcurrentTransitionMixin,
+    FSMField,
+    FSMIntegerField,
+    FSMKeyField,
+    transition,
+)
 
 from idempotent_orders.models import AbstractOrder
 
@@ -28,7 +36,20 @@ def not_blocked(order: Order) -> bool:
     return not order.blocked
 
 
+class Stage(models.Model):
+    """The states of the ``kstate`` FSMKeyField, as rows (django-fsm-2's own test shape)."""
+
+    id = models.CharField(primary_key=True, max_length=16)
+
+    def __str__(self) -> str:
+        return self.id
+
+
 class Order(AbstractOrder):
+    #: ``flow``, ``istate`` and ``kstate`` are state fields of the proxies below
+    #: (the differential suite's shapes); the shop's own state is ``phase``.
+    state_field_name = "phase"
+
     business_key = models.CharField(max_length=128, unique=True)
     customer = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
@@ -39,6 +60,11 @@ class Order(AbstractOrder):
     tracking_number = models.CharField(max_length=64, blank=True, default="")
     blocked = models.BooleanField(default=False)
     updated_at = models.DateTimeField(auto_now=True)
+    flow = FSMField(default="new")
+    istate = FSMIntegerField(default=0)
+    kstate = FSMKeyField(Stage, null=True, blank=True, default=None, on_delete=models.PROTECT)
+    paid_total = models.DecimalField(max_digits=10, decimal_places=2, default=0)
+    note = models.CharField(max_length=200, blank=True, default="")
 
     def __str__(self) -> str:
         return f"shop order {self.pk} ({self.phase})"
@@ -67,3 +93,139 @@ class Order(AbstractOrder):
     @transition(field=phase, source=P.NEW, target=P.VOIDED, permission="shop.delete_order")
     def void(self) -> None:
         """Cancelled before payment."""
+
+
+class Payment(models.Model):
+    """A payment a transition body records (a real shop's ``OrderPayment``)."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="payments")
+    payment_id = models.CharField(max_length=64, unique=True)
+    amount = models.DecimalField(max_digits=10, decimal_places=2)
+
+    def __str__(self) -> str:
+        return f"payment {self.payment_id} of {self.amount}"
+
+
+# -- The differential suite's shapes: proxies of Order, each driving another state field ----
+
+
+def has_payment(order: Order) -> bool:
+    """A condition that reads rows an earlier transition's body wrote."""
+    return order.payments.exists()
+
+
+def paid_in_full(order: Order) -> bool:
+    return order.paid_total >= order.amount
+
+
+def _route(order: Order, express: bool = False) -> str:
+    return "express" if express else "standard"
+
+
+class FlowOrder(Order):
+    """Bodies, conditions, on_error, RETURN_VALUE/GET_STATE, targetless, "*" and "+", on a
+    state field without choices (the shapes of django-fsm-2's own test models).
+    """
+
+    state_field_name = "flow"
+
+    class Meta:
+        proxy = True
+
+    @transition(field="flow", source=["new", "part_paid"], target=RETURN_VALUE("part_paid", "paid"))
+    def pay(self, payment_id: str, amount: str) -> str:
+        """Records the payment; the order is paid once the payments cover the amount."""
+        from decimal import Decimal
+
+        Payment.objects.create(order=self, payment_id=payment_id, amount=Decimal(amount))
+        self.paid_total += Decimal(amount)
+        return "paid" if self.paid_total >= self.amount else "part_paid"
+
+    @transition(field="flow", source="paid", target="shipped", conditions=[has_payment])
+    def ship(self, tracking_number: str, carrier: str = "") -> None:
+        self.tracking_number = tracking_number
+
+    @transition(field="flow", source="+", target="cancelled")
+    def cancel(self, reason: str = "") -> None:
+        self.note = f"cancelled: {reason}"
+
+    @transition(field="flow", source="*", target=None)
+    def remark(self, text: str) -> None:
+        """Targetless: the state stays, the body runs."""
+        self.note = text
+
+    @transition(field="flow", source="paid", target="checked", on_error="failed")
+    def review(self, fail: bool = False) -> None:
+        self.note = "checked"
+        if fail:
+            raise ValueError("the fraud check failed")
+
+    @transition(field="flow", source="new", target="paid")
+    def crash(self) -> None:
+        raise RuntimeError("a bug in the body")
+
+    @transition(
+        field="flow", source="paid", target=GET_STATE(_route, states=["express", "standard"])
+    )
+    def route(self, express: bool = False) -> None:
+        self.note = "routed"
+
+    @transition(field="flow", source="part_paid", target="paid", conditions=[paid_in_full])
+    def settle_up(self) -> None:
+        self.note = "settled up"
+
+
+class ConcurrentFlowOrder(ConcurrentTransitionMixin, FlowOrder):
+    """FlowOrder with django-fsm-2's ConcurrentTransitionMixin (receivers may save it)."""
+
+    class Meta:
+        proxy = True
+
+
+class Level(models.IntegerChoices):
+    NEW = 0, "new"
+    SUBMITTED = 1, "submitted"
+    APPROVED = 2, "approved"
+    DECLINED = 3, "declined"
+
+
+class IntOrder(Order):
+    """An FSMIntegerField state."""
+
+    state_field_name = "istate"
+
+    class Meta:
+        proxy = True
+
+    @transition(field="istate", source=Level.NEW, target=Level.SUBMITTED)
+    def submit(self, text: str = "") -> None:
+        self.note = text
+
+    @transition(field="istate", source=Level.SUBMITTED, target=Level.APPROVED)
+    def approve(self) -> None:
+        self.note = "approved"
+
+    @transition(field="istate", source=[Level.NEW, Level.SUBMITTED], target=Level.DECLINED)
+    def decline(self) -> None:
+        pass
+
+
+class KeyOrder(Order):
+    """An FSMKeyField state: the states are rows of Stage."""
+
+    state_field_name = "kstate"
+
+    class Meta:
+        proxy = True
+
+    @transition(field="kstate", source="new", target="paid")
+    def kpay(self, payment_id: str) -> None:
+        self.note = payment_id
+
+    @transition(field="kstate", source="paid", target="shipped")
+    def kship(self) -> None:
+        pass
+
+    @transition(field="kstate", source=["new", "paid"], target="cancelled")
+    def kcancel(self) -> None:
+        pass

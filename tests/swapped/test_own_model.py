@@ -177,12 +177,14 @@ def test_fsm_signals_are_sent_once_per_applied_transition(make_order) -> None:
     finally:
         pre_transition.disconnect(pre)
         post_transition.disconnect(post)
+    # The batch runs the model's own transitions one after the other, as the single
+    # path and fsm-2 do: each post_transition before the next pre_transition.
     assert seen == [
         ("pre", "settle", "new", "settled"),
         ("post", "settle", "new", "settled"),
         ("pre", "settle", "new", "settled"),
-        ("pre", "send", "settled", "sent"),
         ("post", "settle", "new", "settled"),
+        ("pre", "send", "settled", "sent"),
         ("post", "send", "settled", "sent"),
     ]
 

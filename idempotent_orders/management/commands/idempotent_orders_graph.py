@@ -21,7 +21,7 @@ def states(model: type[Model]) -> list[str]:
     """The model's states: its choices in order, then any state only a transition names."""
     seen = [str(value) for value, _ in state_field(model).flatchoices]
     for e in edges(model):
-        for state in [*sorted(e.sources), e.target]:
+        for state in [*sorted(map(str, e.sources)), *sorted(map(str, e.targets))]:
             if state not in seen:
                 seen.append(state)
     return seen
@@ -41,7 +41,12 @@ def _ordered_edges(model: type[Model]) -> list[tuple[str, str, str]]:
     in the order of the states (so the graph reads along the flow).
     """
     order = {state: i for i, state in enumerate(states(model))}
-    found = [(source, e.target, e.name) for e in edges(model) for source in e.sources]
+    found = [
+        (str(source), str(source if e.targetless else target), e.name)
+        for e in edges(model)
+        for source in e.sources
+        for target in ([source] if e.targetless else e.targets)
+    ]
     return sorted(found, key=lambda t: (order[t[0]], order[t[1]], t[2]))
 
 

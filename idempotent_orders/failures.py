@@ -1,0 +1,191 @@
+"""Messages whose handling raised: kept, explained, retried, and dead-lettered at last.
+
+An exception that is not a business outcome (a bug in a transition body, a
+condition, a receiver or a validator; a constraint the database refused)
+rolls the message's transaction back. What the consumer then writes, in a
+transaction of its own, is a ``failed`` inbox row: the exception's class and
+message, where it was raised, and the whole envelope, so that nothing of the
+message is lost. A later delivery of the same message id is retried, not
+counted as a duplicate; after ``TASK_MAX_RETRIES`` failed deliveries the row
+becomes a dead letter (``dead``) that waits for an operator's requeue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import IntegrityError, InterfaceError, OperationalError, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from idempotent_orders.exceptions import ConcurrentUpdate, IdempotentOrdersError
+from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
+
+__all__ = [
+    "MessageFailed",
+    "dead_letter",
+    "describe",
+    "record_failure",
+    "redeliver",
+    "retryable",
+]
+
+logger = logging.getLogger("idempotent_orders")
+
+try:  # redis is installed with django-redis; the tuple just grows when it is there
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    _REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+except ImportError:  # pragma: no cover
+    _REDIS_ERRORS = ()
+
+#: Errors after which the delivery is simply run again: nothing was written, and the
+#: message may apply once the connection or the race settles. Never recorded as failed.
+TRANSIENT: tuple[type[Exception], ...] = (
+    OperationalError,  # lost connection, serialization failure, deadlock, lock timeout
+    InterfaceError,
+    ConcurrentUpdate,
+    *_REDIS_ERRORS,
+)
+
+#: Inbox rows a new delivery of their message runs again: failed ones, and dead
+#: ones an operator requeued (``processing`` without a lease or an outcome).
+RETRYABLE = Q(status=InboxStatus.FAILED) | Q(
+    status=InboxStatus.PROCESSING, lease_expires_at__isnull=True, outcome=""
+)
+
+
+class MessageFailed(IdempotentOrdersError):
+    """Handling a message raised; its failed inbox row holds why. The cause is chained."""
+
+    def __init__(self, consumer: str, message_id: str, reason: str, attempts: int) -> None:
+        super().__init__(f"message {message_id} ({consumer}) failed: {reason}")
+        self.consumer = consumer
+        self.message_id = message_id
+        self.reason = reason
+        self.attempts = attempts
+
+
+def describe(exc: BaseException) -> str:
+    """``ValueError('...') at models.py:42 in pay``: the class, the message and where."""
+    text = f"{type(exc).__name__}({str(exc)[:500]!r})"
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    if frames:
+        last = frames[-1]
+        where = last.filename.rsplit("/", 2)
+        text += f" at {'/'.join(where[-2:])}:{last.lineno} in {last.name}"
+    return text
+
+
+def retryable(consumer: str, message_id: str) -> bool:
+    """Whether the inbox holds ``message_id`` as a failed (or requeued) message to run again."""
+    return (
+        ProcessedMessage.objects.filter(RETRYABLE, consumer=consumer, message_id=message_id)
+        .only("pk")
+        .exists()
+    )
+
+
+def record_failure(
+    consumer: str,
+    *,
+    message_id: str,
+    message_type: str,
+    order_id: Any,
+    seq: int | None,
+    envelope: dict[str, Any],
+    exc: BaseException,
+) -> MessageFailed:
+    """Keep the message as ``failed`` with why, in its own transaction; the error to raise."""
+    from idempotent_orders import get_order_model
+
+    reason = describe(exc)
+    body = json.dumps(envelope, ensure_ascii=True, sort_keys=True, default=repr)
+    attempts = 1
+    with transaction.atomic():
+        exists = (
+            order_id is not None and get_order_model()._default_manager.filter(pk=order_id).exists()
+        )
+        order = order_id if exists else None
+        try:
+            with transaction.atomic():
+                ProcessedMessage.objects.create(
+                    consumer=consumer,
+                    message_id=message_id,
+                    message_type=message_type,
+                    status=InboxStatus.FAILED,
+                    outcome="",
+                    order_id=order,
+                    seq=seq,
+                    error=reason,
+                    body=body,
+                )
+        except IntegrityError:
+            # A failed (or requeued) row from an earlier delivery: one more attempt.
+            rows = ProcessedMessage.objects.filter(
+                RETRYABLE, consumer=consumer, message_id=message_id
+            )
+            rows.update(
+                status=InboxStatus.FAILED,
+                attempts=F("attempts") + 1,
+                error=reason,
+                body=body,
+                updated_at=timezone.now(),
+            )
+            attempts = (
+                ProcessedMessage.objects.filter(consumer=consumer, message_id=message_id)
+                .values_list("attempts", flat=True)
+                .first()
+                or 1
+            )
+    logger.error(
+        "message %s (%s) failed (attempt %d): %s",
+        message_id,
+        consumer,
+        attempts,
+        reason,
+        extra={"message_id": message_id, "order_id": order_id},
+        exc_info=exc,
+    )
+    return MessageFailed(consumer, message_id, reason, attempts)
+
+
+def dead_letter(consumer: str, message_id: str) -> bool:
+    """Make a failed message a dead letter (after its last retry); False if it is not failed."""
+    return bool(
+        ProcessedMessage.objects.filter(
+            consumer=consumer, message_id=message_id, status=InboxStatus.FAILED
+        ).update(status=InboxStatus.DEAD, dead_at=timezone.now(), updated_at=timezone.now())
+    )
+
+
+def redeliver(ids: Iterable[int]) -> dict[int, Outcome | str]:
+    """Consume again, from the envelope they keep, the requeued messages among ``ids``.
+
+    What an operator's requeue of a dead consumer message runs, once the cause is
+    fixed: the message takes effect exactly once (the inbox row is claimed by a
+    conditional update), or fails again and is kept as failed.
+    """
+    from idempotent_orders.services import consume_message
+
+    done: dict[int, Outcome | str] = {}
+    rows = ProcessedMessage.objects.filter(RETRYABLE, pk__in=list(ids)).exclude(body="")
+    for row in rows:
+        try:
+            message = json.loads(row.body)
+        except ValueError:
+            done[row.pk] = "unreadable"
+            continue
+        if not isinstance(message, dict) or message.get("message_id") != row.message_id:
+            done[row.pk] = "unreadable"
+            continue
+        try:
+            done[row.pk] = consume_message(message, consumer=row.consumer)
+        except MessageFailed as exc:
+            done[row.pk] = f"failed again: {exc.reason}"
+    return done
