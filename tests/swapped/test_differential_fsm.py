@@ -18,7 +18,7 @@ field: ``FlowOrder`` (a state field without choices: bodies, conditions,
 from __future__ import annotations
 
 import inspect
-import itertools
+import json
 import random
 import uuid
 from collections.abc import Callable, Iterator
@@ -300,8 +300,10 @@ def test_a_message_does_what_the_direct_call_does(
         if said == RAISED:
             (row,) = rows
             assert row.status == InboxStatus.FAILED
-            assert row.body and row.message_type == f"diff.{case.name}"
-            assert "Error" in row.error and " at " in row.error
+            assert row.message_type == f"diff.{case.name}"
+            assert json.loads(row.body)["payload"] == fill(case.payload, order.business_key)
+            assert "Error(" in row.error
+            assert " at " in row.error
         else:
             assert rows.count() == 1
 
@@ -313,9 +315,15 @@ def test_state_values_keep_their_type() -> None:
     assert type(next(iter(edge(IntOrder, "approve").sources))) is Level
     assert edge(KeyOrder, "kship").target == "shipped"
     cancel = edge(FlowOrder, "cancel")
-    assert cancel.any_other and "cancelled" not in cancel.sources
-    assert edge(FlowOrder, "remark").targetless and edge(FlowOrder, "remark").any_source
-    assert edge(FlowOrder, "pay").dynamic and edge(FlowOrder, "pay").target is None
+    assert cancel.any_other
+    assert "cancelled" not in cancel.sources
+    remark = edge(FlowOrder, "remark")
+    assert remark.targetless
+    assert remark.any_source
+    pay = edge(FlowOrder, "pay")
+    assert pay.dynamic
+    assert pay.target is None
+    assert pay.targets == {"part_paid", "paid"}
 
 
 # -- A shop's stream: partial payments and a shipment, shuffled and duplicated ----------
@@ -404,22 +412,9 @@ def test_shuffled_duplicated_stream_ends_as_the_direct_calls(
     _canonical(oracle, accepted, ship)
     # Payments beyond full payment never apply (the order is paid); leave them out.
     _deliver(_stream(consumer_side, accepted, ship), seed, copies, chunk)
-    want, got = snapshot(oracle), snapshot(consumer_side)
-    tag_o, tag_c = oracle.business_key, consumer_side.business_key
-    assert got["row"] == {
-        k: (v.replace(tag_o, tag_c) if isinstance(v, str) else v) for k, v in want["row"].items()
-    } or _same_modulo_tags(want, got, tag_o, tag_c)
-    assert [a for _, a in got["payments"]] == [a for _, a in want["payments"]]
+    # Each side's own tag reads "%" in the snapshots: the rows compare as they are.
+    assert snapshot(consumer_side) == snapshot(oracle)
     applied = ProcessedMessage.objects.filter(
         consumer=CONSUMER, order_id=consumer_side.pk, outcome=Outcome.APPLIED
     ).count()
     assert applied == len(accepted) + int(ship)
-
-
-def _same_modulo_tags(want: dict[str, Any], got: dict[str, Any], a: str, b: str) -> bool:
-    return want["row"] == {
-        k: (v.replace(b, a) if isinstance(v, str) else v) for k, v in got["row"].items()
-    }
-
-
-_ = itertools  # keeps the import list stable for the shapes above
