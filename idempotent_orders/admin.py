@@ -25,7 +25,7 @@ The admin cannot break the guarantee the workers keep:
   An order a message refers to cannot be deleted either (its inbox rows would
   lose their order and its parked messages would go with it); an order no
   message touched (created by mistake) can.
-- **Transition actions** (one per declared transition, labelled "Mark as
+- **Transition actions** (one per declared transition with a target state, labelled "Mark as
   shipped") show a confirmation page listing every selected order, its state
   and what will happen; they honour the transition's fsm-2 ``permission=`` and
   ``conditions=``, report per order in words, and are audited. Rules:
@@ -77,10 +77,11 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.timesince import timesince
+from django_fsm import State
 
 from idempotent_orders import fulfilment, get_order_model, leases, reconcile
 from idempotent_orders.conf import conf
-from idempotent_orders.exceptions import InvalidMessage
+from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
 from idempotent_orders.handlers import registered
 from idempotent_orders.idempotent import requeue_inbox
 from idempotent_orders.leases import StepResult
@@ -588,6 +589,27 @@ def _run(p: Plan, name: str, rule: Rule | None) -> tuple[str, str]:
     return result.status.value, p.text
 
 
+def _drawable_edges(model: type[Model]) -> list[Edge]:
+    """The transitions the admin can drive: those with one declared target state.
+
+    One whose target is computed (fsm-2's ``RETURN_VALUE``, ``GET_STATE``) has no
+    state to write, and a graph that cannot be read (a ``target=None`` transition)
+    gives none: such a transition is not offered as an action, never a crash.
+    """
+    try:
+        drawn = list(edges(model))
+        methods = state_field(model).transitions[model]
+    except UnknownTransition:
+        return []
+    return [
+        e
+        for e in drawn
+        if not any(
+            isinstance(t.target, State) for t in methods[e.name]._django_fsm.transitions.values()
+        )
+    ]
+
+
 def _transition_action(model: type[Model], e: Edge) -> Callable[..., Any]:
     name = e.name
     label = action_label(model, e, transition_rule(model, name))
@@ -685,7 +707,7 @@ class OrderAdminMixin(_ModelAdmin):
 
     def __init__(self, model: type[Model], admin_site: admin.AdminSite) -> None:
         super().__init__(model, admin_site)
-        transitions = [_transition_action(model, e) for e in edges(model)]
+        transitions = [_transition_action(model, e) for e in _drawable_edges(model)]
         self.actions = [*(self.actions or ()), *transitions]
 
     # -- what the form may change --
