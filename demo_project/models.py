@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 from django.db import models
 from django.db.models.functions import Now
+from django.utils import timezone
 from django_fsm import FSMField, transition
 
 from idempotent_orders.models import AbstractOrder
@@ -111,6 +113,9 @@ class ShopOrder(AbstractOrder):
     currency = models.CharField(max_length=3)
     state = FSMField(choices=ShopState.choices, default=ShopState.AWAITING_PAYMENT, protected=True)
     payment_id = models.CharField(max_length=128, blank=True, default="")
+    #: What the payment captured (``amount`` is what the order costs) and when.
+    amount_paid = models.DecimalField(max_digits=12, decimal_places=2, null=True, blank=True)
+    paid_at = models.DateTimeField(null=True, blank=True)
     tracking_number = models.CharField(max_length=128, blank=True, default="")
     carrier = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
@@ -122,9 +127,21 @@ class ShopOrder(AbstractOrder):
     def __str__(self) -> str:
         return f"Shop order {self.pk} ({self.state}, v{self.version})"
 
+    # A consumed message calls the transition with the payload's entries its
+    # parameters name (``payment.succeeded``: payment_id, amount, currency), and
+    # the fields the body sets are written with the state and version.
+
     @transition(field=state, source=St.AWAITING_PAYMENT, target=St.PAID)
-    def mark_paid(self) -> None:
-        """Payment captured."""
+    def mark_paid(
+        self, payment_id: str, amount: Decimal | str, currency: str | None = None
+    ) -> None:
+        """Payment captured: record which payment, how much it took and when."""
+        if currency is not None and currency != self.currency:
+            raise ValueError(f"payment in {currency!r}, order priced in {self.currency!r}")
+        self.payment_id = payment_id
+        # The payload carries the amount as a decimal string ("88.00").
+        self.amount_paid = Decimal(str(amount))
+        self.paid_at = timezone.now()
 
     @transition(field=state, source=St.PAID, target=St.PICKING)
     def start_picking(self) -> None:
@@ -135,8 +152,10 @@ class ShopOrder(AbstractOrder):
         """Parcel packed, waiting for the carrier."""
 
     @transition(field=state, source=[St.PAID, St.PICKING, St.PACKED], target=St.IN_TRANSIT)
-    def dispatch(self) -> None:
+    def dispatch(self, tracking_number: str, carrier: str) -> None:
         """Parcel handed to the carrier (possibly before our own steps were recorded)."""
+        self.tracking_number = tracking_number
+        self.carrier = carrier
 
     @transition(field=state, source=St.IN_TRANSIT, target=St.DELIVERED)
     def deliver(self) -> None:

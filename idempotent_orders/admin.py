@@ -25,7 +25,7 @@ The admin cannot break the guarantee the workers keep:
   An order a message refers to cannot be deleted either (its inbox rows would
   lose their order and its parked messages would go with it); an order no
   message touched (created by mistake) can.
-- **Transition actions** (one per declared transition, labelled "Mark as
+- **Transition actions** (one per declared transition with a target state, labelled "Mark as
   shipped") show a confirmation page listing every selected order, its state
   and what will happen; they honour the transition's fsm-2 ``permission=`` and
   ``conditions=``, report per order in words, and are audited. Rules:
@@ -80,7 +80,7 @@ from django.utils.timesince import timesince
 
 from idempotent_orders import fulfilment, get_order_model, leases, reconcile
 from idempotent_orders.conf import conf
-from idempotent_orders.exceptions import InvalidMessage
+from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
 from idempotent_orders.handlers import registered
 from idempotent_orders.idempotent import requeue_inbox
 from idempotent_orders.leases import StepResult
@@ -588,6 +588,19 @@ def _run(p: Plan, name: str, rule: Rule | None) -> tuple[str, str]:
     return result.status.value, p.text
 
 
+def _drawable_edges(model: type[Model]) -> list[Edge]:
+    """The transitions the admin offers as actions: those with one declared target state.
+
+    One whose target its body picks (fsm-2's ``RETURN_VALUE``, ``GET_STATE``) or
+    that has none (``target=None``) has no "Mark as ..." to offer; a model whose
+    graph cannot be read (no single state field) gives none. Never a crash.
+    """
+    try:
+        return [e for e in edges(model) if e.target is not None]
+    except UnknownTransition:
+        return []
+
+
 def _transition_action(model: type[Model], e: Edge) -> Callable[..., Any]:
     name = e.name
     label = action_label(model, e, transition_rule(model, name))
@@ -685,7 +698,7 @@ class OrderAdminMixin(_ModelAdmin):
 
     def __init__(self, model: type[Model], admin_site: admin.AdminSite) -> None:
         super().__init__(model, admin_site)
-        transitions = [_transition_action(model, e) for e in edges(model)]
+        transitions = [_transition_action(model, e) for e in _drawable_edges(model)]
         self.actions = [*(self.actions or ()), *transitions]
 
     # -- what the form may change --

@@ -219,3 +219,49 @@ def test_parked_changelist_shows_waiting_time(staff, make_order) -> None:
     # The order column links to the order's change page.
     link = reverse("admin:idempotent_orders_order_change", args=[order.pk])
     assert f'href="{link}"' in response.content.decode()
+
+
+# -- transitions the admin cannot draw ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("undrawable", ["none", "return_value"])
+def test_a_transition_without_a_target_state_is_not_offered(undrawable: str) -> None:
+    """Registering the mixin on such a model does not raise; that transition gets no
+    "Mark as" action, and the others keep theirs.
+    """
+    from django.contrib.admin import AdminSite, ModelAdmin
+    from django.test.utils import isolate_apps
+    from django_fsm import RETURN_VALUE, FSMField
+    from django_fsm import transition as fsm_transition
+
+    from idempotent_orders.models import AbstractOrder
+
+    with isolate_apps("demo_project"):
+
+        class Ticket(AbstractOrder):
+            state = FSMField(default="open")
+
+            class Meta:
+                app_label = "demo_project"
+
+            @fsm_transition(field=state, source="open", target="closed")
+            def close(self) -> None: ...
+
+            if undrawable == "none":
+
+                @fsm_transition(field=state, source="*", target=None)
+                def comment(self) -> None: ...
+
+            else:
+
+                @fsm_transition(field=state, source="open", target=RETURN_VALUE("closed"))
+                def triage(self) -> str:
+                    return "closed"
+
+        class TicketAdmin(io_admin.OrderAdminMixin, ModelAdmin):
+            pass
+
+        site = AdminSite(name="tickets")
+        site.register(Ticket, TicketAdmin)
+        actions = [getattr(a, "__name__", a) for a in site.get_model_admin(Ticket).actions or ()]
+    assert actions == ["transition_close"]

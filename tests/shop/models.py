@@ -229,3 +229,26 @@ class KeyOrder(Order):
     @transition(field="kstate", source=["new", "paid"], target="cancelled")
     def kcancel(self) -> None:
         pass
+
+
+class ParcelReturn(AbstractOrder):
+    """A parcel the customer sends back, in the admin with ``OrderAdminMixin`` (not the order
+    model). ``note`` records a remark without moving the state (``target=None``): the admin
+    cannot draw it, so it offers no transition actions for this model.
+    """
+
+    parcel = models.CharField(max_length=64)
+    status = FSMField(default="requested", protected=True)
+    remark = models.CharField(max_length=255, blank=True, default="")
+
+    def __str__(self) -> str:
+        return f"return of {self.parcel} ({self.status})"
+
+    @transition(field=status, source="requested", target="received")
+    def receive(self) -> None:
+        """The parcel is back in the warehouse."""
+
+    @transition(field=status, source="*", target=None)
+    def note(self, remark: str) -> None:
+        """A remark on the return; the state stays."""
+        self.remark = remark
