@@ -252,6 +252,69 @@ def test_exception_releases_the_key(alice: Any, flavour: str) -> None:
     assert post(client, f"/t/{flavour}raises/", key="k").status_code == 201
 
 
+@pytest.fixture(params=[False, True], ids=["autocommit", "atomic-requests"])
+def atomic_requests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", request.param)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("fail", ["502", "raise"])
+def test_a_view_that_wrote_then_failed_is_rolled_back_before_its_key_is_released(
+    alice: Any, atomic_requests: bool, fail: str
+) -> None:
+    client = client_for(alice)
+    client.raise_request_exception = False
+    url = "/t/writes_then_fails/?fail=" + fail
+    assert post(client, url, key="k").status_code == (502 if fail == "502" else 500)
+    assert not Order.objects.exists()  # the failed run's write was rolled back
+    assert not IdempotencyKey.objects.exists()  # and the key released
+    again = post(client, url, key="k")
+    assert again.status_code == 201
+    assert Order.objects.count() == 1
+    assert post(client, url, key="k")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS["writes_then_fails"] == 2
+    assert Order.objects.count() == 1
+
+
+@pytest.mark.parametrize("fail", ["502", "raise"])
+@pytest.mark.parametrize("view", ["writes_then_fails_store", "awrites_then_fails"])
+def test_a_view_that_wrote_then_failed_keeps_its_failure_under_store(
+    alice: Any, atomic_requests: bool, fail: str, view: str
+) -> None:
+    # on_failure="store", an async view's default: the failure is the key's answer.
+    client = client_for(alice)
+    client.raise_request_exception = False
+    url = f"/t/{view}/?fail={fail}"
+    first = post(client, url, key="k")
+    assert first.status_code == (502 if fail == "502" else 500)
+    again = post(client, url, key="k")
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.status_code == first.status_code
+    if fail == "502":
+        assert again.content == first.content == b"bad gateway"
+    else:
+        problem(again, 500, "view-failed")
+    assert http_urls.RUNS[view] == 1
+    # The write stayed, once; under ATOMIC_REQUESTS a sync view's exception rolled it back.
+    rolled_back = fail == "raise" and atomic_requests and not view.startswith("a")
+    assert Order.objects.count() == (0 if rolled_back else 1)
+
+
+def test_on_failure_is_checked_when_the_view_is_decorated() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from idempotent_orders.http import idempotent_view
+
+    async def aview(request: Any) -> Any: ...
+
+    def view(request: Any) -> Any: ...
+
+    with pytest.raises(ImproperlyConfigured, match="async view"):
+        idempotent_view(on_failure="rollback")(aview)
+    with pytest.raises(ImproperlyConfigured, match="on_failure"):
+        idempotent_view(on_failure="ignore")(view)  # type: ignore[arg-type]
+
+
 def test_streaming_response_is_stored_without_body(alice: Any) -> None:
     client = client_for(alice)
     first = post(client, "/t/streaming/", key="k")
@@ -449,10 +512,10 @@ def taken_over_while_paused(client: Client, path: str, key: str) -> dict[str, An
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.backends("postgresql", "mysql")  # SQLite: the view's BEGIN IMMEDIATE blocks the retry
-def test_a_holder_that_lost_its_claim_commits_nothing_under_atomic_requests(
-    alice: Any, monkeypatch: pytest.MonkeyPatch
+def test_a_holder_that_lost_its_claim_commits_nothing_in_its_transaction(
+    alice: Any, atomic_requests: bool
 ) -> None:
-    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    # A def view runs in a transaction (on_failure="rollback"), ATOMIC_REQUESTS or not.
     client = client_for(alice)
     retried = taken_over_while_paused(client, "/t/paused/", "k")
     first = post(client, "/t/paused/", key="k")
@@ -471,14 +534,15 @@ def test_a_holder_that_lost_its_claim_commits_nothing_under_atomic_requests(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_holder_that_lost_its_claim_never_stores_without_atomic_requests(
+def test_a_holder_that_lost_its_claim_never_stores_outside_a_transaction(
     alice: Any, flavour: str
 ) -> None:
-    # Async views take this road too: Django runs them outside ATOMIC_REQUESTS.
+    # A def view under on_failure="store" without ATOMIC_REQUESTS; async views take
+    # this road too: Django runs them outside ATOMIC_REQUESTS.
     from idempotent_orders.signals import idempotent_request
 
     client = client_for(alice)
-    url = f"/t/{flavour}paused/"
+    url = "/t/apaused/" if flavour else "/t/paused_store/"
     retried = taken_over_while_paused(client, url, "k")
     outcomes: list[str] = []
 

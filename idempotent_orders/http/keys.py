@@ -14,7 +14,7 @@ A request carrying a key runs like this:
    once a third of it has passed (fast views cost no renewal), so a slow view
    is never run twice; a crashed one is taken over once its lease expires. A
    live lease keeps the key from expiring (``KEY_TTL``); a holder that lost its
-   lease never stores, and under ``ATOMIC_REQUESTS`` rolls its view back.
+   lease never stores, and in a transaction rolls its view back.
 4. The response is stored (status, allow-listed headers, body bytes) and
    replayed to retries with ``Idempotent-Replayed: true``. A 5xx or an
    exception releases the key so the client may retry. Streaming responses and
