@@ -377,6 +377,49 @@ def test_another_user_can_neither_replay_nor_block(alice: Any, bob: Any, flavour
     assert post(b, f"/t/{flavour}counter/", key="other").status_code == 201
 
 
+def client_principal(request: Any) -> str | None:
+    """A ``PRINCIPAL_RESOLVER``: the API client named by the ``X-Client`` header."""
+    return request.META.get("HTTP_X_CLIENT")
+
+
+def test_long_principals_differing_only_at_the_end_are_kept_apart(
+    settings: Any, flavour: str
+) -> None:
+    settings.IDEMPOTENT_ORDERS = {
+        "PRINCIPAL_RESOLVER": f"{__name__}.client_principal",
+        "KEY_QUOTA": 1,  # one quota for both would refuse the second client
+    }
+    one, two = "c" * 249 + "1", "c" * 249 + "2"
+    client = Client()
+    url = f"/t/{flavour}counter/"
+    first = post(client, url, key="k", HTTP_X_CLIENT=one)
+    second = post(client, url, key="k", HTTP_X_CLIENT=two)
+    assert (first.status_code, second.status_code) == (201, 201), second.content
+    assert "Idempotent-Replayed" not in second
+    assert json.loads(second.content)["run"] == 2
+    assert post(client, url, key="k", HTTP_X_CLIENT=one).content == first.content
+    assert post(client, url, key="k", HTTP_X_CLIENT=two).content == second.content
+    stored = set(IdempotencyKey.objects.values_list("principal", flat=True))
+    assert len(stored) == 2
+    assert all(len(p) <= 191 and p.startswith("c" * 100) for p in stored)
+    # Nor a token: one client's is refused to the other, and stays the owner's.
+    settings.IDEMPOTENT_ORDERS = {"PRINCIPAL_RESOLVER": f"{__name__}.client_principal"}
+    token = issue_token(one).key
+    problem(post(client, url, key=token, HTTP_X_CLIENT=two), 403, "token-invalid")
+    assert post(client, url, key=token, HTTP_X_CLIENT=one).status_code == 201
+
+
+def test_a_principal_is_stored_whole_up_to_190_characters() -> None:
+    from idempotent_orders.http.keys import stored_principal
+
+    assert stored_principal("user:1") == "user:1"
+    assert stored_principal("c" * 190) == "c" * 190
+    long = stored_principal("c" * 191)
+    assert len(long) == 191
+    assert long != "c" * 191
+    assert stored_principal("c" * 191) != stored_principal("c" * 190 + "d")
+
+
 def test_anonymous_keys_are_scoped_to_the_session(flavour: str) -> None:
     one, two = Client(), Client()
     assert post(one, f"/t/{flavour}counter/", key="k").status_code == 201

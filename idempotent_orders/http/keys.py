@@ -79,6 +79,7 @@ __all__ = [
     "get_principal",
     "parse_key",
     "purge_expired",
+    "stored_principal",
 ]
 
 logger = logging.getLogger("idempotent_orders")
@@ -165,12 +166,32 @@ def get_principal(request: HttpRequest) -> str | None:
         return str(cached)
     principal = _resolver(conf.PRINCIPAL_RESOLVER)(request)
     if principal is not None:
-        principal = str(principal)[:191]
+        principal = str(principal)  # whole: see stored_principal for its column
         request._idempotency_principal = principal  # type: ignore[attr-defined]
     return principal
 
 
+#: The longest principal stored as it is (the ``principal`` columns hold 191 characters).
+_PRINCIPAL_KEPT = 190
+
+
+def stored_principal(principal: str) -> str:
+    """``principal`` as its keys, tokens and quota bound store it (at most 191 characters).
+
+    A principal of up to 190 characters is stored as it is; a longer one as its
+    first 126 characters (to read), ``#`` and the SHA-256 of the whole, exactly
+    191 characters, so no two principals share a stored value: two API clients
+    whose ids differ past any prefix get neither each other's keys, nor tokens,
+    nor quota.
+    """
+    if len(principal) <= _PRINCIPAL_KEPT:
+        return principal
+    digest = hashlib.sha256(principal.encode()).hexdigest()
+    return f"{principal[: _PRINCIPAL_KEPT - len(digest)]}#{digest}"
+
+
 def scope_of(principal: str, method: str, route: str) -> str:
+    """The scope of a key: a SHA-256 over the whole ``principal``, ``method`` and ``route``."""
     return hashlib.sha256(f"{principal}\n{method}\n{route}".encode()).hexdigest()
 
 
@@ -226,11 +247,12 @@ def claim(
     """
     now = timezone.now()
     owner = secrets.token_hex(16)
-    scope = scope_of(principal, method, route)
+    scope = scope_of(principal, method, route)  # the whole principal
+    holder = stored_principal(principal)
     lease = now + timedelta(seconds=conf.KEY_LEASE)
     if key.startswith(TOKEN_PREFIX):
         taken = IdempotencyKey.objects.filter(
-            principal=principal,
+            principal=holder,
             key=key,
             is_token=True,
             state=KeyState.ISSUED,
@@ -258,7 +280,7 @@ def claim(
     fields = {
         "scope": scope,
         "key": key,
-        "principal": principal,
+        "principal": holder,
         "method": method,
         "route": route[:255],
         "fingerprint": fingerprint,
@@ -279,7 +301,7 @@ def claim(
             continue
         if row is not None:
             return _decide(row, fingerprint, owner)
-        live = _live_keys(principal, now)
+        live = _live_keys(holder, now)
         if live >= conf.KEY_QUOTA:
             raise QuotaExceeded(
                 f"you hold {live} live idempotency keys, the limit is {conf.KEY_QUOTA}",
@@ -996,7 +1018,8 @@ def forget_stale_bounds(*, now: Any = None) -> int:
 
 
 def raise_bound(conn: BaseDatabaseWrapper, principal: str) -> None:
-    """Count one more live key for ``principal`` in its quota bound, if it has one (PostgreSQL).
+    """Count one more live key for ``principal`` (as stored: :func:`stored_principal`)
+    in its quota bound, if it has one (PostgreSQL).
 
     For keys inserted outside a claim (tokens), in their inserting transaction,
     which must hold the principal's claim lock (:func:`lock_principal`).
@@ -1012,7 +1035,8 @@ def raise_bound(conn: BaseDatabaseWrapper, principal: str) -> None:
 
 
 def lock_principal(conn: BaseDatabaseWrapper, principal: str) -> None:
-    """Serialize with ``principal``'s claims until the transaction ends (PostgreSQL)."""
+    """Serialize with ``principal``'s claims until the transaction ends (PostgreSQL);
+    ``principal`` as stored (:func:`stored_principal`)."""
     if conn.vendor == "postgresql":
         with conn.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_lock_id(principal)])
