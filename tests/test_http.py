@@ -645,14 +645,14 @@ def test_the_heartbeat_thread_is_woken_only_for_a_beat_due_before_it_wakes(
 ) -> None:
     import time
 
-    from idempotent_orders.http import keys
+    from idempotent_orders.http import claims
 
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
-    beater = keys._Beater()
+    beater = claims._Beater()
     notified: list[int] = []
     notify = beater.cond.notify
     monkeypatch.setattr(beater.cond, "notify", lambda: (notified.append(1), notify()))
-    held = keys.Claim(IdempotencyKey(pk=1), "owner")
+    held = claims.Claim(IdempotencyKey(pk=1), "owner")
     first = beater.add(held)  # starts the thread
     assert beater.thread is not None
     assert beater.thread.is_alive()
@@ -983,7 +983,7 @@ def test_check_warns_without_sessions(settings: Any) -> None:
 def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
     from django.test.utils import CaptureQueriesContext
 
-    from idempotent_orders.http import keys
+    from idempotent_orders.http import claims
 
     client = client_for(alice)
     first = post(client, "/api/orders/", key="replay-once")
@@ -997,7 +997,7 @@ def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
         "fingerprint": stored.fingerprint,
     }
     with CaptureQueriesContext(connection) as queries:
-        found = keys.claim(**args)
+        found = claims.claim(**args)
     assert len(queries) == 1
     assert isinstance(found, IdempotencyKey)
     assert (found.pk, found.state, found.response_status) == (stored.pk, KeyState.COMPLETED, 201)
@@ -1041,14 +1041,14 @@ def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(
         assert cursor.fetchone()[0] == 3
     assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 3
     # Already prepared on the server (a pooler handed over a used connection).
-    from idempotent_orders.http import keys
+    from idempotent_orders.http import claims
 
-    prepared = keys._prepared_sql[connection.alias]
+    prepared = claims._prepared_sql[connection.alias]
     assert all(name.startswith("idempotent_orders_claim_") for name in prepared.names)
     with connection.cursor() as cursor:
         cursor.execute("DEALLOCATE ALL")
         cursor.execute(prepared.prepares[1])
-    keys._prepared_on.discard(connection.connection)
+    claims._prepared_on.discard(connection.connection)
     fourth = post(client, "/api/orders/", basket("p-4"), key="p-4")
     assert fourth.status_code == 201
     assert post(client, "/api/orders/", basket("p-4"), key="p-4").content == fourth.content

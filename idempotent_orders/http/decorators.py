@@ -1,7 +1,7 @@
 """``@idempotent_view`` and :class:`IdempotentMixin`: the key's steps around a view, sync or async.
 
 The steps themselves (parse, claim, lease, store, replay) are in
-:mod:`idempotent_orders.http.keys`. Around a view they run in this order:
+:mod:`idempotent_orders.http.claims`. Around a view they run in this order:
 :func:`_begin` (key, principal, fingerprint, claim: answered at once for a
 replay or an error), the view under the heartbeat, then the stored response.
 A sync view and an async view share these functions; an async view is awaited
@@ -31,7 +31,7 @@ from idempotent_orders.exceptions import (
     KeyMissing,
     NotAuthenticated,
 )
-from idempotent_orders.http.keys import (
+from idempotent_orders.http.claims import (
     HEADER,
     UNSAFE_METHODS,
     Claim,
