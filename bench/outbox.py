@@ -36,7 +36,7 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
-from bench.common import RUNS, Row, fmt, kill_at_marker, median, na, setup
+from bench.common import CRASH_LEASE_S, RUNS, Row, fmt, kill_at_marker, median, na, setup
 
 PRODUCER_TXNS = int(os.environ.get("BENCH_OUTBOX_TXNS", "300"))
 RELAY_ROWS = int(os.environ.get("BENCH_OUTBOX_ROWS", "3000"))
@@ -417,8 +417,6 @@ def _crash_rows(url: str, queue: str, peer: bool, reliable: _Reliable | None) ->
     }
     for kind in kinds:
         if kind == "reliable":
-            from bench.outbox_reliable import CRASH_LEASE_S
-
             assert reliable is not None
             try:
                 r = reliable.ask(

@@ -60,7 +60,8 @@ def main() -> None:
     if kind == "reliable":  # django-reliable-outbox, in its own venv (bench.outbox_reliable)
         from reliable_outbox.worker import Worker
 
-        from bench.outbox_reliable import CRASH_LEASE_S, CeleryTaskDestination
+        from bench.common import CRASH_LEASE_S
+        from bench.outbox_reliable import CeleryTaskDestination
 
         current_app.conf.broker_url = url
         deliver = CeleryTaskDestination.deliver

@@ -35,8 +35,7 @@ import time
 import uuid
 from typing import Any
 
-#: The lease of the crash run's workers (its default, 60 s, is noted in the table).
-CRASH_LEASE_S = 5.0
+from bench.common import CRASH_LEASE_S
 
 
 class CeleryTaskDestination:

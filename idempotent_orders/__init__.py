@@ -26,7 +26,7 @@ def get_order_model() -> type[AbstractOrder]:
     from django.apps import apps
     from django.core.exceptions import ImproperlyConfigured
 
-    from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
+    from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label, order_model_listeners
 
     label = order_model_label()
     try:
@@ -40,6 +40,8 @@ def get_order_model() -> type[AbstractOrder]:
             f"{ORDER_MODEL_SETTING} refers to model {label!r}, which is not installed"
         ) from None
     if apps.ready:
+        if _forget_order_model not in order_model_listeners:
+            order_model_listeners.append(_forget_order_model)
         _found = model
     return model
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -392,11 +393,16 @@ conf = Settings()
 setting_changed.connect(conf.forget, dispatch_uid="idempotent_orders.conf.forget")
 
 
+#: Called when the setting naming the order model, or the installed apps, change:
+#: ``get_order_model`` adds the forgetting of its cache (so this module need not
+#: import the package's ``__init__``, which imports it).
+order_model_listeners: list[Callable[[], None]] = []
+
+
 def _order_model_changed(setting: str, **kwargs: Any) -> None:
     if setting in (ORDER_MODEL_SETTING, "INSTALLED_APPS"):
-        from idempotent_orders import _forget_order_model
-
-        _forget_order_model()
+        for forget in order_model_listeners:
+            forget()
 
 
 setting_changed.connect(_order_model_changed, dispatch_uid="idempotent_orders.conf.order_model")

@@ -86,14 +86,64 @@ def slow(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"run": run}, status=201)
 
 
-@idempotent_view
-def paused(request: HttpRequest) -> HttpResponse:
-    run = _ran("paused")
-    if run == 1 and PAUSE:
-        PAUSE[0]()
-    order = Order.objects.create(
-        business_key=f"paused-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
+def _paused(name: str) -> Callable[[HttpRequest], HttpResponse]:
+    def view(request: HttpRequest) -> HttpResponse:
+        run = _ran(name)
+        if run == 1 and PAUSE:
+            PAUSE[0]()
+        order = Order.objects.create(
+            business_key=f"{name}-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
+        )
+        return JsonResponse({"run": run, "id": order.pk}, status=201)
+
+    view.__name__ = name
+    return view
+
+
+paused = idempotent_view(_paused("paused"))
+#: Outside a transaction of the decorator's (without ATOMIC_REQUESTS), as an async view.
+paused_store = idempotent_view(on_failure="store")(_paused("paused_store"))
+
+
+def _order(name: str, run: int) -> Order:
+    return Order.objects.create(
+        business_key=f"{name}-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
     )
+
+
+def _writes_then_fails(name: str) -> Callable[[HttpRequest], HttpResponse]:
+    """A view that creates an order on every run, then fails on its first: it answers
+    502 (``?fail=raise``: raises) and, from its second run on, 201."""
+
+    def view(request: HttpRequest) -> HttpResponse:
+        run = _ran(name)
+        order = _order(name, run)
+        if run == 1:
+            if request.GET.get("fail") == "raise":
+                raise RuntimeError("boom after the write")
+            return HttpResponse("bad gateway", status=502)
+        return JsonResponse({"run": run, "id": order.pk}, status=201)
+
+    view.__name__ = name
+    return view
+
+
+writes_then_fails = idempotent_view(_writes_then_fails("writes_then_fails"))
+writes_then_fails_store = idempotent_view(on_failure="store")(
+    _writes_then_fails("writes_then_fails_store")
+)
+
+
+@idempotent_view
+async def awrites_then_fails(request: HttpRequest) -> HttpResponse:
+    run = _ran("awrites_then_fails")
+    order = await Order.objects.acreate(
+        business_key=f"awrites-{run}-{next(_ids)}", amount=Decimal("1.00"), currency="CNY"
+    )
+    if run == 1:
+        if request.GET.get("fail") == "raise":
+            raise RuntimeError("boom after the write")
+        return HttpResponse("bad gateway", status=502)
     return JsonResponse({"run": run, "id": order.pk}, status=201)
 
 
@@ -116,7 +166,8 @@ async def aoptional(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"run": _ran("aoptional")}, status=201)
 
 
-@idempotent_view
+# Writes nothing: released on failure, as the sync one (an async view's default stores it).
+@idempotent_view(on_failure="release")
 async def afails(request: HttpRequest) -> HttpResponse:
     run = _ran("afails")
     if run == 1:
@@ -124,7 +175,8 @@ async def afails(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"run": run}, status=201)
 
 
-@idempotent_view
+# Writes nothing: released on failure, as the sync one (an async view's default stores it).
+@idempotent_view(on_failure="release")
 async def araises(request: HttpRequest) -> HttpResponse:
     if _ran("araises") == 1:
         raise RuntimeError("boom")
@@ -189,6 +241,10 @@ test_patterns = [
     path("large/", large),
     path("slow/", csrf_exempt(slow)),
     path("paused/", paused),
+    path("paused_store/", paused_store),
+    path("writes_then_fails/", writes_then_fails),
+    path("writes_then_fails_store/", writes_then_fails_store),
+    path("awrites_then_fails/", awrites_then_fails),
     path("acounter/", acounter),
     path("apaused/", apaused),
     path("aoptional/", aoptional),

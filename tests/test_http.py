@@ -252,6 +252,69 @@ def test_exception_releases_the_key(alice: Any, flavour: str) -> None:
     assert post(client, f"/t/{flavour}raises/", key="k").status_code == 201
 
 
+@pytest.fixture(params=[False, True], ids=["autocommit", "atomic-requests"])
+def atomic_requests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", request.param)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("fail", ["502", "raise"])
+def test_a_view_that_wrote_then_failed_is_rolled_back_before_its_key_is_released(
+    alice: Any, atomic_requests: bool, fail: str
+) -> None:
+    client = client_for(alice)
+    client.raise_request_exception = False
+    url = "/t/writes_then_fails/?fail=" + fail
+    assert post(client, url, key="k").status_code == (502 if fail == "502" else 500)
+    assert not Order.objects.exists()  # the failed run's write was rolled back
+    assert not IdempotencyKey.objects.exists()  # and the key released
+    again = post(client, url, key="k")
+    assert again.status_code == 201
+    assert Order.objects.count() == 1
+    assert post(client, url, key="k")["Idempotent-Replayed"] == "true"
+    assert http_urls.RUNS["writes_then_fails"] == 2
+    assert Order.objects.count() == 1
+
+
+@pytest.mark.parametrize("fail", ["502", "raise"])
+@pytest.mark.parametrize("view", ["writes_then_fails_store", "awrites_then_fails"])
+def test_a_view_that_wrote_then_failed_keeps_its_failure_under_store(
+    alice: Any, atomic_requests: bool, fail: str, view: str
+) -> None:
+    # on_failure="store", an async view's default: the failure is the key's answer.
+    client = client_for(alice)
+    client.raise_request_exception = False
+    url = f"/t/{view}/?fail={fail}"
+    first = post(client, url, key="k")
+    assert first.status_code == (502 if fail == "502" else 500)
+    again = post(client, url, key="k")
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.status_code == first.status_code
+    if fail == "502":
+        assert again.content == first.content == b"bad gateway"
+    else:
+        problem(again, 500, "view-failed")
+    assert http_urls.RUNS[view] == 1
+    # The write stayed, once; under ATOMIC_REQUESTS a sync view's exception rolled it back.
+    rolled_back = fail == "raise" and atomic_requests and not view.startswith("a")
+    assert Order.objects.count() == (0 if rolled_back else 1)
+
+
+def test_on_failure_is_checked_when_the_view_is_decorated() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from idempotent_orders.http import idempotent_view
+
+    async def aview(request: Any) -> Any: ...
+
+    def view(request: Any) -> Any: ...
+
+    with pytest.raises(ImproperlyConfigured, match="async view"):
+        idempotent_view(on_failure="rollback")(aview)
+    with pytest.raises(ImproperlyConfigured, match="on_failure"):
+        idempotent_view(on_failure="ignore")(view)  # type: ignore[arg-type]
+
+
 def test_streaming_response_is_stored_without_body(alice: Any) -> None:
     client = client_for(alice)
     first = post(client, "/t/streaming/", key="k")
@@ -312,6 +375,49 @@ def test_another_user_can_neither_replay_nor_block(alice: Any, bob: Any, flavour
     )
     assert post(b, f"/t/{flavour}counter/", key="shared")["Idempotent-Replayed"] == "true"
     assert post(b, f"/t/{flavour}counter/", key="other").status_code == 201
+
+
+def client_principal(request: Any) -> str | None:
+    """A ``PRINCIPAL_RESOLVER``: the API client named by the ``X-Client`` header."""
+    return request.META.get("HTTP_X_CLIENT")
+
+
+def test_long_principals_differing_only_at_the_end_are_kept_apart(
+    settings: Any, flavour: str
+) -> None:
+    settings.IDEMPOTENT_ORDERS = {
+        "PRINCIPAL_RESOLVER": f"{__name__}.client_principal",
+        "KEY_QUOTA": 1,  # one quota for both would refuse the second client
+    }
+    one, two = "c" * 249 + "1", "c" * 249 + "2"
+    client = Client()
+    url = f"/t/{flavour}counter/"
+    first = post(client, url, key="k", HTTP_X_CLIENT=one)
+    second = post(client, url, key="k", HTTP_X_CLIENT=two)
+    assert (first.status_code, second.status_code) == (201, 201), second.content
+    assert "Idempotent-Replayed" not in second
+    assert json.loads(second.content)["run"] == 2
+    assert post(client, url, key="k", HTTP_X_CLIENT=one).content == first.content
+    assert post(client, url, key="k", HTTP_X_CLIENT=two).content == second.content
+    stored = set(IdempotencyKey.objects.values_list("principal", flat=True))
+    assert len(stored) == 2
+    assert all(len(p) <= 191 and p.startswith("c" * 100) for p in stored)
+    # Nor a token: one client's is refused to the other, and stays the owner's.
+    settings.IDEMPOTENT_ORDERS = {"PRINCIPAL_RESOLVER": f"{__name__}.client_principal"}
+    token = issue_token(one).key
+    problem(post(client, url, key=token, HTTP_X_CLIENT=two), 403, "token-invalid")
+    assert post(client, url, key=token, HTTP_X_CLIENT=one).status_code == 201
+
+
+def test_a_principal_is_stored_whole_up_to_190_characters() -> None:
+    from idempotent_orders.http.keys import stored_principal
+
+    assert stored_principal("user:1") == "user:1"
+    assert stored_principal("c" * 190) == "c" * 190
+    long = stored_principal("c" * 191)
+    assert len(long) == 191
+    assert long != "c" * 191
+    assert stored_principal("c" * 191) != stored_principal("c" * 190 + "d")
 
 
 def test_anonymous_keys_are_scoped_to_the_session(flavour: str) -> None:
@@ -449,10 +555,10 @@ def taken_over_while_paused(client: Client, path: str, key: str) -> dict[str, An
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.backends("postgresql", "mysql")  # SQLite: the view's BEGIN IMMEDIATE blocks the retry
-def test_a_holder_that_lost_its_claim_commits_nothing_under_atomic_requests(
-    alice: Any, monkeypatch: pytest.MonkeyPatch
+def test_a_holder_that_lost_its_claim_commits_nothing_in_its_transaction(
+    alice: Any, atomic_requests: bool
 ) -> None:
-    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    # A def view runs in a transaction (on_failure="rollback"), ATOMIC_REQUESTS or not.
     client = client_for(alice)
     retried = taken_over_while_paused(client, "/t/paused/", "k")
     first = post(client, "/t/paused/", key="k")
@@ -471,14 +577,15 @@ def test_a_holder_that_lost_its_claim_commits_nothing_under_atomic_requests(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_holder_that_lost_its_claim_never_stores_without_atomic_requests(
+def test_a_holder_that_lost_its_claim_never_stores_outside_a_transaction(
     alice: Any, flavour: str
 ) -> None:
-    # Async views take this road too: Django runs them outside ATOMIC_REQUESTS.
+    # A def view under on_failure="store" without ATOMIC_REQUESTS; async views take
+    # this road too: Django runs them outside ATOMIC_REQUESTS.
     from idempotent_orders.signals import idempotent_request
 
     client = client_for(alice)
-    url = f"/t/{flavour}paused/"
+    url = "/t/apaused/" if flavour else "/t/paused_store/"
     retried = taken_over_while_paused(client, url, "k")
     outcomes: list[str] = []
 
@@ -538,14 +645,14 @@ def test_the_heartbeat_thread_is_woken_only_for_a_beat_due_before_it_wakes(
 ) -> None:
     import time
 
-    from idempotent_orders.http import keys
+    from idempotent_orders.http import claims
 
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
-    beater = keys._Beater()
+    beater = claims._Beater()
     notified: list[int] = []
     notify = beater.cond.notify
     monkeypatch.setattr(beater.cond, "notify", lambda: (notified.append(1), notify()))
-    held = keys.Claim(IdempotencyKey(pk=1), "owner")
+    held = claims.Claim(IdempotencyKey(pk=1), "owner")
     first = beater.add(held)  # starts the thread
     assert beater.thread is not None
     assert beater.thread.is_alive()
@@ -876,7 +983,7 @@ def test_check_warns_without_sessions(settings: Any) -> None:
 def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
     from django.test.utils import CaptureQueriesContext
 
-    from idempotent_orders.http import keys
+    from idempotent_orders.http import claims
 
     client = client_for(alice)
     first = post(client, "/api/orders/", key="replay-once")
@@ -890,7 +997,7 @@ def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
         "fingerprint": stored.fingerprint,
     }
     with CaptureQueriesContext(connection) as queries:
-        found = keys.claim(**args)
+        found = claims.claim(**args)
     assert len(queries) == 1
     assert isinstance(found, IdempotencyKey)
     assert (found.pk, found.state, found.response_status) == (stored.pk, KeyState.COMPLETED, 201)
@@ -934,14 +1041,14 @@ def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(
         assert cursor.fetchone()[0] == 3
     assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 3
     # Already prepared on the server (a pooler handed over a used connection).
-    from idempotent_orders.http import keys
+    from idempotent_orders.http import claims
 
-    prepared = keys._prepared_sql[connection.alias]
+    prepared = claims._prepared_sql[connection.alias]
     assert all(name.startswith("idempotent_orders_claim_") for name in prepared.names)
     with connection.cursor() as cursor:
         cursor.execute("DEALLOCATE ALL")
         cursor.execute(prepared.prepares[1])
-    keys._prepared_on.discard(connection.connection)
+    claims._prepared_on.discard(connection.connection)
     fourth = post(client, "/api/orders/", basket("p-4"), key="p-4")
     assert fourth.status_code == 201
     assert post(client, "/api/orders/", basket("p-4"), key="p-4").content == fourth.content

@@ -1,4 +1,4 @@
-"""House rules: registration in ``ready()``, no import cycle in http/, one error-code style."""
+"""House rules: registration in ``ready()``, no import cycle, one error-code style."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from idempotent_orders import exceptions, fulfilment, leases
 from tests.support.services import ROOT
@@ -44,34 +47,122 @@ print(leases.get_step(fulfilment.STEP.consumer) is None)
     assert done.stdout.strip() == "True"
 
 
-def _imports(path: Path) -> set[str]:
-    """The ``idempotent_orders.http`` modules ``path`` imports, at the top or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "idempotent_orders.http."
-        ):
-            found.add(node.module.removeprefix("idempotent_orders.http."))
-    return found
+def _is_type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports that never run."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
-#: Known back edges, each a lazy import inside one function: the deprecated aliases in
-#: keys.py (removed in 0.3), and the schema view serving the document that describes it.
-ALLOWED_BACK_EDGES = {("keys", "decorators"), ("views", "schema")}
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` (under ``root``) and the modules of ``package`` it
+    imports: at the top or inside functions, absolute or relative, not for typing only.
+    ``from a import b`` names module ``a.b`` if there is one, else ``a``."""
+    modules: dict[str, Path] = {}
+    for path in (root / package.replace(".", "/")).rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+
+    def module_of(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def walk(node: ast.AST) -> Iterator[ast.AST]:
+        for child in ast.iter_child_nodes(node):
+            if not _is_type_checking(child):
+                yield child
+                yield from walk(child)
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str | None] = set()
+        for node in walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(module_of(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                    base = f"{parent}.{base}" if base else parent
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in modules else module_of(base))
+        graph[name] = {m for m in found if m is not None and m != name}
+    return graph
 
 
-def test_http_modules_do_not_import_each_other_back() -> None:
-    graph = {p.stem: _imports(p) for p in (PACKAGE / "http").glob("*.py")}
-    assert "forms" not in graph["decorators"]  # forms.py builds on decorators.py, not both ways
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``: its strongly connected components of two modules or more."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for dep in sorted(graph[module]):
+            if dep not in index:
+                visit(dep)
+                low[module] = min(low[module], low[dep])
+            elif dep in stack:
+                low[module] = min(low[module], index[dep])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+@pytest.mark.parametrize("package", ["idempotent_orders", "bench"])
+def test_no_module_imports_itself_back(package: str) -> None:
+    # Lazy imports (inside a function) count: they only hide a circle until it bites.
+    graph = import_graph(ROOT, package)
     cycles = {
-        (a, b)
-        for a, deps in graph.items()
-        for b in deps
-        if a in graph.get(b, set())
-        and (a, b) not in ALLOWED_BACK_EDGES
-        and (b, a) not in ALLOWED_BACK_EDGES
+        " <-> ".join(cycle): {m: sorted(graph[m] & set(cycle)) for m in cycle}
+        for cycle in import_cycles(graph)
     }
-    assert cycles == set()
+    assert cycles == {}
+
+
+def test_the_import_graph_sees_lazy_relative_and_circular_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .. import a\n")
+    (pkg / "sub" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+        "import pkg.sub.b\n"
+    )
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.a"] == {"pkg.sub.b"}
+    assert graph["pkg.sub.b"] == {"pkg.a"}
+    assert graph["pkg.sub.c"] == {"pkg.sub.b"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+def test_forms_build_on_the_decorators() -> None:
+    graph = import_graph(ROOT, "idempotent_orders")
+    assert "idempotent_orders.http.decorators" in graph["idempotent_orders.http.forms"]
+    assert "idempotent_orders.http.forms" not in graph["idempotent_orders.http.decorators"]
 
 
 def test_error_codes_are_kebab_case() -> None:

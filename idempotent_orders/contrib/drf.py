@@ -8,7 +8,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponseBase
 
-from idempotent_orders.http.decorators import Policy, guard
+from idempotent_orders.http.decorators import OnFailure, Policy, guard
 from idempotent_orders.http.keys import UNSAFE_METHODS, default_principal, header_key
 
 __all__ = ["IdempotentAPIViewMixin"]
@@ -22,16 +22,20 @@ class IdempotentAPIViewMixin:
     The principal is resolved through the view's own DRF authenticators (token,
     session, ...), before the key is claimed, so API clients authenticated by
     DRF get their own scope. Set ``idempotency_required = False`` to let keyless
-    requests through.
+    requests through, and ``idempotency_on_failure`` to choose what a failure
+    leaves behind (see :func:`~idempotent_orders.http.idempotent_view`).
     """
 
     idempotency_required: bool = True
+    #: See ``on_failure`` of :func:`~idempotent_orders.http.idempotent_view`.
+    idempotency_on_failure: OnFailure | None = None
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         # A ViewSet's as_view takes the router's {method: action} map first.
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
-        guarded = guard(view, Policy(required=cls.idempotency_required), header_key)
+        policy = Policy(required=cls.idempotency_required, on_failure=cls.idempotency_on_failure)
+        guarded = guard(view, policy, header_key)
 
         @functools.wraps(guarded)
         def with_drf_principal(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:

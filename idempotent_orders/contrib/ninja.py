@@ -19,15 +19,18 @@ from typing import Any
 
 from ninja.decorators import decorate_view
 
-from idempotent_orders.http.decorators import idempotent_view
+from idempotent_orders.http.decorators import OnFailure, idempotent_view
 
 __all__ = ["idempotent_operation"]
 
 
-def idempotent_operation(func: Any = None, *, required: bool = True) -> Any:
+def idempotent_operation(
+    func: Any = None, *, required: bool = True, on_failure: OnFailure | None = None
+) -> Any:
     """Run a ninja operation's unsafe requests once per ``Idempotency-Key``.
 
-    ``required=False`` lets keyless requests run normally.
+    ``required=False`` lets keyless requests run normally; ``on_failure`` is
+    :func:`~idempotent_orders.http.idempotent_view`'s.
     """
-    decorate = decorate_view(idempotent_view(required=required))
+    decorate = decorate_view(idempotent_view(required=required, on_failure=on_failure))
     return decorate(func) if func is not None else decorate

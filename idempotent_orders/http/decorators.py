@@ -1,7 +1,7 @@
 """``@idempotent_view`` and :class:`IdempotentMixin`: the key's steps around a view, sync or async.
 
 The steps themselves (parse, claim, lease, store, replay) are in
-:mod:`idempotent_orders.http.keys`. Around a view they run in this order:
+:mod:`idempotent_orders.http.claims`. Around a view they run in this order:
 :func:`_begin` (key, principal, fingerprint, claim: answered at once for a
 replay or an error), the view under the heartbeat, then the stored response.
 A sync view and an async view share these functions; an async view is awaited
@@ -16,10 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
-from django.db import connections, transaction
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.http import HttpRequest, HttpResponseBase
 from django.utils import timezone
 
@@ -30,7 +31,7 @@ from idempotent_orders.exceptions import (
     KeyMissing,
     NotAuthenticated,
 )
-from idempotent_orders.http.keys import (
+from idempotent_orders.http.claims import (
     HEADER,
     UNSAFE_METHODS,
     Claim,
@@ -46,7 +47,7 @@ from idempotent_orders.http.keys import (
     scope_of,
     store,
 )
-from idempotent_orders.http.problems import problem_from
+from idempotent_orders.http.problems import problem_from, problem_response
 from idempotent_orders.models import IdempotencyKey, KeyState
 from idempotent_orders.signals import idempotent_request
 
@@ -55,6 +56,13 @@ __all__ = ["IdempotentMixin", "idempotent_view"]
 View = Callable[..., Any]
 V = TypeVar("V", bound=View)
 KeyOf = Callable[[HttpRequest], str | None]
+
+#: What a keyed view's failure (an exception, or a 5xx response) does:
+#: ``rollback`` runs the view in a transaction, rolled back before the key is
+#: released; ``store`` keeps the failure as the key's answer; ``release``
+#: releases the key and rolls nothing back (for views that write nothing).
+OnFailure = Literal["rollback", "store", "release"]
+ON_FAILURE: tuple[OnFailure, ...] = ("rollback", "store", "release")
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,25 @@ class Policy:
 
     required: bool = True
     form: FormRules | None = None
+    #: None: ``rollback`` for a ``def`` view, ``store`` for an ``async def`` one
+    #: (Django runs no async view in a transaction, so it cannot be rolled back).
+    on_failure: OnFailure | None = None
+
+    def failure_for(self, view: View) -> OnFailure:
+        """What a failure of ``view`` does under this policy."""
+        asynchronous = iscoroutinefunction(view)
+        if self.on_failure is None:
+            return "store" if asynchronous else "rollback"
+        if self.on_failure not in ON_FAILURE:
+            raise ImproperlyConfigured(
+                f"on_failure must be one of {', '.join(ON_FAILURE)}, not {self.on_failure!r}"
+            )
+        if asynchronous and self.on_failure == "rollback":
+            raise ImproperlyConfigured(
+                "an async view runs outside any transaction and cannot be rolled back:"
+                " use on_failure='store' (or 'release' if it writes nothing)"
+            )
+        return self.on_failure
 
 
 @dataclass
@@ -155,9 +182,11 @@ def _wait_for_first(request: HttpRequest, key: str, policy: Policy) -> HttpRespo
     return None
 
 
-def _atomic_requests() -> AbstractContextManager[Any]:
-    """``transaction.atomic()`` for each database with ``ATOMIC_REQUESTS``, as Django would."""
-    aliases = _atomic_aliases()
+def _atomic_requests(aliases: list[str] | None = None) -> AbstractContextManager[Any]:
+    """``transaction.atomic()`` for each database with ``ATOMIC_REQUESTS``, as Django
+    would (or for each of ``aliases``)."""
+    if aliases is None:
+        aliases = _atomic_aliases()
     if not aliases:
         return nullcontext()
     stack = ExitStack()
@@ -172,6 +201,15 @@ def _atomic_aliases() -> list[str]:
     return [alias for alias, db in connections.settings.items() if db.get("ATOMIC_REQUESTS")]
 
 
+def _view_aliases(on_failure: OnFailure) -> list[str]:
+    """The databases whose transaction a keyed view runs in: those with
+    ``ATOMIC_REQUESTS``, and under ``rollback`` the default one (the key's) too."""
+    aliases = _atomic_aliases()
+    if on_failure == "rollback" and DEFAULT_DB_ALIAS not in aliases:
+        aliases = [DEFAULT_DB_ALIAS, *aliases]
+    return aliases
+
+
 class _LostClaim(Exception):
     """Raised inside the request's transaction to roll back a holder that lost its claim."""
 
@@ -184,11 +222,37 @@ def _rendered(response: HttpResponseBase) -> HttpResponseBase:
     return response
 
 
-def _store_if_kept(held: Claim, response: HttpResponseBase, policy: Policy) -> bool | None:
-    """Store a response worth keeping (a success, a form's redirect): whether it was
-    stored (False: the claim was lost), or None when the key is to be released."""
-    keep = response.status_code < 500 and (not policy.form or 300 <= response.status_code < 400)
+def _store_if_kept(
+    held: Claim, response: HttpResponseBase, policy: Policy, on_failure: OnFailure
+) -> bool | None:
+    """Store a response worth keeping (a success, a form's redirect, a 5xx under
+    ``store``): whether it was stored (False: the claim was lost), or None when the
+    key is to be released."""
+    status = response.status_code
+    failed = status >= 500
+    keep = on_failure == "store" if failed else not policy.form or 300 <= status < 400
     return store(held, response) if keep else None
+
+
+def _failed_answer() -> HttpResponseBase:
+    """What a key whose view raised answers under ``store``."""
+    return problem_response(
+        500,
+        "view-failed",
+        "The request failed",
+        "the first request with this key raised an error; send a new key to try again",
+    )
+
+
+def _after_exception(
+    request: HttpRequest, key: str, held: Claim, on_failure: OnFailure, exc: BaseException
+) -> None:
+    """The key of a view that raised ``exc`` (its transaction, if any, rolled back)."""
+    if on_failure == "store" and isinstance(exc, Exception):
+        # Not a BaseException (a cancelled request, an exiting worker): those release.
+        _settle(request, key, held, store(held, _failed_answer()))
+    else:
+        _give_back(request, key, held)
 
 
 def _settle(request: HttpRequest, key: str, held: Claim, stored: bool | None) -> None:
@@ -224,25 +288,32 @@ def _execute(
     request: HttpRequest,
     view: Callable[[], HttpResponseBase],
     policy: Policy,
+    on_failure: OnFailure,
     key: str,
     held: Claim,
 ) -> HttpResponseBase:
+    aliases = _view_aliases(on_failure)
     try:
         with heartbeat(held):
             try:
-                with _atomic_requests():
+                with _atomic_requests(aliases):
                     response = _rendered(view())
-                    # Under ATOMIC_REQUESTS the response commits with the view's writes.
-                    stored = _store_if_kept(held, response, policy)
-                    if stored is False and _atomic_aliases():
+                    # In a transaction the response commits with the view's writes.
+                    stored = _store_if_kept(held, response, policy, on_failure)
+                    if stored is False and aliases:
                         # The lease lapsed and another request took the key over: its
                         # execution is the one the key answers, so this one must not
                         # commit a second.
                         raise _LostClaim
+                    if stored is None and response.status_code >= 500 and aliases:
+                        # A failure whose key is released: its writes must not stay,
+                        # or the retry would make them again.
+                        for alias in aliases:
+                            transaction.set_rollback(True, using=alias)
             except _LostClaim:
                 return _answer_lost(request, key, held, policy)
-    except BaseException:
-        _give_back(request, key, held)
+    except BaseException as exc:
+        _after_exception(request, key, held, on_failure, exc)
         raise
     _settle(request, key, held, stored)
     return response
@@ -252,24 +323,25 @@ async def _aexecute(
     request: HttpRequest,
     view: Callable[[], Awaitable[HttpResponseBase]],
     policy: Policy,
+    on_failure: OnFailure,
     key: str,
     held: Claim,
 ) -> HttpResponseBase:
     # Django runs no async view in a transaction (ATOMIC_REQUESTS does not apply):
-    # the view commits its own writes, as without ATOMIC_REQUESTS above.
+    # the view commits its own writes, so a failure is stored, or released.
     try:
         with heartbeat(held):
             response = await view()
             render = getattr(response, "render", None)
             if callable(render) and not getattr(response, "is_rendered", True):
                 response = await sync_to_async(_rendered)(response)
-    except BaseException:
-        await sync_to_async(_give_back)(request, key, held)
+    except BaseException as exc:
+        await sync_to_async(_after_exception)(request, key, held, on_failure, exc)
         raise
 
     def conclude() -> None:
         try:
-            stored = _store_if_kept(held, response, policy)
+            stored = _store_if_kept(held, response, policy, on_failure)
         except BaseException:
             _give_back(request, key, held)
             raise
@@ -283,6 +355,7 @@ def guard(view: View, policy: Policy, key_of: KeyOf) -> View:
     """``view`` running once per key under ``policy``, the key read by ``key_of``; async if
     ``view`` is. What :func:`idempotent_view`, the mixins, the form decorator and the
     DRF integration are built on."""
+    on_failure = policy.failure_for(view)
     wrapper: View
     if iscoroutinefunction(view):
 
@@ -296,7 +369,12 @@ def guard(view: View, policy: Policy, key_of: KeyOf) -> View:
             if start.held is None or start.key is None:
                 return await view(request, *args, **kwargs)
             return await _aexecute(
-                request, lambda: view(request, *args, **kwargs), policy, start.key, start.held
+                request,
+                lambda: view(request, *args, **kwargs),
+                policy,
+                on_failure,
+                start.key,
+                start.held,
             )
 
         wrapper = async_wrapper
@@ -314,7 +392,12 @@ def guard(view: View, policy: Policy, key_of: KeyOf) -> View:
                 with _atomic_requests():
                     return _rendered(view(request, *args, **kwargs))
             return _execute(
-                request, lambda: view(request, *args, **kwargs), policy, start.key, start.held
+                request,
+                lambda: view(request, *args, **kwargs),
+                policy,
+                on_failure,
+                start.key,
+                start.held,
             )
 
         wrapper = sync_wrapper
@@ -323,16 +406,24 @@ def guard(view: View, policy: Policy, key_of: KeyOf) -> View:
     return transaction.non_atomic_requests(wrapper)
 
 
-def idempotent_view(view: V | None = None, *, required: bool = True) -> Any:
+def idempotent_view(
+    view: V | None = None, *, required: bool = True, on_failure: OnFailure | None = None
+) -> Any:
     """Decorate a view (``def`` or ``async def``): POST/PUT/PATCH/DELETE run once per key.
 
     ``@idempotent_view`` requires the ``Idempotency-Key`` header (400 without
     it); ``@idempotent_view(required=False)`` runs keyless requests normally. A
     token from the token endpoint works as the key. Safe methods pass through.
+
+    ``on_failure`` says what a view that raises or answers 5xx leaves behind:
+    ``"rollback"`` (a ``def`` view's default) runs the view in a transaction
+    that is rolled back before the key is released; ``"store"`` (an ``async
+    def`` view's default) keeps the failure as the key's answer; ``"release"``
+    releases the key and rolls nothing back, for views that write nothing.
     """
 
     def decorate(func: V) -> V:
-        guarded: Any = guard(func, Policy(required=required), header_key)
+        guarded: Any = guard(func, Policy(required=required, on_failure=on_failure), header_key)
         return guarded
 
     return decorate(view) if view is not None else decorate
@@ -342,8 +433,11 @@ class IdempotentMixin:
     """Class-based-view mixin with the same behaviour as :func:`idempotent_view`."""
 
     idempotency_required: bool = True
+    #: See ``on_failure`` of :func:`idempotent_view`.
+    idempotency_on_failure: OnFailure | None = None
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         view = super().as_view(*args, **initkwargs)  # type: ignore[misc]
-        return guard(view, Policy(required=cls.idempotency_required), header_key)
+        policy = Policy(required=cls.idempotency_required, on_failure=cls.idempotency_on_failure)
+        return guard(view, policy, header_key)

@@ -11,10 +11,21 @@ from typing import Any
 
 from django.conf import settings
 
-from idempotent_orders.http.views import MAX_ITEMS, MAX_QUANTITY
 from idempotent_orders.models import OrderStatus
 
-__all__ = ["KEY_PROBLEMS", "PROBLEM_SCHEMA", "PROBLEM_TITLES", "openapi"]
+__all__ = [
+    "KEY_PROBLEMS",
+    "MAX_ITEMS",
+    "MAX_QUANTITY",
+    "PROBLEM_SCHEMA",
+    "PROBLEM_TITLES",
+    "openapi",
+]
+
+#: The most items an order takes, and the largest quantity of one: the views
+#: enforce them, and the document states them (both import them from here).
+MAX_ITEMS = 100
+MAX_QUANTITY = 10_000
 
 PROBLEM = "application/problem+json"
 

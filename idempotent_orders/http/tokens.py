@@ -23,6 +23,7 @@ from idempotent_orders.http.keys import (
     lock_principal,
     raise_bound,
     scope_of,
+    stored_principal,
 )
 from idempotent_orders.models import IdempotencyKey, KeyState
 
@@ -36,6 +37,7 @@ def issue_token(principal: str, *, evict: bool = False) -> IdempotencyKey:
     ``evict`` drop the principal's oldest unused tokens (a page that renders a
     form must not fail because an old tab left tokens behind).
     """
+    principal = stored_principal(principal)
     conn = connections[DEFAULT_DB_ALIAS]
     with transaction.atomic(using=conn.alias):
         # Counted and inserted under the principal's claim lock: the live-key

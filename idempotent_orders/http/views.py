@@ -19,15 +19,13 @@ from idempotent_orders.exceptions import IdempotencyError
 from idempotent_orders.http.decorators import idempotent_view
 from idempotent_orders.http.keys import check_length, get_principal
 from idempotent_orders.http.problems import problem_from, problem_response
+from idempotent_orders.http.schema import MAX_ITEMS, MAX_QUANTITY, openapi
 from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import AbstractOrder
 from idempotent_orders.services import create_order
 from idempotent_orders.transitions import current_state
 
 __all__ = ["order_detail", "orders", "schema", "token_endpoint"]
-
-MAX_ITEMS = 100
-MAX_QUANTITY = 10_000
 
 
 def _allow(*methods: str) -> Any:
@@ -207,7 +205,5 @@ def order_detail(request: HttpRequest, pk: str) -> HttpResponseBase:
 @_allow("GET", "HEAD")
 def schema(request: HttpRequest) -> HttpResponseBase:
     """``GET /api/schema/``: the OpenAPI 3.1 document of these views."""
-    from idempotent_orders.http.schema import openapi
-
     server = request.path.removesuffix("schema/").rstrip("/")
     return JsonResponse(openapi(server), json_dumps_params={"indent": 1})
