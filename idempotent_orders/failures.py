@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Iterable
 from typing import Any
 
 from django.db import IntegrityError, InterfaceError, OperationalError, transaction
@@ -23,14 +22,13 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from idempotent_orders.exceptions import ConcurrentUpdate, IdempotentOrdersError
-from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
+from idempotent_orders.models import InboxStatus, ProcessedMessage
 
 __all__ = [
     "MessageFailed",
     "dead_letter",
     "describe",
     "record_failure",
-    "redeliver",
     "retryable",
 ]
 
@@ -162,30 +160,3 @@ def dead_letter(consumer: str, message_id: str) -> bool:
             consumer=consumer, message_id=message_id, status=InboxStatus.FAILED
         ).update(status=InboxStatus.DEAD, dead_at=timezone.now(), updated_at=timezone.now())
     )
-
-
-def redeliver(ids: Iterable[int]) -> dict[int, Outcome | str]:
-    """Consume again, from the envelope they keep, the requeued messages among ``ids``.
-
-    What an operator's requeue of a dead consumer message runs, once the cause is
-    fixed: the message takes effect exactly once (the inbox row is claimed by a
-    conditional update), or fails again and is kept as failed.
-    """
-    from idempotent_orders.services import consume_message
-
-    done: dict[int, Outcome | str] = {}
-    rows = ProcessedMessage.objects.filter(RETRYABLE, pk__in=list(ids)).exclude(body="")
-    for row in rows:
-        try:
-            message = json.loads(row.body)
-        except ValueError:
-            done[row.pk] = "unreadable"
-            continue
-        if not isinstance(message, dict) or message.get("message_id") != row.message_id:
-            done[row.pk] = "unreadable"
-            continue
-        try:
-            done[row.pk] = consume_message(message, consumer=row.consumer)
-        except MessageFailed as exc:
-            done[row.pk] = f"failed again: {exc.reason}"
-    return done

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any, cast
 
@@ -80,6 +80,7 @@ __all__ = [
     "Outcome",
     "consume_message",
     "parse_envelope",
+    "redeliver",
     "release_parked",
     "surface_overdue_parked",
 ]
@@ -683,3 +684,28 @@ def missing_create_fields(model: type[Model]) -> list[str]:
     if key is not None and not key.unique:
         missing.append("business_key (unique)")
     return missing
+
+
+def redeliver(ids: Iterable[int]) -> dict[int, Outcome | str]:
+    """Consume again, from the envelope they keep, the requeued messages among ``ids``.
+
+    What an operator's requeue of a dead consumer message runs, once the cause is
+    fixed: the message takes effect exactly once (the inbox row is claimed by a
+    conditional update), or fails again and is kept as failed.
+    """
+    done: dict[int, Outcome | str] = {}
+    rows = ProcessedMessage.objects.filter(RETRYABLE, pk__in=list(ids)).exclude(body="")
+    for row in rows:
+        try:
+            message = json.loads(row.body)
+        except ValueError:
+            done[row.pk] = "unreadable"
+            continue
+        if not isinstance(message, dict) or message.get("message_id") != row.message_id:
+            done[row.pk] = "unreadable"
+            continue
+        try:
+            done[row.pk] = consume_message(message, consumer=row.consumer)
+        except MessageFailed as exc:
+            done[row.pk] = f"failed again: {exc.reason}"
+    return done
