@@ -96,7 +96,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.outbox import outbox_stats, requeue_outbox
-from idempotent_orders.services import parse_envelope
+from idempotent_orders.services import parse_envelope, redeliver
 from idempotent_orders.transitions import (
     Edge,
     TransitionStatus,
@@ -926,7 +926,7 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
             queryset,
             what="inbox",
             dead=InboxStatus.DEAD,
-            requeue=requeue_inbox,
+            requeue=_requeue_and_redeliver,
             who=("Consumer", lambda row: row.consumer),
             error=lambda row: row.error,
         )
@@ -935,6 +935,16 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
         """The row actions: retry, complete, fail (each through the reconciler's functions)."""
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+
+def _requeue_and_redeliver(*, ids: list[int], using: str | None = None) -> int:
+    """Requeue dead inbox rows; a consumed message among them (it keeps its envelope) is
+    consumed again at once, and takes effect exactly once or is kept as failed again.
+    """
+    done = requeue_inbox(ids=ids, using=using)
+    if done:
+        redeliver(ids)
+    return done
 
 
 @admin.register(ParkedMessage)

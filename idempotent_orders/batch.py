@@ -204,13 +204,15 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
 
     claimed_ids = {item.envelope.message_id for item in claimed}
     unclaimed = [m for m in items if m not in claimed_ids]
+    dead: set[str] = set()
     if unclaimed:
         # Failed deliveries of these messages (or requeued dead letters): run again.
-        again = set(
-            ProcessedMessage.objects.filter(
-                RETRYABLE, consumer=consumer, message_id__in=unclaimed
-            ).values_list("message_id", flat=True)
-        )
+        # Dead letters are not run, and not remembered (their requeue must reach us).
+        found = ProcessedMessage.objects.filter(
+            RETRYABLE | Q(status=InboxStatus.DEAD), consumer=consumer, message_id__in=unclaimed
+        ).values_list("message_id", "status")
+        again = {m for m, status in found if status != InboxStatus.DEAD}
+        dead = {m for m, status in found if status == InboxStatus.DEAD}
         if again:
             retried = sorted(items[m].index for m in again)
             outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
@@ -246,7 +248,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             release_parked(order_id)
     # Remembered last, as the single path does: a worker that dies before this
     # point leaves no fast-path key, so the redelivery reaches the database.
-    remembered = list(items)
+    remembered = [m for m in items if m not in dead]
     transaction.on_commit(lambda: dedup.remember_many(consumer, remembered))
     return outcomes
 

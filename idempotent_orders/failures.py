@@ -80,12 +80,23 @@ def describe(exc: BaseException) -> str:
     return text
 
 
-def retryable(consumer: str, message_id: str) -> bool:
-    """Whether the inbox holds ``message_id`` as a failed (or requeued) message to run again."""
-    return (
-        ProcessedMessage.objects.filter(RETRYABLE, consumer=consumer, message_id=message_id)
-        .only("pk")
-        .exists()
+def retryable(consumer: str, message_id: str) -> bool | None:
+    """What a new delivery of ``message_id`` does, from its inbox row: True: run it again
+    (failed, or requeued by an operator); None: it is a dead letter (not run, and not
+    remembered as processed); False: it was handled.
+    """
+    row = (
+        ProcessedMessage.objects.filter(consumer=consumer, message_id=message_id)
+        .values_list("status", "lease_expires_at", "outcome")
+        .first()
+    )
+    if row is None:
+        return False
+    status, lease, outcome = row
+    if status == InboxStatus.DEAD:
+        return None
+    return status == InboxStatus.FAILED or (
+        status == InboxStatus.PROCESSING and lease is None and outcome == ""
     )
 
 

@@ -135,8 +135,9 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             dedup.remember_on_commit(consumer, envelope.message_id)
             return applied
     waiting: list[bool] = []
+    dead: list[bool] = []
     try:
-        outcome = _consume(envelope, consumer, waiting=waiting)
+        outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
     except TRANSIENT:
         raise  # the delivery is retried as it is; nothing was written
     except Exception as exc:
@@ -172,7 +173,9 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         release_parked(envelope.order_id)
     # Remembered last: a worker that dies before this point leaves no fast-path
     # key, so the redelivery reaches the database and releases successors itself.
-    dedup.remember_on_commit(consumer, envelope.message_id)
+    # A dead letter is not remembered: its requeue must reach the database.
+    if not dead:
+        dedup.remember_on_commit(consumer, envelope.message_id)
     return outcome
 
 
@@ -241,6 +244,7 @@ def _consume(
     parked: ParkedMessage | None = None,
     *,
     waiting: list[bool] | None = None,
+    dead: list[bool] | None = None,
 ) -> Outcome:
     """Decide and write in one transaction; loop while other writers win the race.
 
@@ -272,11 +276,16 @@ def _consume(
         try:
             outcome = _write(envelope, consumer, order, verdict, parked, retrying=retrying)
         except _Duplicate:
-            if parked is None and not retrying and retryable(consumer, envelope.message_id):
+            again = None if parked is not None or retrying else False
+            if parked is None and not retrying:
+                again = retryable(consumer, envelope.message_id)
+            if again:
                 # A failed delivery of this message (or one an operator requeued):
                 # run it again, claiming its row instead of inserting one.
                 retrying = True
                 continue
+            if again is None and parked is None and dead is not None:
+                dead.append(True)  # a dead letter: not run, and not remembered
             if parked is None:
                 _database_conflict(consumer, envelope.message_id)
                 announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
