@@ -80,7 +80,7 @@ CELERY_BROKER_URL = os.environ.get("IO_TEST_BROKER_URL", "memory://")
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("IO_TEST_QUEUE", f"{TEST_DB_NAME}-tasks")
 CELERY_TASK_ACKS_LATE = True
 # Test-only tasks the workers must know (the trace and dead-letter tests).
-CELERY_IMPORTS = ("tests.support.trace_tasks", "tests.support.dead_tasks")
+CELERY_IMPORTS = ("tests.support.trace_tasks", "tests.support.dead_tasks", "tests.support.poison")
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Keep database connections across tasks (idempotent_orders recycles broken ones).
@@ -153,6 +153,12 @@ if "dedup" in CACHES:
 if os.environ.get("IO_TEST_LEASE_SECONDS"):
     IDEMPOTENT_ORDERS["LEASE_SECONDS"] = int(os.environ["IO_TEST_LEASE_SECONDS"])
     IDEMPOTENT_ORDERS["HEARTBEAT_SECONDS"] = 1
+
+
+# The failure-path worker test retries a failed message quickly, a few times.
+if os.environ.get("IO_TEST_TASK_MAX_RETRIES"):
+    IDEMPOTENT_ORDERS["TASK_MAX_RETRIES"] = int(os.environ["IO_TEST_TASK_MAX_RETRIES"])
+    IDEMPOTENT_ORDERS["TASK_RETRY_BACKOFF_MAX"] = 1
 
 
 # The live server's static-files handler needs a STATIC_URL (HTTP live tests).

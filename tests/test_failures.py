@@ -166,3 +166,58 @@ def test_one_poison_message_in_a_batch_never_takes_the_good_ones_with_it(
     assert again[2] is Outcome.FAILED
     assert inbox(poison).attempts == 2
     assert [again[i] for i in (0, 1, 3, 5)] == [Outcome.DUPLICATE] * 4
+
+
+@pytest.mark.workers
+def test_a_raising_receiver_under_a_real_worker_retries_then_dead_letters(
+    celery_workers: Any, make_order: Any, tmp_path: Any
+) -> None:
+    """RabbitMQ, ``acks_late``, a receiver with a bug in the worker: the payment is kept as
+    failed, retried with backoff, then a dead letter; fixed and requeued, it applies once.
+    """
+    from idempotent_orders.tasks import publish
+    from tests.support.services import wait_until
+
+    switch = tmp_path / "switch"
+    switch.write_text("broken")
+    workers = celery_workers(
+        "rabbitmq",
+        processes=1,
+        extra_env={"IO_POISON_SWITCH": str(switch), "IO_TEST_TASK_MAX_RETRIES": "2"},
+    )
+    order = make_order(business_key=f"poison-{uuid.uuid4().hex}")
+    message = payment(order)
+
+    def row() -> ProcessedMessage | None:
+        return ProcessedMessage.objects.filter(
+            consumer="payments", message_id=message["message_id"]
+        ).first()
+
+    publish(message, consumer="payments")
+    assert wait_until(
+        lambda: (found := row()) is not None and found.status == InboxStatus.DEAD, timeout=90
+    ), workers.log_tail()
+    dead = row()
+    assert dead is not None
+    assert dead.attempts == 3  # the first delivery and two retries
+    assert "ZeroDivisionError('a bug in a receiver') at support/poison.py:" in dead.error
+    assert json.loads(dead.body)["payload"] == message["payload"]
+    assert get_order_model()._default_manager.get(pk=order.pk).version == 0
+
+    def succeeded() -> int:
+        return sum(log.read_text(errors="replace").count("succeeded") for log in workers.logs)
+
+    # Delivered again while dead: not run. Then fixed and requeued: applied once.
+    done = succeeded()
+    publish(message, consumer="payments")
+    assert wait_until(lambda: succeeded() > done, timeout=30), workers.log_tail()
+    assert row().status == InboxStatus.DEAD  # type: ignore[union-attr]
+    switch.write_text("fixed")
+    assert _requeue_and_redeliver(ids=[dead.pk]) == 1
+    publish(message, consumer="payments")  # a late copy: a duplicate
+    assert wait_until(lambda: succeeded() > done + 1, timeout=30), workers.log_tail()
+    applied = row()
+    assert applied is not None
+    assert (applied.status, applied.outcome) == (InboxStatus.DONE, Outcome.APPLIED)
+    fresh = get_order_model()._default_manager.get(pk=order.pk)
+    assert fresh.version == 1
