@@ -471,3 +471,47 @@ def check_http_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
             )
         )
     return messages
+
+
+@register(Tags.database)
+def check_order_model_history(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The order model setting was not changed after this app's first migrate (E045).
+
+    Runs where Django checks databases (``migrate`` does, before it would fail with
+    an ``InconsistentMigrationHistory`` that does not say why).
+    """
+    from django.db import DatabaseError, connections
+    from django.db.migrations.exceptions import InconsistentMigrationHistory
+    from django.db.migrations.loader import MigrationLoader
+
+    from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
+
+    errors: list[CheckMessage] = []
+    for alias in databases or ():
+        try:
+            loader = MigrationLoader(connections[alias], ignore_no_migrations=True)
+            loader.check_consistent_history(connections[alias])
+        except InconsistentMigrationHistory as exc:
+            if "idempotent_orders." not in str(exc):
+                continue
+            label = order_model_label()
+            errors.append(
+                Error(
+                    f"Database {alias!r}: this app's migrations were applied before those of "
+                    f"the order model {label} ({exc}). {ORDER_MODEL_SETTING} was set or changed "
+                    "after the first migrate; the app's tables point at the old order table.",
+                    hint=(
+                        "Either set it back, or unapply this app's migrations and apply them "
+                        "again (`manage.py migrate idempotent_orders zero`, then `migrate`: "
+                        "the inbox, parked messages, outbox and keys are dropped, so do it "
+                        "before going live, or copy them first). See "
+                        "docs/own-order-model.md, 'Adopting an existing table'."
+                    ),
+                    id="idempotent_orders.E045",
+                )
+            )
+        except DatabaseError:
+            continue  # an unreachable database: migrate itself reports it
+    return errors

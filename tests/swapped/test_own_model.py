@@ -260,3 +260,23 @@ def test_the_reconciler_completes_a_lost_reply_on_the_own_model(make_order) -> N
     assert (row.phase, row.version) == (Phase.PICKING, 2)
     assert warehouse.effects(order.pk) == 1
     assert reconcile.reconcile().actions == {}
+
+
+@pytest.mark.django_db
+def test_setting_the_model_after_the_first_migrate_is_explained() -> None:
+    """E045: this app's migrations recorded before those of the order model's app."""
+    from django.core.checks import run_checks
+    from django.db import connection
+    from django.db.migrations.recorder import MigrationRecorder
+
+    def e045() -> list[Any]:
+        found = run_checks(databases=["default"])
+        return [m for m in found if m.id == "idempotent_orders.E045"]
+
+    assert e045() == []
+    recorder = MigrationRecorder(connection)
+    recorder.migration_qs.filter(app="shop", name="0001_initial").delete()
+    errors = e045()
+    assert len(errors) == 1
+    assert "shop.Order" in errors[0].msg
+    assert "migrate idempotent_orders zero" in (errors[0].hint or "")
