@@ -265,7 +265,10 @@ def decide(order: Model, envelope: Envelope) -> Verdict:
     if status is TransitionStatus.AT_TARGET:
         return Verdict(Outcome.DUPLICATE, f"order is already {state}", advance_to=slot)
     if status is TransitionStatus.PAST_TARGET:
-        if handler.money:
+        # The payment the order recorded (the validator's columns equal the order's)
+        # is stale; any other one is money that cannot apply.
+        same = bool(fields) and all(getattr(order, k, None) == v for k, v in fields.items())
+        if handler.money and not same:
             return Verdict(
                 Outcome.REJECTED,
                 f"order has moved past this step (now {state}); {REFUND}",

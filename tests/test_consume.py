@@ -252,3 +252,14 @@ def test_receivers_connected_or_disconnected_between_messages_are_honoured(make_
     heard.clear()
     assert consume_message(shipment(second), consumer="shipping") is Outcome.APPLIED
     assert heard == []
+
+
+def test_a_payment_that_cannot_apply_is_kept_as_money_to_give_back(make_order) -> None:
+    order = make_order()
+    cancel = {"message_id": f"c-{order.pk}", "type": "order.cancelled", "order_id": order.pk}
+    assert consume_message(cancel, consumer="payments") is Outcome.APPLIED
+    late = payment(order)
+    assert consume_message(late, consumer="payments") is Outcome.REJECTED
+    row = ProcessedMessage.objects.get(consumer="payments", message_id=late["message_id"])
+    assert row.error.endswith("the payment is money to give back")
+    assert '"payment_id": "pay-' in row.body  # kept, to give it back

@@ -54,6 +54,11 @@ KNOWN_NAMES = {
     "CELERY_TASK_ACKS_LATE",
     "CELERY_TASK_REJECT_ON_WORKER_LOST",
     "CELERY_WORKER_PREFETCH_MULTIPLIER",
+    # django-fsm-2's names, in the own-model page.
+    "ANY_OTHER_STATE",
+    "ANY_STATE",
+    "GET_STATE",
+    "RETURN_VALUE",
     # The demo's environment variables (demo_project/settings.py).
     "DATABASE_URL",
     "REDIS_URL",
