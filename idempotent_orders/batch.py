@@ -67,7 +67,9 @@ from idempotent_orders.models import (
     Outcome,
     ParkedMessage,
     ProcessedMessage,
+    SpentPayment,
 )
+from idempotent_orders.payments import payment_id
 from idempotent_orders.services import consume_message, park, release_parked
 from idempotent_orders.signals import message_released
 from idempotent_orders.statements import _names as _inbox_names
@@ -552,8 +554,21 @@ def _decide_and_write(
     # the moment of its one UPDATE.
     stamp = written_values(model, {})
 
-    def take(order: AbstractOrder, verdict: Verdict) -> None:
+    spends: list[SpentPayment] = []
+
+    def take(order: AbstractOrder, verdict: Verdict, env: Envelope | None) -> None:
         """The verdict's effect on the order, in memory (written by one UPDATE later)."""
+        if verdict.transition and env is not None and env.handler.money:
+            payment = payment_id(env.payload)
+            if payment is not None:
+                spends.append(
+                    SpentPayment(
+                        payment_id=payment,
+                        order_id=order.pk,
+                        consumer=consumer,
+                        message_id=env.message_id,
+                    )
+                )
         if verdict.transition:
             transition_starting(order, verdict.transition)
             values = {**stamp, **verdict.values}
@@ -579,7 +594,7 @@ def _decide_and_write(
                     verdict = decide(order, entry.envelope)
                     if verdict.outcome is Outcome.PARKED:
                         continue
-                    take(order, verdict)
+                    take(order, verdict, entry.envelope)
                 del queue[position]
                 if entry.item is not None:  # parked earlier in this batch: its row is final
                     entry.item.recorded_outcome, entry.item.reason = verdict.outcome, verdict.reason
@@ -611,9 +626,13 @@ def _decide_and_write(
                 continue
             queue.append(_Waiting(consumer, env, item=item))
         else:
-            take(order, verdict)
+            take(order, verdict, env)
         release(order)
 
+    if spends:
+        # A payment id spent already (or twice in this chunk) fails the insert: the
+        # chunk rolls back and its messages go one by one, each told why.
+        SpentPayment.objects.bulk_create(spends)
     if changed:
         _update_orders(changed, read_version)
     parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]

@@ -382,3 +382,29 @@ class KeyQuota(models.Model):
 
     def __str__(self) -> str:
         return f"{self.principal}: at most {self.bound} live keys"
+
+
+class SpentPayment(models.Model):
+    """A payment id that paid an order: a payment pays one order, once.
+
+    Written in the transaction that applies a message carrying money (a type
+    registered with ``money=True``, such as ``payment.succeeded``); the unique
+    index refuses a second use, which is then rejected as money to give back.
+    """
+
+    payment_id = models.CharField(max_length=128, unique=True)
+    #: The order it paid (no database constraint: the record outlives the order).
+    order = models.ForeignKey(
+        order_model_label(),
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="+",
+    )
+    consumer = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=255)
+    created_at = models.DateTimeField(db_default=Now())
+
+    def __str__(self) -> str:
+        return f"payment {self.payment_id} paid order {self.order_id}"

@@ -54,7 +54,8 @@ from django.utils import timezone
 from idempotent_orders import handlers
 from idempotent_orders.engine import Envelope
 from idempotent_orders.exceptions import InvalidMessage
-from idempotent_orders.models import Outcome
+from idempotent_orders.models import Outcome, SpentPayment
+from idempotent_orders.payments import payment_id
 from idempotent_orders.statements import build, compiled_read, fetch_one, inbox_template
 from idempotent_orders.transitions import (
     TransitionResult,
@@ -314,10 +315,14 @@ def _compile(
     tests: list[tuple[str, bool, bool]],
     seq: bool,
     attnames: tuple[str, ...],
+    spends: bool = False,
 ) -> _Statement:
     """The statement for a message writing ``value_names`` and testing ``tests``.
 
     ``tests`` are ``(field name, empty allowed, same value as the written field)``.
+    ``spends``: the message carries money; its payment id is recorded as spent
+    (:mod:`idempotent_orders.payments`) in the same statement, and a payment id
+    spent already leaves the order alone (the usual path then says why).
     """
     template = inbox_template()
     args = _Arguments(conn)
@@ -363,8 +368,26 @@ def _compile(
     by_attname = {f.attname: f for f in meta.concrete_fields}
     # Without anyone to hand the order to, the statement returns none of it.
     returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames) or "1"
+    spent = ""
+    if spends:
+        smeta = SpentPayment._meta
+        sfields = [smeta.get_field(n) for n in ("payment_id", "order", "consumer", "message_id")]
+        columns = ", ".join(qn(str(f.column)) for f in sfields)  # type: ignore[union-attr]
+        refs = [
+            args.ref(source, f, _inbox_prepare(f))  # type: ignore[arg-type]
+            for source, f in zip(
+                ("payment_id", "order_id", "consumer", "message_id"), sfields, strict=True
+            )
+        ]
+        unique = qn(str(sfields[0].column))  # type: ignore[union-attr]
+        spent = (
+            f" spent AS (INSERT INTO {qn(smeta.db_table)} ({columns})"
+            f" SELECT {', '.join(refs)} WHERE EXISTS (SELECT 1 FROM claim)"
+            f" ON CONFLICT ({unique}) DO NOTHING RETURNING 1),"
+        )
+        where.append("EXISTS (SELECT 1 FROM spent)")
     sql = (
-        f"WITH claim AS ({template.insert(inserted)} RETURNING 1),"
+        f"WITH claim AS ({template.insert(inserted)} RETURNING 1),{spent}"
         f" moved AS (UPDATE {table} SET {', '.join(sets)}"
         f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim)"
         f" RETURNING {returning})"
@@ -416,7 +439,9 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     fields, tests = guessed
     seq = envelope.seq
     shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
-    key = (alias, model, name, tuple(fields), shapes, seq is None, announced)
+    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    spends = payment is not None
+    key = (alias, model, name, tuple(fields), shapes, seq is None, announced, spends)
     statement = _statements.get(key)
     if statement is None:
         names = list(
@@ -430,6 +455,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
             list(shapes),
             seq is not None,
             plan.attnames if announced else (),
+            spends,
         )
     now = timezone.now()
     values: dict[str, Any] = {
@@ -440,6 +466,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         "seq": seq,
         "previous_seq": None if seq is None else seq - 1,
         "now": now,
+        "payment_id": payment,
     }
     for field_name, value in fields.items():
         values[f"set:{field_name}"] = value

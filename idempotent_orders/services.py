@@ -19,6 +19,7 @@ from idempotent_orders import dedup, get_order_model
 from idempotent_orders.conf import conf
 from idempotent_orders.engine import (
     BODY_EXCERPT,
+    REFUND,
     Envelope,
     Verdict,
     announce,
@@ -48,6 +49,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.payments import payment_id, spend
 from idempotent_orders.presume import presume
 from idempotent_orders.signals import (
     dedup_answered,
@@ -94,6 +96,27 @@ class _Conflict(Exception):
 
 class _Duplicate(Exception):
     """The inbox already holds this (consumer, message_id)."""
+
+
+class _Spent(Exception):
+    """The message's payment id already paid an order (``owner``)."""
+
+    def __init__(self, payment: str, owner: Any) -> None:
+        super().__init__(payment, owner)
+        self.payment = payment
+        self.owner = owner
+
+
+def _spent_verdict(envelope: Envelope, order: AbstractOrder, spent: _Spent) -> Verdict:
+    """What a message whose payment was spent already does: a duplicate on its own order,
+    money to give back on any other."""
+    seq = envelope.seq
+    slot = seq if seq is not None and seq == order.last_seq + 1 else None
+    if spent.owner == order.pk:
+        reason = f"payment {spent.payment} was already applied to this order"
+        return Verdict(Outcome.DUPLICATE, reason, advance_to=slot)
+    reason = f"payment {spent.payment} already paid order {spent.owner}; {REFUND}"
+    return Verdict(Outcome.REJECTED, reason, advance_to=slot)
 
 
 def consume_message(message: Any, *, consumer: str) -> Outcome:
@@ -254,6 +277,7 @@ def _consume(
     order as last read (nothing when there is no order).
     """
     retrying = False
+    override: Verdict | None = None
     for _attempt in range(conf.CONFLICT_RETRIES):
         order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
         if order is not None and waiting is not None:
@@ -270,7 +294,7 @@ def _consume(
                 reason=unknown_order(envelope).reason,
                 body=serialise(envelope.as_dict())[:BODY_EXCERPT],
             )
-        verdict = decide(order, envelope)
+        verdict = override if override is not None else decide(order, envelope)
         if parked is not None and verdict.outcome is Outcome.PARKED:
             return Outcome.PARKED  # still waiting; leave the parked row alone
         try:
@@ -291,6 +315,10 @@ def _consume(
                 announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
             return Outcome.DUPLICATE
         except _Conflict:
+            continue
+        except _Spent as spent:
+            # Rolled back; decided again as what it is, and recorded.
+            override = _spent_verdict(envelope, order, spent)
             continue
         except OperationalError as exc:
             if not is_retryable(exc):
@@ -339,6 +367,7 @@ def _write(
         and can_claim_and_apply()
         and not runs_user_code(model, verdict.transition)
         and not in_transaction_work(model, edge(model, verdict.transition).target)
+        and not (envelope.handler.money and payment_id(envelope.payload))
     ):
         # No body, no receiver, nothing else to write: one statement commits it.
         return _claim_and_apply(envelope, consumer, order, verdict, unflagged)
@@ -392,6 +421,11 @@ def _write(
             )
 
         if verdict.transition:
+            payment = payment_id(envelope.payload) if envelope.handler.money else None
+            if payment is not None:
+                owner = spend(payment, order.pk, consumer, envelope.message_id)
+                if owner is not None:
+                    raise _Spent(payment, owner)
             extra: dict[str, Any] = dict(unflagged)
             if envelope.seq is not None:
                 extra["last_seq"] = envelope.seq - 1

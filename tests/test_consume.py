@@ -263,3 +263,28 @@ def test_a_payment_that_cannot_apply_is_kept_as_money_to_give_back(make_order) -
     row = ProcessedMessage.objects.get(consumer="payments", message_id=late["message_id"])
     assert row.error.endswith("the payment is money to give back")
     assert '"payment_id": "pay-' in row.body  # kept, to give it back
+
+
+@pytest.mark.parametrize("path", ["single", "batch"])
+def test_one_payment_pays_one_order(make_order, path: str) -> None:
+    from idempotent_orders.batch import consume_batch
+    from idempotent_orders.models import SpentPayment
+
+    first, second = make_order(), make_order()
+    charge = f"ch-{first.pk}"
+    paid = payment(first, payment_id=charge)
+    again = payment(second, payment_id=charge)  # the same charge, another order
+
+    def consume(message: dict[str, Any]) -> Outcome:
+        if path == "batch":
+            return consume_batch([message], consumer="payments")[0]
+        return consume_message(message, consumer="payments")
+
+    assert consume(paid) is Outcome.APPLIED
+    assert consume(again) is Outcome.REJECTED
+    row = ProcessedMessage.objects.get(consumer="payments", message_id=again["message_id"])
+    assert row.error == (
+        f"payment {charge} already paid order {first.pk}; the payment is money to give back"
+    )
+    assert status(second) == (S.PENDING_PAYMENT, 0, 0)
+    assert list(SpentPayment.objects.values_list("payment_id", "order_id")) == [(charge, first.pk)]

@@ -418,3 +418,35 @@ def test_shuffled_duplicated_stream_ends_as_the_direct_calls(
         consumer=CONSUMER, order_id=consumer_side.pk, outcome=Outcome.APPLIED
     ).count()
     assert applied == len(accepted) + int(ship)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", ["single", "batch"])
+def test_a_payment_sent_again_to_a_partly_paid_order_is_a_duplicate(path: str) -> None:
+    """The self-loop applies a second payment, never the same payment twice."""
+    saved = dict(handlers._registry)
+    handlers.register("diff.money", transition="pay", money=True)
+    try:
+        order = new_order(Case("partial", FlowOrder, "pay"))
+        charge = f"ch-{order.business_key}"
+        first, again = (
+            {
+                "message_id": f"m-{uuid.uuid4().hex}",
+                "type": "diff.money",
+                "order_id": order.pk,
+                "payload": {"payment_id": charge, "amount": "4.00"},
+            }
+            for _ in range(2)
+        )
+        with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+            for message, expected in ((first, Outcome.APPLIED), (again, Outcome.DUPLICATE)):
+                if path == "batch":
+                    assert consume_batch([message], consumer=CONSUMER) == [expected]
+                else:
+                    assert consume_message(message, consumer=CONSUMER) is expected
+    finally:
+        handlers._registry.clear()
+        handlers._registry.update(saved)
+    fresh = FlowOrder.objects.get(pk=order.pk)
+    assert (fresh.flow, fresh.paid_total) == ("part_paid", Decimal("4.00"))
+    assert Payment.objects.filter(order_id=order.pk).count() == 1

@@ -1,0 +1,68 @@
+"""A payment pays one order, once: the spent-payment record of messages that carry money.
+
+A message type registered with ``money=True`` (``payment.succeeded`` is) carries a
+``payment_id`` in its payload. The transaction that applies it also records the id
+in :class:`~idempotent_orders.models.SpentPayment`, whose unique index refuses a
+second use: the same payment id for another order is rejected as money to give
+back, and for the same order (a new message id for a payment already applied) it
+is a duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import connection
+
+from idempotent_orders.models import SpentPayment
+
+__all__ = ["payment_id", "spend", "spent_by"]
+
+
+def payment_id(payload: Mapping[str, Any]) -> str | None:
+    """The payment id a money message spends; None when it names none (nothing to record)."""
+    value = payload.get("payment_id")
+    if isinstance(value, str) and value and len(value) <= 128:
+        return value
+    return None
+
+
+def _table() -> tuple[str, list[str]]:
+    qn = connection.ops.quote_name
+    meta = SpentPayment._meta
+    columns = [
+        qn(str(meta.get_field(name).column))  # type: ignore[union-attr]
+        for name in ("payment_id", "order", "consumer", "message_id")
+    ]
+    return qn(meta.db_table), columns
+
+
+def spend(payment: str, order_id: Any, consumer: str, message_id: str) -> Any | None:
+    """Record ``payment`` as paying ``order_id``, in the caller's transaction.
+
+    Returns None when recorded; otherwise the order the payment was already
+    spent on (which may be ``order_id`` itself).
+    """
+    table, columns = _table()
+    values = "%s, %s, %s, %s"
+    column = columns[0]
+    if connection.vendor == "mysql":
+        sql = f"INSERT IGNORE INTO {table} ({', '.join(columns)}) VALUES ({values})"
+    else:
+        sql = (
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({values})"
+            f" ON CONFLICT ({column}) DO NOTHING"
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [payment, order_id, consumer, message_id])
+        if cursor.rowcount == 1:
+            return None
+    return spent_by(payment)
+
+
+def spent_by(payment: str) -> Any | None:
+    """The order ``payment`` was spent on, or None."""
+    return (
+        SpentPayment.objects.filter(payment_id=payment).values_list("order_id", flat=True).first()
+    )
