@@ -210,11 +210,20 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     if unclaimed:
         # Failed deliveries of these messages (or requeued dead letters): run again.
         # Dead letters are not run, and not remembered (their requeue must reach us).
-        found = ProcessedMessage.objects.filter(
-            RETRYABLE | Q(status=InboxStatus.DEAD), consumer=consumer, message_id__in=unclaimed
-        ).values_list("message_id", "status")
-        again = {m for m, status in found if status != InboxStatus.DEAD}
-        dead = {m for m, status in found if status == InboxStatus.DEAD}
+        # A message whose id was used before for another message goes there too (kept
+        # and flagged by the single path, never counted a duplicate).
+        found = list(
+            ProcessedMessage.objects.filter(consumer=consumer, message_id__in=unclaimed)
+            .annotate(again=Case(When(RETRYABLE, then=Value(True)), default=Value(False)))
+            .values_list("message_id", "status", "again", "fingerprint")
+        )
+        again = {
+            m
+            for m, status, retry, fingerprint in found
+            if status != InboxStatus.DEAD
+            and (retry or (fingerprint and fingerprint != items[m].envelope.fingerprint))
+        }
+        dead = {m for m, status, _, _ in found if status == InboxStatus.DEAD}
         if again:
             retried = sorted(items[m].index for m in again)
             outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
@@ -347,6 +356,7 @@ def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]
                     "seq": env.seq,
                     "error": error,
                     "body": body,
+                    "fingerprint": env.fingerprint,
                 },
                 now,
             )
@@ -380,10 +390,12 @@ def _claim_postgres(consumer: str, items: list[_Item]) -> dict[str, int]:
             "seq": first.seq,
             "error": "",
             "body": "",
+            "fingerprint": first.fingerprint,
         },
         timezone.now(),
     )
     per_row: dict[str, list[Any]] = {
+        "fingerprint": [i.envelope.fingerprint for i in ordered],
         "message_id": [i.envelope.message_id for i in ordered],
         "message_type": [i.envelope.message_type for i in ordered],
         "order_id": [i.envelope.order_id for i in ordered],

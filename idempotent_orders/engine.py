@@ -10,6 +10,7 @@ with one statement for many orders. Both paths differ only in that.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -61,6 +62,18 @@ class Envelope:
     seq: int | None
     payload: dict[str, Any]
     handler: MessageHandler
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of what the message says (type, order, seq, payload), not of its id."""
+        text = json.dumps(
+            [self.message_type, self.order_id, self.seq, self.payload],
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=True,
+            default=repr,
+        )
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

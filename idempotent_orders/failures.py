@@ -80,24 +80,25 @@ def describe(exc: BaseException) -> str:
     return text
 
 
-def retryable(consumer: str, message_id: str) -> bool | None:
-    """What a new delivery of ``message_id`` does, from its inbox row: True: run it again
-    (failed, or requeued by an operator); None: it is a dead letter (not run, and not
-    remembered as processed); False: it was handled.
+def retryable(consumer: str, message_id: str) -> tuple[bool | None, str]:
+    """What a new delivery of ``message_id`` does, from its inbox row, and the row's
+    fingerprint. True: run it again (failed, or requeued by an operator); None: it is
+    a dead letter (not run, and not remembered as processed); False: it was handled.
     """
     row = (
         ProcessedMessage.objects.filter(consumer=consumer, message_id=message_id)
-        .values_list("status", "lease_expires_at", "outcome")
+        .values_list("status", "lease_expires_at", "outcome", "fingerprint")
         .first()
     )
     if row is None:
-        return False
-    status, lease, outcome = row
+        return False, ""
+    status, lease, outcome, fingerprint = row
     if status == InboxStatus.DEAD:
-        return None
-    return status == InboxStatus.FAILED or (
+        return None, fingerprint
+    again = status == InboxStatus.FAILED or (
         status == InboxStatus.PROCESSING and lease is None and outcome == ""
     )
+    return again, fingerprint
 
 
 def record_failure(
@@ -109,6 +110,7 @@ def record_failure(
     seq: int | None,
     envelope: dict[str, Any],
     exc: BaseException,
+    fingerprint: str = "",
 ) -> MessageFailed:
     """Keep the message as ``failed`` with why, in its own transaction; the error to raise."""
     from idempotent_orders import get_order_model
@@ -133,6 +135,7 @@ def record_failure(
                     seq=seq,
                     error=reason,
                     body=body,
+                    fingerprint=fingerprint,
                 )
         except IntegrityError:
             # A failed (or requeued) row from an earlier delivery: one more attempt.

@@ -315,18 +315,19 @@ def _compile(
     tests: list[tuple[str, bool, bool]],
     seq: bool,
     attnames: tuple[str, ...],
-    spends: bool = False,
+    spends: str = "",
 ) -> _Statement:
     """The statement for a message writing ``value_names`` and testing ``tests``.
 
     ``tests`` are ``(field name, empty allowed, same value as the written field)``.
-    ``spends``: the message carries money; its payment id is recorded as spent
+    ``spends`` (the source of the payment id, or ""): the message carries money;
+    its payment id is recorded as spent
     (:mod:`idempotent_orders.payments`) in the same statement, and a payment id
     spent already leaves the order alone (the usual path then says why).
     """
     template = inbox_template()
     args = _Arguments(conn)
-    per_message = {"consumer", "message_id", "message_type", "order_id", "seq"}
+    per_message = {"consumer", "message_id", "message_type", "order_id", "seq", "fingerprint"}
     inserted = []
     for field, base in zip(template.fields, template.base, strict=True):
         if field.attname in per_message:
@@ -376,7 +377,7 @@ def _compile(
         refs = [
             args.ref(source, f, _inbox_prepare(f))  # type: ignore[arg-type]
             for source, f in zip(
-                ("payment_id", "order_id", "consumer", "message_id"), sfields, strict=True
+                (spends, "order_id", "consumer", "message_id"), sfields, strict=True
             )
         ]
         unique = qn(str(sfields[0].column))  # type: ignore[union-attr]
@@ -440,7 +441,14 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     seq = envelope.seq
     shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
     payment = payment_id(envelope.payload) if envelope.handler.money else None
-    spends = payment is not None
+    # The spent record's payment id is the one written on the order when it is (one argument).
+    spends = (
+        ""
+        if payment is None
+        else "set:payment_id"
+        if fields.get("payment_id") == payment
+        else "payment_id"
+    )
     key = (alias, model, name, tuple(fields), shapes, seq is None, announced, spends)
     statement = _statements.get(key)
     if statement is None:
@@ -467,6 +475,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         "previous_seq": None if seq is None else seq - 1,
         "now": now,
         "payment_id": payment,
+        "fingerprint": envelope.fingerprint,
     }
     for field_name, value in fields.items():
         values[f"set:{field_name}"] = value

@@ -174,6 +174,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             seq=envelope.seq,
             envelope=envelope.as_dict(),
             exc=exc,
+            fingerprint=envelope.fingerprint,
         )
         consumed(
             consumer,
@@ -224,7 +225,10 @@ def _reject(
     seq: int | None,
     reason: str,
     body: str,
+    order_id: Any = None,
 ) -> Outcome:
+    if order_id is not None and order is None:
+        order = get_order_model()._default_manager.filter(pk=order_id).first()
     try:
         with transaction.atomic():
             ProcessedMessage.objects.create(
@@ -300,9 +304,12 @@ def _consume(
         try:
             outcome = _write(envelope, consumer, order, verdict, parked, retrying=retrying)
         except _Duplicate:
-            again = None if parked is not None or retrying else False
+            again: bool | None = None if parked is not None or retrying else False
             if parked is None and not retrying:
-                again = retryable(consumer, envelope.message_id)
+                again, stored = retryable(consumer, envelope.message_id)
+                if stored and stored != envelope.fingerprint:
+                    # The id was used before for another message: not a duplicate.
+                    return _reused(envelope, consumer)
             if again:
                 # A failed delivery of this message (or one an operator requeued):
                 # run it again, claiming its row instead of inserting one.
@@ -385,6 +392,7 @@ def _write(
                 seq=envelope.seq,
                 error=verdict.reason,
                 body=body,
+                fingerprint=envelope.fingerprint,
                 attempts=F("attempts") + 1,
                 dead_at=None,
                 updated_at=timezone.now(),
@@ -404,6 +412,7 @@ def _write(
                         seq=envelope.seq,
                         error=verdict.reason,
                         body=body,
+                        fingerprint=envelope.fingerprint,
                     )
             except IntegrityError:
                 raise _Duplicate from None
@@ -504,6 +513,30 @@ def _run(
     return Outcome.REJECTED
 
 
+def reused_id(envelope: Envelope) -> str:
+    """The inbox id under which a message reusing another's id is kept."""
+    digest = hashlib.sha256(f"{envelope.message_id}\x00{envelope.fingerprint}".encode())
+    return f"reused:{digest.hexdigest()}"
+
+
+def _reused(envelope: Envelope, consumer: str) -> Outcome:
+    """Keep a message whose id was used before for another message, rejected and flagged."""
+    reason = (
+        f"message id {envelope.message_id} was used before with another payload; "
+        "this message is kept here and not applied"
+    )
+    return _reject(
+        consumer=consumer,
+        message_id=reused_id(envelope),
+        message_type=envelope.message_type,
+        order=None,
+        seq=envelope.seq,
+        reason=reason,
+        body=serialise(envelope.as_dict())[:BODY_EXCERPT],
+        order_id=envelope.order_id,
+    )
+
+
 def _claim_and_apply(
     envelope: Envelope,
     consumer: str,
@@ -530,6 +563,7 @@ def _claim_and_apply(
         outcome=Outcome.APPLIED,
         order_id=order.pk,
         seq=envelope.seq,
+        fingerprint=envelope.fingerprint,
     )
     try:
         claimed = claim_and_apply(

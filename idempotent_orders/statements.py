@@ -235,6 +235,7 @@ PER_MESSAGE = (
     "seq",
     "error",
     "body",
+    "fingerprint",
 )
 
 _templates: dict[str, InboxTemplate] = {}

@@ -203,7 +203,8 @@ def test_batch_ends_where_one_at_a_time_ends(make_order, seed: int) -> None:
         ]
     for m, twin in zip(single, batched, strict=True):
         if m["type"].startswith("payment"):
-            twin["payload"]["payment_id"] = m["payload"]["payment_id"]
+            # The twin's own charge (a payment pays one order), named alike.
+            twin["payload"]["payment_id"] = f"{m['payload']['payment_id']}-twin"
     rng.shuffle(order := list(range(len(single))))
     single = [single[i] for i in order]
     batched = [batched[i] for i in order]

@@ -288,3 +288,30 @@ def test_one_payment_pays_one_order(make_order, path: str) -> None:
     )
     assert status(second) == (S.PENDING_PAYMENT, 0, 0)
     assert list(SpentPayment.objects.values_list("payment_id", "order_id")) == [(charge, first.pk)]
+
+
+@pytest.mark.parametrize("path", ["single", "batch"])
+def test_a_message_id_reused_with_another_payload_is_kept_and_flagged(
+    make_order, path: str
+) -> None:
+    from idempotent_orders.batch import consume_batch
+
+    first, second = make_order(), make_order()
+    original = payment(first, message_id=f"reused-{first.pk}")
+    impostor = payment(second, message_id=original["message_id"])  # same id, other order
+
+    def consume(message: dict[str, Any]) -> Outcome:
+        if path == "batch":
+            return consume_batch([message], consumer="payments")[0]
+        return consume_message(message, consumer="payments")
+
+    assert consume(original) is Outcome.APPLIED
+    assert consume(original) is Outcome.DUPLICATE  # the same message: a duplicate
+    assert consume(impostor) is Outcome.REJECTED
+    flagged = ProcessedMessage.objects.get(consumer="payments", message_id__startswith="reused:")
+    assert flagged.error.startswith(f"message id {original['message_id']} was used before")
+    assert flagged.order_id == second.pk
+    assert f'"order_id": {second.pk}' in flagged.body
+    assert consume(impostor) is Outcome.DUPLICATE  # kept once
+    assert status(second) == (S.PENDING_PAYMENT, 0, 0)
+    assert ProcessedMessage.objects.filter(consumer="payments").count() == 2
