@@ -175,7 +175,7 @@ class ProcessedMessage(models.Model):
     body = models.TextField(blank=True, default="")
     #: SHA-256 of the message's type, order, seq and payload: a later message with
     #: this id and another fingerprint is a reused id, kept and flagged, never a duplicate.
-    fingerprint = models.CharField(max_length=64, blank=True, default="")
+    fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")
     #: When ``@idempotent`` work was dead-lettered (cleared by a requeue).
     dead_at = models.DateTimeField(null=True, blank=True)
     #: JSON form of what an ``@idempotent`` function returned the first time; duplicates get it.
