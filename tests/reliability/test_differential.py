@@ -126,7 +126,9 @@ class Msg:
         """The concrete envelope for one side of the run."""
         index = self.order if self.order is not None else 0
         pk = orders[self.order].pk if self.order is not None else UNKNOWN_ORDER
-        pay = {"payment_id": f"pay-{index}", "amount": str(AMOUNT), "currency": CURRENCY}
+        # Each side its own charges (a payment id pays one order): the prefix is
+        # left out of the snapshot.
+        pay = {"payment_id": f"{prefix}pay-{index}", "amount": str(AMOUNT), "currency": CURRENCY}
         parcel = {"tracking_number": f"T{index}", "carrier": "sf"}
         payload: dict[str, Any] = {
             "pay": pay,
@@ -297,7 +299,7 @@ def snapshot(stream: Stream, side: Side) -> dict[str, Any]:
             "status": order.status,
             "version": order.version,
             "last_seq": order.last_seq,
-            "payment_id": order.payment_id,
+            "payment_id": order.payment_id.removeprefix(side.prefix),
             "tracking_number": order.tracking_number,
             "carrier": order.carrier,
         }
