@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from datetime import timedelta
@@ -24,6 +25,7 @@ from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from idempotent_orders.services import create_order
 from tests import http_urls
+from tests.support.corpus import HTTP_BAD_BODIES, BadBody
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.http_urls")]
 
@@ -449,6 +451,25 @@ def test_drf_mixin(alice: Any) -> None:
     assert http_urls.RUNS["drf"] == 1
 
 
+@pytest.mark.parametrize(
+    "authorization", ["Basic " + base64.b64encode(b"alice:wrong").decode(), "Basic !!!"]
+)
+def test_a_failed_drf_login_is_a_401_problem_leaving_no_key_and_no_session(
+    alice: Any, authorization: str
+) -> None:
+    # It once fell back to a new anonymous session, claimed the key under it and
+    # stored DRF's 401 there: a key row and a session for every failed login.
+    from django.contrib.sessions.models import Session
+
+    response = post(Client(), "/t/drf/", {"a": 1}, key="k", HTTP_AUTHORIZATION=authorization)
+    problem(response, 401, "not-authenticated")
+    assert response.get("WWW-Authenticate", "").startswith("Basic")
+    assert "sessionid" not in response.cookies
+    assert not IdempotencyKey.objects.exists()
+    assert not Session.objects.exists()
+    assert "drf" not in http_urls.RUNS
+
+
 def test_drf_viewset_registered_with_a_router(alice: Any) -> None:
     client = client_for(alice)
     body = {"amount": "12.50", "currency": "CNY"}
@@ -819,6 +840,22 @@ def test_orders_api_requires_login_and_a_key(alice: Any) -> None:
 )
 def test_orders_api_rejects_bad_input(alice: Any, body: Any) -> None:
     problem(post(client_for(alice), "/api/orders/", body, key="k"), 400, "invalid-order")
+    assert not Order.objects.exists()
+
+
+@pytest.mark.parametrize("case", HTTP_BAD_BODIES, ids=lambda c: c.name)
+def test_orders_api_answers_hostile_bodies_with_a_problem_and_stores_nothing_half(
+    alice: Any, case: BadBody
+) -> None:
+    # Deep nesting once raised RecursionError, huge amounts InvalidOperation (500s);
+    # non-ASCII digits were accepted although the consumer refuses them.
+    client = client_for(alice)
+    problem(post(client, "/api/orders/", case.body, key="k"), 400, "invalid-order")
+    assert not Order.objects.exists()
+    assert not IdempotencyKey.objects.exclude(state=KeyState.COMPLETED).exists()
+    # The key answers the same problem again; the body is never run twice.
+    again = post(client, "/api/orders/", case.body, key="k")
+    problem(again, 400, "invalid-order")
     assert not Order.objects.exists()
 
 
