@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import uuid
 from datetime import timedelta
 from decimal import Decimal
 from io import StringIO
@@ -424,6 +425,7 @@ def test_a_principal_is_stored_whole_up_to_190_characters() -> None:
 
 def test_anonymous_keys_are_scoped_to_the_session(flavour: str) -> None:
     one, two = Client(), Client()
+    shop_token(one), shop_token(two)  # a page load gives each its session
     assert post(one, f"/t/{flavour}counter/", key="k").status_code == 201
     assert post(one, f"/t/{flavour}counter/", key="k")["Idempotent-Replayed"] == "true"
     assert "Idempotent-Replayed" not in post(two, f"/t/{flavour}counter/", key="k")
@@ -1117,3 +1119,41 @@ def test_the_claim_sends_plain_statements_for_transaction_pooling_or_short_conne
         again = post(client, "/api/orders/", key="plain")
     assert (first.status_code, again["Idempotent-Replayed"]) == (201, "true")
     assert not any(q["sql"].startswith(("PREPARE", "EXECUTE")) for q in queries)
+
+
+# --- anonymous callers without a session ------------------------------------------
+
+
+def test_an_anonymous_key_without_a_session_is_refused_saying_how_to_get_one(
+    flavour: str,
+) -> None:
+    # Each cookieless request was a new session principal: the same key and body
+    # twice ran twice, unprotected. Now it is a 401 naming the way out.
+    from django.contrib.sessions.models import Session
+
+    for _ in range(2):
+        response = post(Client(), f"/t/{flavour}counter/", key="k")
+        data = problem(response, 401, "session-required")
+        assert "cookie" in data["detail"]
+        assert "sessionid" not in response.cookies
+    assert flavour + "counter" not in http_urls.RUNS
+    assert not IdempotencyKey.objects.exists()
+    assert not Session.objects.exists()
+
+
+def test_cookieless_page_loads_are_rate_limited_per_client_ip(settings: Any) -> None:
+    # Each cookieless page load minted a session and a token, with no cap across sessions.
+    settings.IDEMPOTENT_ORDERS = {"SESSION_RATE": 3, "SESSION_RATE_WINDOW": 60}
+    address = f"192.0.2.{uuid.uuid4().int % 250}-{uuid.uuid4().hex[:8]}"  # fresh in the cache
+    statuses = [Client(REMOTE_ADDR=address).get("/shop/").status_code for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    limited = Client(REMOTE_ADDR=address).get("/shop/")
+    data = problem(limited, 429, "too-many-sessions")
+    assert 0 < int(limited["Retry-After"]) <= 61
+    assert "session cookie" in data["detail"]
+    assert IdempotencyKey.objects.filter(is_token=True).count() == 3
+    # Another address is not held back, nor a visitor sending back its cookie.
+    assert Client(REMOTE_ADDR=f"{address}-other").get("/shop/").status_code == 200
+    returning = Client(REMOTE_ADDR=address)
+    returning.cookies = Client(REMOTE_ADDR=f"{address}-first").get("/shop/").cookies
+    assert returning.get("/shop/").status_code == 200

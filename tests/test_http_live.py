@@ -172,3 +172,19 @@ def test_hostile_bodies_through_a_real_server_are_400_problems(live_server: Any)
         assert json.loads(body)["code"] == "invalid-order", case.name
     assert not Order.objects.exists()
     assert not IdempotencyKey.objects.exclude(state=KeyState.COMPLETED).exists()
+
+
+def test_an_anonymous_cookieless_retry_through_a_real_server_is_refused_not_run_twice(
+    live_server: Any,
+) -> None:
+    http_urls.RUNS.clear()
+    answers = [
+        request(live_server.url, "/t/slow/", cookie="", key="anon", body={}) for _ in range(2)
+    ]
+    for status, headers, body in answers:
+        assert status == 401, body
+        assert headers["Content-Type"] == "application/problem+json"
+        assert json.loads(body)["code"] == "session-required"
+        assert "sessionid" not in headers.get("Set-Cookie", "")
+    assert "slow" not in http_urls.RUNS
+    assert not IdempotencyKey.objects.exists()
