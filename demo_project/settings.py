@@ -85,6 +85,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "idempotent_orders.http.middleware.ProblemMiddleware",
 ]
 
 ROOT_URLCONF = "demo_project.urls"

@@ -829,7 +829,10 @@ class OrderAdminMixin(_ModelAdmin):
         # Locked and checked again: a message may have arrived since the confirmation.
         with transaction.atomic():
             for order in queryset.select_for_update():
-                if not _touched(order):
+                if _touched(order):
+                    audit(request, "order:delete", order, "skipped", "messages refer to it")
+                else:
+                    audit(request, "order:delete", order, "deleted")
                     order.delete()
 
 
@@ -1026,13 +1029,44 @@ class OutboxMessageAdmin(EvidenceAdmin):
             error=lambda row: row.last_error,
         )
 
-    @admin.action(description="Publish again (same message id; consumers dedup)")
+    @admin.action(
+        description="Publish again (same message id; consumers dedup)", permissions=["change"]
+    )
     def publish_again(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
-        # Dead rows go back through the confirmed "requeue" action only.
-        count = queryset.exclude(status=OutboxStatus.DEAD).update(
-            status=OutboxStatus.PENDING, available_at=timezone.now(), claimed_until=None
-        )
-        self.message_user(request, f"{count} outbox rows queued for the relay.", messages.SUCCESS)
+        """Queue sent rows for the relay again, each audited.
+
+        Only a ``sent`` row is queued (conditionally: a row queued meanwhile is
+        skipped), so a second click changes nothing and says so; a pending row is
+        already queued, and a dead one goes back through the confirmed "requeue".
+        """
+        results: Counter[str] = Counter()
+        for row in queryset.order_by("id"):
+            done = (
+                OutboxMessage.objects.using(queryset.db)
+                .filter(pk=row.pk, status=OutboxStatus.SENT)
+                .update(
+                    status=OutboxStatus.PENDING, available_at=timezone.now(), claimed_until=None
+                )
+            )
+            if done:
+                result, detail = "queued", "sent row queued for the relay again"
+            elif row.status == OutboxStatus.DEAD:
+                result, detail = "skipped", "dead: requeue it instead; nothing done"
+            else:
+                result, detail = "skipped", f"{row.status}: already queued; nothing done"
+            results[result] += 1
+            audit(request, "outbox:publish_again", row, result, detail)
+        summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(results.items()))
+        if not results["queued"]:
+            self.message_user(
+                request,
+                f"Publish again: nothing more to do ({summary or 'nothing selected'}): pending "
+                "rows are already queued, dead rows go back through requeue.",
+                messages.WARNING,
+            )
+        else:
+            level = messages.SUCCESS if not results["skipped"] else messages.WARNING
+            self.message_user(request, f"Publish again: {summary}.", level)
 
 
 @admin.register(IdempotencyKey)

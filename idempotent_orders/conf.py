@@ -115,6 +115,11 @@ DEFAULTS: dict[str, Any] = {
     # Unused tokens one principal may hold (the endpoint answers 429 past it,
     # the template tag drops the principal's oldest unused tokens).
     "TOKEN_QUOTA": 100,
+    # New anonymous sessions (cookieless page loads minting a token) one client IP may
+    # start per SESSION_RATE_WINDOW seconds, counted in the LOCK_CACHE; more gets 429.
+    "SESSION_RATE": 60,
+    # Seconds of the SESSION_RATE window (a fixed window per client IP).
+    "SESSION_RATE_WINDOW": 60,
     # Largest request body an idempotent view accepts (413 above).
     "MAX_REQUEST_BYTES": 1024 * 1024,
     # Largest response body stored for replay; larger ones are stored without body.
@@ -152,6 +157,8 @@ POSITIVE: frozenset[str] = frozenset(
         "TOKEN_TTL",
         "KEY_QUOTA",
         "TOKEN_QUOTA",
+        "SESSION_RATE",
+        "SESSION_RATE_WINDOW",
         "MAX_REQUEST_BYTES",
         "ORDER_WINDOW",
         "OUTBOX_BATCH_SIZE",
@@ -359,6 +366,14 @@ class Settings:
     @property
     def TOKEN_QUOTA(self) -> int:
         return int(self._get("TOKEN_QUOTA"))
+
+    @property
+    def SESSION_RATE(self) -> int:
+        return int(self._get("SESSION_RATE"))
+
+    @property
+    def SESSION_RATE_WINDOW(self) -> int:
+        return int(self._get("SESSION_RATE_WINDOW"))
 
     @property
     def MAX_REQUEST_BYTES(self) -> int:

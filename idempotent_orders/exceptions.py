@@ -109,6 +109,14 @@ class NotAuthenticated(IdempotencyError):
     title = "Authentication required"
 
 
+class SessionRequired(NotAuthenticated):
+    """An anonymous caller sent a key without a session: its key would protect nothing
+    (each such request would be a new principal), so it is refused."""
+
+    default_code = "session-required"
+    title = "A session is required"
+
+
 class TokenInvalid(IdempotencyError):
     status_code = 403
     default_code = "token-invalid"
@@ -137,6 +145,13 @@ class QuotaExceeded(IdempotencyError):
     status_code = 429
     default_code = "quota-exceeded"
     title = "Too many idempotency keys or tokens"
+
+
+class TooManySessions(QuotaExceeded):
+    """Past ``SESSION_RATE`` new anonymous sessions from one client IP in its window."""
+
+    default_code = "too-many-sessions"
+    title = "Too many new sessions from this address"
 
 
 class CallInProgress(IdempotentOrdersError):

@@ -18,7 +18,14 @@ from functools import partial
 from typing import Any
 
 from celery import Task, current_app
-from django.db import DatabaseError, close_old_connections, connections, router, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    close_old_connections,
+    connections,
+    router,
+    transaction,
+)
 from django.db.models import Count, Exists, Min, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -95,6 +102,12 @@ def publish_on_commit(
     this is commit order whenever the producers of one key serialise (they
     update the same order row, as transitions do).
 
+    A ``message_id`` already in the outbox (committed, or written earlier in
+    this transaction) is not queued again: the existing row is returned as it
+    is (its task, payload and options unchanged) and published once. Inside a
+    transaction the insert runs in a savepoint, so the caller's transaction
+    goes on after the repeat, on PostgreSQL too.
+
     ``traceparent`` (W3C) and ``correlation_id`` default to the trace context in
     effect (:func:`idempotent_orders.tracing.current`: a ``tracing.use()``
     block, the running Celery task's message, OpenTelemetry); they are stored
@@ -113,15 +126,31 @@ def publish_on_commit(
         raise ValueError(f"not a W3C traceparent: {traceparent!r}")
     if correlation_id is None:
         correlation_id = trace.correlation_id if trace else ""
-    row = OutboxMessage.objects.using(db).create(
-        message_id=message_id,
-        task_name=name,
-        payload=message,
-        options=options,
-        order_key=None if order_key is None else str(order_key),
-        traceparent=traceparent,
-        correlation_id=str(correlation_id)[:255],
-    )
+    fields = {
+        "message_id": message_id,
+        "task_name": name,
+        "payload": message,
+        "options": options,
+        "order_key": None if order_key is None else str(order_key),
+        "traceparent": traceparent,
+        "correlation_id": str(correlation_id)[:255],
+    }
+    try:
+        if connections[db].in_atomic_block:
+            # A savepoint: a repeated message_id must not abort the caller's
+            # transaction (PostgreSQL refuses every later statement after an error).
+            with transaction.atomic(using=db):
+                row = OutboxMessage.objects.using(db).create(**fields)
+        else:
+            row = OutboxMessage.objects.using(db).create(**fields)
+    except IntegrityError:
+        existing = OutboxMessage.objects.using(db).filter(message_id=message_id).first()
+        if existing is None:
+            raise
+        # The message was queued already (committed, or earlier in this transaction):
+        # that row is the message, published once; the repeat changes nothing.
+        logger.info("outbox: message %s is queued already; returning its row", message_id)
+        return existing
     if conf.OUTBOX_PUBLISH_ON_COMMIT:
         transaction.on_commit(
             partial(_publish_after_commit, row.pk, db, row.order_key is not None), using=db

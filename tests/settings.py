@@ -121,6 +121,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "idempotent_orders.http.middleware.ProblemMiddleware",
 ]
 ROOT_URLCONF = "demo_project.urls"
 TEMPLATES = [

@@ -498,3 +498,88 @@ def test_rejected_payment_body_is_what_pay_reads(make_order) -> None:
     consume_message(payment(order, message_id="m", amount="12.50"), consumer="payments")
     body = json.loads(ProcessedMessage.objects.get(message_id="m").body)
     assert body["payload"]["payment_id"] == f"pay-{order.pk}"
+
+
+# -- 7. every action: the change permission, an audit entry, and a second click does nothing --
+
+
+ADMIN_MODELS = [
+    "order",
+    "processedmessage",
+    "parkedmessage",
+    "outboxmessage",
+    "idempotencykey",
+    "auditentry",
+]
+
+
+def _viewer() -> Client:
+    user = get_user_model().objects.create_user("viewer", password="pw", is_staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(codename__in=[f"view_{m}" for m in ADMIN_MODELS])
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.parametrize("model", ADMIN_MODELS)
+def test_a_viewer_is_offered_no_action(make_order, model) -> None:
+    _rows(make_order)
+    page = _viewer().get(url(model, "changelist"))
+    assert page.status_code == 200
+    assert set(action_choices(page)) <= {""}, model
+
+
+def test_publish_again_is_refused_to_a_viewer(make_order) -> None:
+    # It once ran for anyone who could see the changelist, and was never audited.
+    row = OutboxMessage.objects.create(
+        message_id="out-v", task_name="demo.award", payload={}, status="sent"
+    )
+    _viewer().post(
+        url("outboxmessage", "changelist"),
+        {"action": "publish_again", "_selected_action": [row.pk]},
+    )
+    assert OutboxMessage.objects.get(pk=row.pk).status == "sent"
+    assert not AuditEntry.objects.exists()
+
+
+def test_publish_again_is_audited_and_a_second_click_does_nothing_more(staff) -> None:
+    sent = OutboxMessage.objects.create(
+        message_id="out-s", task_name="demo.award", payload={}, status="sent"
+    )
+    dead = OutboxMessage.objects.create(
+        message_id="out-d", task_name="demo.award", payload={}, status="dead"
+    )
+    post = {"action": "publish_again", "_selected_action": [sent.pk, dead.pk]}
+    first = staff.post(url("outboxmessage", "changelist"), post, follow=True)
+    assert OutboxMessage.objects.get(pk=sent.pk).status == "pending"
+    assert OutboxMessage.objects.get(pk=dead.pk).status == "dead"
+    assert any("1 queued" in m for m in shown(first)), shown(first)
+    entries = {
+        (e.object_id, e.result) for e in AuditEntry.objects.filter(action="outbox:publish_again")
+    }
+    assert entries == {(str(sent.pk), "queued"), (str(dead.pk), "skipped")}
+
+    queued = OutboxMessage.objects.get(pk=sent.pk)
+    second = staff.post(url("outboxmessage", "changelist"), post, follow=True)
+    again = OutboxMessage.objects.get(pk=sent.pk)
+    assert (again.status, again.available_at, again.attempts) == (
+        "pending",
+        queued.available_at,
+        queued.attempts,
+    )
+    assert any("nothing more" in m for m in shown(second)), shown(second)
+    assert AuditEntry.objects.filter(action="outbox:publish_again", result="queued").count() == 1
+    assert AuditEntry.objects.filter(action="outbox:publish_again", result="skipped").count() == 3
+
+
+def test_deleting_orders_is_audited_and_a_second_click_does_nothing_more(staff, make_order) -> None:
+    order = make_order()
+    post = {"action": "delete_selected", "_selected_action": [order.pk], "post": "yes"}
+    staff.post(url("order", "changelist"), post)
+    assert not Order.objects.filter(pk=order.pk).exists()
+    entry = AuditEntry.objects.get(action="order:delete")
+    assert (entry.object_id, entry.result) == (str(order.pk), "deleted")
+    staff.post(url("order", "changelist"), post)
+    assert AuditEntry.objects.filter(action="order:delete").count() == 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
+import uuid
 from datetime import timedelta
 from decimal import Decimal
 from io import StringIO
@@ -24,6 +26,7 @@ from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from idempotent_orders.services import create_order
 from tests import http_urls
+from tests.support.corpus import HTTP_BAD_BODIES, BadBody
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("tests.http_urls")]
 
@@ -422,6 +425,7 @@ def test_a_principal_is_stored_whole_up_to_190_characters() -> None:
 
 def test_anonymous_keys_are_scoped_to_the_session(flavour: str) -> None:
     one, two = Client(), Client()
+    shop_token(one), shop_token(two)  # a page load gives each its session
     assert post(one, f"/t/{flavour}counter/", key="k").status_code == 201
     assert post(one, f"/t/{flavour}counter/", key="k")["Idempotent-Replayed"] == "true"
     assert "Idempotent-Replayed" not in post(two, f"/t/{flavour}counter/", key="k")
@@ -447,6 +451,25 @@ def test_drf_mixin(alice: Any) -> None:
     problem(post(client, "/t/drf/", {"a": 2}, key="k"), 422, "key-mismatch")
     problem(post(client, "/t/drf/", {"a": 1}), 400, "key-missing")
     assert http_urls.RUNS["drf"] == 1
+
+
+@pytest.mark.parametrize(
+    "authorization", ["Basic " + base64.b64encode(b"alice:wrong").decode(), "Basic !!!"]
+)
+def test_a_failed_drf_login_is_a_401_problem_leaving_no_key_and_no_session(
+    alice: Any, authorization: str
+) -> None:
+    # It once fell back to a new anonymous session, claimed the key under it and
+    # stored DRF's 401 there: a key row and a session for every failed login.
+    from django.contrib.sessions.models import Session
+
+    response = post(Client(), "/t/drf/", {"a": 1}, key="k", HTTP_AUTHORIZATION=authorization)
+    problem(response, 401, "not-authenticated")
+    assert response.get("WWW-Authenticate", "").startswith("Basic")
+    assert "sessionid" not in response.cookies
+    assert not IdempotencyKey.objects.exists()
+    assert not Session.objects.exists()
+    assert "drf" not in http_urls.RUNS
 
 
 def test_drf_viewset_registered_with_a_router(alice: Any) -> None:
@@ -822,6 +845,22 @@ def test_orders_api_rejects_bad_input(alice: Any, body: Any) -> None:
     assert not Order.objects.exists()
 
 
+@pytest.mark.parametrize("case", HTTP_BAD_BODIES, ids=lambda c: c.name)
+def test_orders_api_answers_hostile_bodies_with_a_problem_and_stores_nothing_half(
+    alice: Any, case: BadBody
+) -> None:
+    # Deep nesting once raised RecursionError, huge amounts InvalidOperation (500s);
+    # non-ASCII digits were accepted although the consumer refuses them.
+    client = client_for(alice)
+    problem(post(client, "/api/orders/", case.body, key="k"), 400, "invalid-order")
+    assert not Order.objects.exists()
+    assert not IdempotencyKey.objects.exclude(state=KeyState.COMPLETED).exists()
+    # The key answers the same problem again; the body is never run twice.
+    again = post(client, "/api/orders/", case.body, key="k")
+    problem(again, 400, "invalid-order")
+    assert not Order.objects.exists()
+
+
 def test_orders_api_needs_json(alice: Any) -> None:
     response = client_for(alice).post(
         "/api/orders/", {"amount": "1"}, headers={"Idempotency-Key": "k"}
@@ -1080,3 +1119,41 @@ def test_the_claim_sends_plain_statements_for_transaction_pooling_or_short_conne
         again = post(client, "/api/orders/", key="plain")
     assert (first.status_code, again["Idempotent-Replayed"]) == (201, "true")
     assert not any(q["sql"].startswith(("PREPARE", "EXECUTE")) for q in queries)
+
+
+# --- anonymous callers without a session ------------------------------------------
+
+
+def test_an_anonymous_key_without_a_session_is_refused_saying_how_to_get_one(
+    flavour: str,
+) -> None:
+    # Each cookieless request was a new session principal: the same key and body
+    # twice ran twice, unprotected. Now it is a 401 naming the way out.
+    from django.contrib.sessions.models import Session
+
+    for _ in range(2):
+        response = post(Client(), f"/t/{flavour}counter/", key="k")
+        data = problem(response, 401, "session-required")
+        assert "cookie" in data["detail"]
+        assert "sessionid" not in response.cookies
+    assert flavour + "counter" not in http_urls.RUNS
+    assert not IdempotencyKey.objects.exists()
+    assert not Session.objects.exists()
+
+
+def test_cookieless_page_loads_are_rate_limited_per_client_ip(settings: Any) -> None:
+    # Each cookieless page load minted a session and a token, with no cap across sessions.
+    settings.IDEMPOTENT_ORDERS = {"SESSION_RATE": 3, "SESSION_RATE_WINDOW": 60}
+    address = f"192.0.2.{uuid.uuid4().int % 250}-{uuid.uuid4().hex[:8]}"  # fresh in the cache
+    statuses = [Client(REMOTE_ADDR=address).get("/shop/").status_code for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    limited = Client(REMOTE_ADDR=address).get("/shop/")
+    data = problem(limited, 429, "too-many-sessions")
+    assert 0 < int(limited["Retry-After"]) <= 61
+    assert "session cookie" in data["detail"]
+    assert IdempotencyKey.objects.filter(is_token=True).count() == 3
+    # Another address is not held back, nor a visitor sending back its cookie.
+    assert Client(REMOTE_ADDR=f"{address}-other").get("/shop/").status_code == 200
+    returning = Client(REMOTE_ADDR=address)
+    returning.cookies = Client(REMOTE_ADDR=f"{address}-first").get("/shop/").cookies
+    assert returning.get("/shop/").status_code == 200

@@ -11,6 +11,7 @@ from django.db import connection
 
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
 from tests import http_urls
+from tests.support.corpus import HTTP_BAD_BODIES
 from tests.support.http import ORDER, assert_one_execution, request, session_cookie, together
 
 pytestmark = [
@@ -156,3 +157,34 @@ def test_concurrent_first_uses_never_exceed_the_key_quota(
     assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 5
     assert IdempotencyKey.objects.count() == 5
     assert Order.objects.count() == 5
+
+
+def test_hostile_bodies_through_a_real_server_are_400_problems(live_server: Any) -> None:
+    # Through the server's own stack (WSGI handler, a real socket): no 500, and
+    # nothing but the key's stored 400 left behind.
+    cookie = session_cookie("alice")
+    for n, case in enumerate(HTTP_BAD_BODIES):
+        status, headers, body = request(
+            live_server.url, "/api/orders/", cookie=cookie, key=f"bad-{n}", body=case.body
+        )
+        assert status == 400, (case.name, status, body[:200])
+        assert headers["Content-Type"] == "application/problem+json", case.name
+        assert json.loads(body)["code"] == "invalid-order", case.name
+    assert not Order.objects.exists()
+    assert not IdempotencyKey.objects.exclude(state=KeyState.COMPLETED).exists()
+
+
+def test_an_anonymous_cookieless_retry_through_a_real_server_is_refused_not_run_twice(
+    live_server: Any,
+) -> None:
+    http_urls.RUNS.clear()
+    answers = [
+        request(live_server.url, "/t/slow/", cookie="", key="anon", body={}) for _ in range(2)
+    ]
+    for status, headers, body in answers:
+        assert status == 401, body
+        assert headers["Content-Type"] == "application/problem+json"
+        assert json.loads(body)["code"] == "session-required"
+        assert "sessionid" not in headers.get("Set-Cookie", "")
+    assert "slow" not in http_urls.RUNS
+    assert not IdempotencyKey.objects.exists()

@@ -23,11 +23,23 @@ from demo_project.models import LoyaltyAccount
 from demo_project.shop import place_order
 from demo_project.tasks import award_points
 from idempotent_orders.models import OutboxMessage, OutboxStatus, ProcessedMessage
-from idempotent_orders.outbox import outbox_stats, publish_on_commit, purge_outbox, relay_outbox
+from idempotent_orders.outbox import (
+    flush_publisher,
+    outbox_stats,
+    publish_on_commit,
+    purge_outbox,
+    relay_outbox,
+)
 from idempotent_orders.signals import outbox_relayed
 from tests.support.services import ROOT, kill_group, wait_until
 
 pytestmark = pytest.mark.django_db
+
+
+def OrderModel() -> Any:
+    from idempotent_orders import get_order_model
+
+    return get_order_model()._default_manager
 
 
 @pytest.fixture
@@ -154,6 +166,32 @@ def test_purge_deletes_only_old_sent_rows(sent: list[Any]) -> None:
     out = StringIO()
     call_command("purge_outbox", "--older-than", "0", stdout=out)
     assert "deleted=1 pending=1 sent=0 dead=0" in out.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("earlier", ["committed", "same-transaction"])
+def test_a_repeated_message_id_returns_the_existing_row_and_the_transaction_survives(
+    sent: list[Any], make_order: Any, earlier: str
+) -> None:
+    # It raised IntegrityError inside the caller's transaction, which PostgreSQL
+    # then aborted: the caller's own writes could not go on.
+    msg = message()
+    if earlier == "committed":
+        first = publish_on_commit(award_points, msg)
+    with transaction.atomic():
+        if earlier == "same-transaction":
+            first = publish_on_commit(award_points, msg)
+        order = make_order()
+        again = publish_on_commit(award_points, {**msg, "points": 99}, queue="other")
+        # The caller's transaction is still usable after the repeat.
+        make_order()
+        assert OrderModel().filter(pk=order.pk).exists()
+    assert again.pk == first.pk
+    assert again.payload == msg  # the row as first written: the repeat changes nothing
+    assert OutboxMessage.objects.filter(message_id=msg["message_id"]).count() == 1
+    assert OrderModel().count() == 2
+    flush_publisher(timeout=30)
+    assert [call[0] for call in sent] == [msg["message_id"]]
 
 
 @override_settings(IDEMPOTENT_ORDERS={"OUTBOX_PUBLISH_ON_COMMIT": False})

@@ -10,6 +10,7 @@ from django.http import HttpRequest, HttpResponseBase
 
 from idempotent_orders.http.decorators import OnFailure, Policy, guard
 from idempotent_orders.http.keys import UNSAFE_METHODS, default_principal, header_key
+from idempotent_orders.http.problems import problem_response
 
 __all__ = ["IdempotentAPIViewMixin"]
 
@@ -40,22 +41,44 @@ class IdempotentAPIViewMixin:
         @functools.wraps(guarded)
         def with_drf_principal(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
             if request.method in UNSAFE_METHODS and not hasattr(request, "_idempotency_principal"):
-                principal = _drf_principal(cls, initkwargs, request)
+                try:
+                    principal = _drf_principal(cls, initkwargs, request)
+                except _LoginFailed as failed:
+                    # Credentials were sent and refused: no key is claimed (and no
+                    # anonymous session made up to hold one), the caller is told so.
+                    return failed.response
                 request._idempotency_principal = principal  # type: ignore[attr-defined]
             return guarded(request, *args, **kwargs)
 
         return with_drf_principal
 
 
+class _LoginFailed(Exception):
+    def __init__(self, response: HttpResponseBase) -> None:
+        super().__init__(response)
+        self.response = response
+
+
 def _drf_principal(cls: Any, initkwargs: dict[str, Any], request: HttpRequest) -> str | None:
+    """The caller as the view's DRF authenticators see it; raise :class:`_LoginFailed`
+    (a 401 problem) when one of them refuses the credentials sent."""
     from rest_framework.exceptions import APIException
     from rest_framework.request import Request
 
     view = cls(**initkwargs)
+    authenticators = view.get_authenticators()
     try:
-        user = Request(request, authenticators=view.get_authenticators()).user
-    except APIException:
-        return None
+        user = Request(request, authenticators=authenticators).user
+    except APIException as exc:
+        response = problem_response(
+            401, "not-authenticated", "Authentication failed", str(exc.detail)
+        )
+        for authenticator in authenticators:
+            header = authenticator.authenticate_header(request)
+            if header:
+                response["WWW-Authenticate"] = header
+                break
+        raise _LoginFailed(response) from None
     if user is not None and user.is_authenticated:
         return f"user:{user.pk}"
     return default_principal(request)

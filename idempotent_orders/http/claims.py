@@ -64,6 +64,7 @@ from idempotent_orders.exceptions import (
     KeyMismatch,
     QuotaExceeded,
     TokenInvalid,
+    TooManySessions,
 )
 from idempotent_orders.models import IdempotencyKey, KeyQuota, KeyState
 from idempotent_orders.statements import build, compiled_read, driver_cursor, fetch_one
@@ -137,8 +138,13 @@ def parse_key(raw: str) -> str:
 def default_principal(request: HttpRequest) -> str | None:
     """``user:<pk>``, ``client:<id>`` (set by an API-client auth layer) or ``session:<key>``.
 
-    Anonymous callers get a session (one is created if needed); without the
-    session middleware they have no principal and keys answer 401.
+    An anonymous caller's principal is its session. A page load (a safe method:
+    the template tag minting a form's token) creates one if needed, at most
+    ``SESSION_RATE`` per client IP per ``SESSION_RATE_WINDOW`` seconds (then
+    :class:`TooManySessions`, 429). An unsafe request without a session gets
+    none (a new session per request would make every retry a new principal,
+    its key protecting nothing): it has no principal, and its key answers 401
+    ``session-required``. Without the session middleware there is no principal.
     """
     user = getattr(request, "user", None)
     if user is not None and user.is_authenticated:
@@ -150,9 +156,40 @@ def default_principal(request: HttpRequest) -> str | None:
     if session is None:
         return None
     if not session.session_key:
+        if request.method in UNSAFE_METHODS:
+            return None
+        _count_new_session(request)
         session.save()
         session.modified = True  # so the middleware sends the new session's cookie
     return f"session:{session.session_key}"
+
+
+def _count_new_session(request: HttpRequest) -> None:
+    """Count a new anonymous session against its client IP; raise past ``SESSION_RATE``.
+
+    The count lives in the ``LOCK_CACHE`` cache, one fixed window per address
+    (``REMOTE_ADDR``: behind a proxy, set it from the proxy's header first).
+    """
+    from django.core.cache import caches
+
+    window = conf.SESSION_RATE_WINDOW
+    address = request.META.get("REMOTE_ADDR") or "unknown"
+    slot = int(time.time()) // window
+    name = f"idempotent_orders:sessions:{hashlib.sha256(address.encode()).hexdigest()[:32]}:{slot}"
+    cache = caches[conf.LOCK_CACHE]
+    cache.add(name, 0, timeout=window + 1)
+    try:
+        count = cache.incr(name)
+    except ValueError:  # expired between add and incr
+        cache.add(name, 1, timeout=window + 1)
+        count = 1
+    if count > conf.SESSION_RATE:
+        retry_after = max(1, (slot + 1) * window - int(time.time()))
+        raise TooManySessions(
+            f"{address} started more than {conf.SESSION_RATE} sessions in {window} seconds;"
+            " send back the session cookie you were given, or wait",
+            retry_after=retry_after,
+        )
 
 
 @functools.lru_cache(maxsize=8)

@@ -30,6 +30,7 @@ from idempotent_orders.exceptions import (
     KeyInFlight,
     KeyMissing,
     NotAuthenticated,
+    SessionRequired,
 )
 from idempotent_orders.http.claims import (
     HEADER,
@@ -122,7 +123,7 @@ def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
             return _Start()
         principal = get_principal(request)
         if principal is None:
-            raise NotAuthenticated("idempotency keys need an authenticated caller or a session")
+            raise _unauthenticated(request)
         if policy.form:
             # A form's fields were parsed already (maybe streamed: multipart), so
             # the limit is checked on the declared length and the fields hashed.
@@ -149,6 +150,17 @@ def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
     if isinstance(outcome, IdempotencyKey):
         return _Start(key, answer=_answer_completed(request, key, outcome, policy))
     return _Start(key, held=outcome)
+
+
+def _unauthenticated(request: HttpRequest) -> NotAuthenticated:
+    session = getattr(request, "session", None)
+    if session is not None and not session.session_key:
+        return SessionRequired(
+            "an anonymous caller's key needs a session, or each request would be a new"
+            " caller: load a page of this site first (its response sets the session"
+            " cookie) and send that cookie with every request, or log in"
+        )
+    return NotAuthenticated("idempotency keys need an authenticated caller or a session")
 
 
 def _announce(request: HttpRequest, key: str, outcome: str) -> None:

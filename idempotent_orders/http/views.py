@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
-from decimal import Decimal, InvalidOperation
+import re
+from decimal import Decimal
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
@@ -106,24 +107,42 @@ class _Invalid(Exception):
     pass
 
 
+#: The amount as the OpenAPI document states it: ASCII digits, at most ten before
+#: the point and two after. ``Decimal()`` alone would read any Unicode digit
+#: (full-width digits, which the consumer refuses), exponents, ``_`` and
+#: spaces, and raise on quantizing forty 9s or ``1e30``.
+_AMOUNT = re.compile(r"[0-9]{1,10}(?:\.[0-9]{1,2})?", re.ASCII)
+
+
+def _amount(raw: Any) -> Decimal:
+    if not isinstance(raw, str):
+        raise _Invalid('amount must be a decimal string such as "12.50"')
+    if not _AMOUNT.fullmatch(raw):
+        if raw.isascii() and re.fullmatch(r"[0-9]+(?:\.[0-9]+)?", raw):
+            if "." in raw and len(raw.partition(".")[2]) > 2:
+                raise _Invalid("amount must be positive with at most two decimal places")
+            raise _Invalid("amount is too large")
+        raise _Invalid(
+            'amount must be a decimal string of ASCII digits such as "12.50"'
+            " (no sign, exponent or spaces)"
+        )
+    amount = Decimal(raw)
+    if amount <= 0:
+        raise _Invalid("amount must be positive with at most two decimal places")
+    return amount
+
+
 def _parse_order(body: bytes) -> tuple[Decimal, str, list[dict[str, Any]]]:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise _Invalid("the body is not valid JSON") from None
+    except RecursionError:
+        # The decoder recurses per nesting level: a deep body is refused, not a 500.
+        raise _Invalid("the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise _Invalid("the body must be a JSON object")
-    raw_amount = data.get("amount")
-    if not isinstance(raw_amount, str):
-        raise _Invalid('amount must be a decimal string such as "12.50"')
-    try:
-        amount = Decimal(raw_amount)
-    except InvalidOperation:
-        raise _Invalid('amount must be a decimal string such as "12.50"') from None
-    if not amount.is_finite() or amount <= 0 or amount != amount.quantize(Decimal("0.01")):
-        raise _Invalid("amount must be positive with at most two decimal places")
-    if amount >= Decimal("1e10"):
-        raise _Invalid("amount is too large")
+    amount = _amount(data.get("amount"))
     currency = data.get("currency")
     if not (
         isinstance(currency, str)

@@ -21,6 +21,7 @@ from django.contrib.auth import get_user_model
 
 from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
+from tests.support.corpus import HTTP_BAD_BODIES
 from tests.support.http import request, session_cookie
 
 pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
@@ -45,6 +46,7 @@ EXPECTED: dict[str, dict[int, str | None]] = {
     "big-body": {413: "body-too-large"},
     "no-key": {400: "key-missing"},
     "anonymous": {401: "not-authenticated"},
+    "bad-body": {400: "invalid-order"},
 }
 
 
@@ -83,7 +85,9 @@ def test_mixed_hostile_load_keeps_every_invariant(live_server: Any, settings: An
     base = live_server.url
     rng = random.Random(8)
     cookies = {f"user{i}": session_cookie(f"user{i}") for i in range(USERS)}
-    cookies |= {name: session_cookie(name) for name in ("attacker0", "attacker1", "flooder")}
+    cookies |= {
+        name: session_cookie(name) for name in ("attacker0", "attacker1", "flooder", "prober")
+    }
     users = {u.username: u for u in get_user_model().objects.all()}
     attackers, flooder = [users["attacker0"], users["attacker1"]], users["flooder"]
 
@@ -118,6 +122,12 @@ def test_mixed_hostile_load_keeps_every_invariant(live_server: Any, settings: An
     storm += [call("big-body", "attacker1", f"big-{n}", padded) for n in range(10)]
     storm += [call("no-key", "attacker0", None, basket(f"nk-{n}")) for n in range(5)]
     storm += [call("anonymous", None, f"anon-{n}", basket(f"an-{n}")) for n in range(5)]
+    # Deep nesting, amounts past Decimal's precision, non-ASCII digits: 400, never a 500.
+    storm += [
+        call("bad-body", "prober", f"bad-{case.name}", case.body)
+        for case in HTTP_BAD_BODIES
+        if len(case.body) <= MAX_BYTES
+    ]
     rng.shuffle(storm)
 
     with ThreadPoolExecutor(THREADS) as pool:

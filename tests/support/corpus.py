@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,3 +154,44 @@ def corpus(order: Order, cancelled: Order, *, tag: str) -> list[BadCase]:
         ),
     ]
     return cases
+
+
+@dataclass(frozen=True)
+class BadBody:
+    """A body the orders API must answer with a ``400 invalid-order`` problem, storing nothing."""
+
+    name: str
+    body: bytes
+
+
+def _order_with(**fields: Any) -> bytes:
+    base: dict[str, Any] = {
+        "amount": "12.50",
+        "currency": "CNY",
+        "items": [{"sku": "tea", "quantity": 1}],
+    }
+    return json.dumps({**base, **fields}, ensure_ascii=False).encode()
+
+
+#: Bodies that once answered 500 (or were accepted where the consumer refuses them).
+HTTP_BAD_BODIES = [
+    BadBody("deep-array", b"[" * 50_000 + b"]" * 50_000),
+    # Small enough for a tight MAX_REQUEST_BYTES, still past the decoder's recursion limit.
+    BadBody("deep-array-small", b"[" * 3_000 + b"]" * 3_000),
+    BadBody("deep-object", b'{"a":' * 50_000 + b"1" + b"}" * 50_000),
+    BadBody(
+        "deep-in-amount",
+        _order_with(amount="x")[:-1] + b',"x":' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    ),
+    BadBody("amount-1e30", _order_with(amount="1e30")),
+    BadBody("amount-forty-nines", _order_with(amount="9" * 40)),
+    BadBody("amount-forty-nines-cents", _order_with(amount="9" * 40 + ".99")),
+    BadBody("amount-exponent", _order_with(amount="1E+2")),
+    BadBody("amount-huge-exponent", _order_with(amount="1e999999999")),
+    BadBody("amount-fullwidth", _order_with(amount="\uff11\uff12.\uff15\uff10")),
+    BadBody("amount-arabic-indic", _order_with(amount="\u0661\u0662.\u0665\u0660")),
+    BadBody("amount-underscore", _order_with(amount="1_2.50")),
+    BadBody("amount-padded", _order_with(amount=" 12.50 ")),
+    BadBody("amount-plus", _order_with(amount="+12.50")),
+    BadBody("quantity-huge", _order_with(items=[{"sku": "tea", "quantity": 10**400}])),
+]

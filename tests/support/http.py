@@ -31,12 +31,13 @@ def request(
     listen backlog is retried with the same key, which is what keys are for."""
     parts = urlsplit(base)
     headers = {"Content-Type": "application/json", "Cookie": cookie}
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     if key is not None:
         headers["Idempotency-Key"] = key
     for attempt in range(10):
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
         try:
-            conn.request("POST", path, body=json.dumps(body), headers=headers)
+            conn.request("POST", path, body=raw, headers=headers)
             response = conn.getresponse()
             return response.status, dict(response.getheaders()), response.read()
         except ConnectionError:
