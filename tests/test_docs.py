@@ -111,7 +111,9 @@ def test_settings_reference_has_every_default_with_its_value() -> None:
     for d in docs:
         assert d.value == DEFAULTS[d.name], d.name
         assert d.comment or d.described_by, f"{d.name} has no description"
-        assert d.type == setting_type(d.name).__name__ or d.type.startswith("list["), d.name
+        assert d.type == setting_type(d.name).__name__ or d.type.startswith(("list[", "dict[")), (
+            d.name
+        )
     assert {d.name: d.type for d in docs}["LEASE_SECONDS"] == "float"
     table = reference.settings_table(docs)
     for name in DEFAULTS:
