@@ -21,6 +21,7 @@ class IdempotentOrdersConfig(AppConfig):
 
         leases.register_step(fulfilment.STEP)
         transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
+        _register_webhook_admin()
 
 
 def _register_built_in_types() -> None:
@@ -35,3 +36,11 @@ def _register_built_in_types() -> None:
 
     with contextlib.suppress(ImproperlyConfigured, UnknownTransition):
         handlers.register_built_in(get_order_model())
+
+
+def _register_webhook_admin() -> None:
+    """The admin of webhook events and timers lives in its own module; load it with the admin."""
+    from django.apps import apps
+
+    if apps.is_installed("django.contrib.admin"):
+        from idempotent_orders.webhooks import admin  # noqa: F401
