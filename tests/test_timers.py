@@ -48,10 +48,15 @@ def test_a_new_order_gets_its_expiry_timer_in_its_own_transaction(
         assert timer.transition == "expire"
         assert timer.message_id == f"timer:idempotent_orders.order:{order.pk}:expire:payment"
         assert abs((timer.due_at - timezone.now()).total_seconds() - 900) < 60
+
         # Rolled back with the order: no timer without its state.
-        with pytest.raises(RuntimeError), transaction.atomic():
-            make_order()
-            raise RuntimeError
+        def create_then_fail() -> None:
+            with transaction.atomic():
+                make_order()
+                raise RuntimeError
+
+        with pytest.raises(RuntimeError):
+            create_then_fail()
         assert Timer.objects.count() == 1
     make_order()  # PAYMENT_TIMEOUT = 0: no timer
     assert Timer.objects.count() == 1
@@ -184,11 +189,14 @@ def test_a_late_payment_racing_the_expiry_ends_in_exactly_one_outcome(
         pay_row = ProcessedMessage.objects.get(consumer="payments", order_id=order.pk)
         timer_row = ProcessedMessage.objects.filter(consumer=CONSUMER, order_id=order.pk).first()
         if order.status == "paid":
-            assert paid is Outcome.APPLIED and pay_row.outcome == Outcome.APPLIED
+            assert paid is Outcome.APPLIED
+            assert pay_row.outcome == Outcome.APPLIED
             assert timer_row is None or timer_row.outcome != Outcome.APPLIED
         else:
             assert order.status == "expired"
-            assert paid is Outcome.REJECTED and "money to give back" in pay_row.error
-            assert timer_row is not None and timer_row.outcome == Outcome.APPLIED
+            assert paid is Outcome.REJECTED
+            assert "money to give back" in pay_row.error
+            assert timer_row is not None
+            assert timer_row.outcome == Outcome.APPLIED
     print("race outcomes", seen)
     assert sum(seen.values()) == 15
