@@ -17,7 +17,10 @@ class DemoProjectConfig(AppConfig):
         # one of the model's transitions (the built-in validators check only the
         # fields the model has). "refund" and "cancel" keep the built-in names.
         handlers.register(
-            "payment.succeeded", transition="mark_paid", validate=handlers.validate_payment
+            "payment.succeeded",
+            transition="mark_paid",
+            validate=handlers.validate_payment,
+            money=True,  # a payment that cannot apply is money to give back
         )
         handlers.register(
             "shipment.dispatched", transition="dispatch", validate=handlers.validate_shipment

@@ -121,12 +121,27 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     # Without REDIS_URL the embedded default has no django-redis cache: Bloom filter only.
     # The Redis layer needs django-redis; the embedded default has none.
     "DEDUP_CACHE_ALIAS": "default" if REDIS_URL else "",
+    # FakePay (demo_project/payments.py) posts Stripe-style signed webhooks to /webhooks/fakepay/.
+    "WEBHOOKS": {
+        "fakepay": {
+            "SCHEME": "stripe",
+            "SECRET": os.environ.get("DEMO_FAKEPAY_SECRET", "whsec_demo_only_not_secret"),
+            "EVENT_TYPES": {"payment_intent.succeeded": "payment.succeeded"},
+            "TO_MESSAGE": "idempotent_orders.webhooks.stripe.payment_intent",
+        }
+    },
+    # Unpaid orders expire (a durable timer fired by beat's fire_due_timers).
+    "PAYMENT_TIMEOUT": int(os.environ.get("DEMO_PAYMENT_TIMEOUT", 15 * 60)),
 }
 
 # The reconciler and the retention purge run on Celery beat (`celery -A demo_project beat`).
 CELERY_BEAT_SCHEDULE = {
     "idempotent-orders-reconcile": {"task": "idempotent_orders.reconcile", "schedule": 30.0},
     "idempotent-orders-purge": {"task": "idempotent_orders.purge", "schedule": 3600.0},
+    # Durable timers (unpaid orders expire) and the outbox relay (webhook events queued
+    # for consumption whose on-commit publish did not get through).
+    "idempotent-orders-timers": {"task": "idempotent_orders.fire_due_timers", "schedule": 10.0},
+    "idempotent-orders-relay": {"task": "idempotent_orders.relay_outbox", "schedule": 5.0},
 }
 
 LOGGING = {

@@ -3,7 +3,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from demo_project import shop
+from demo_project import payments, shop
 from idempotent_orders.observability import metrics_view
 
 urlpatterns = [
@@ -13,4 +13,6 @@ urlpatterns = [
     path("shop/", shop.shop, name="shop"),
     path("shop/checkout/", shop.checkout, name="shop-checkout"),
     path("shop/orders/<int:pk>/", shop.order_page, name="shop-order"),
+    path("shop/orders/<int:pk>/pay/", payments.pay_page, name="shop-pay"),
+    path("webhooks/", include("idempotent_orders.webhooks.urls")),
 ]

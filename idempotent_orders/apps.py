@@ -21,6 +21,8 @@ class IdempotentOrdersConfig(AppConfig):
 
         leases.register_step(fulfilment.STEP)
         transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
+        _connect_timers()
+        _register_webhook_admin()
 
 
 def _register_built_in_types() -> None:
@@ -35,3 +37,26 @@ def _register_built_in_types() -> None:
 
     with contextlib.suppress(ImproperlyConfigured, UnknownTransition):
         handlers.register_built_in(get_order_model())
+
+
+def _connect_timers() -> None:
+    """A new order waiting for payment gets its expiry timer (``PAYMENT_TIMEOUT``)."""
+    from django.core.exceptions import ImproperlyConfigured
+    from django.db.models.signals import post_save
+
+    from idempotent_orders import get_order_model, timers
+
+    with contextlib.suppress(ImproperlyConfigured):
+        post_save.connect(
+            timers.schedule_payment_timeout,
+            sender=get_order_model(),
+            dispatch_uid="idempotent_orders.timers.payment_timeout",
+        )
+
+
+def _register_webhook_admin() -> None:
+    """The admin of webhook events and timers lives in its own module; load it with the admin."""
+    from django.apps import apps
+
+    if apps.is_installed("django.contrib.admin"):
+        from idempotent_orders.webhooks import admin  # noqa: F401

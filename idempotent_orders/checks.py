@@ -515,3 +515,83 @@ def check_order_model_history(
         except DatabaseError:
             continue  # an unreachable database: migrate itself reports it
     return errors
+
+
+@register(Tags.compatibility)
+def check_webhooks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Webhook providers are well formed, and the inbox outlives each provider's retries."""
+    from idempotent_orders import handlers
+    from idempotent_orders.conf import conf
+    from idempotent_orders.webhooks.config import problems, provider
+
+    if not _well_typed("WEBHOOKS"):
+        return []
+    errors: list[CheckMessage] = []
+    for name, raw in conf.WEBHOOKS.items():
+        found = problems(name, raw)
+        p = None if found else provider(name)
+        if p is not None:
+            found += [
+                f"provider {name!r}: event type {event_type!r} maps to message type "
+                f"{message_type!r}, which no handler registers"
+                for event_type, message_type in p.event_types.items()
+                if handlers.get_handler(message_type) is None
+            ]
+        for problem in found:
+            errors.append(
+                Error(
+                    f"settings.IDEMPOTENT_ORDERS['WEBHOOKS']: {problem}.",
+                    id="idempotent_orders.E050",
+                )
+            )
+        if (
+            p is not None
+            and _well_typed("DEDUP_RETENTION")
+            and p.retry_horizon >= conf.DEDUP_RETENTION
+        ):
+            errors.append(
+                Error(
+                    f"DEDUP_RETENTION ({conf.DEDUP_RETENTION}s) does not cover the retry "
+                    f"horizon of webhook provider {name!r} ({p.retry_horizon}s): an event "
+                    "retried after its inbox row is purged would be applied again.",
+                    hint="Raise IDEMPOTENT_ORDERS['DEDUP_RETENTION'] well above it.",
+                    id="idempotent_orders.E051",
+                )
+            )
+    return errors
+
+
+@register(Tags.models)
+def check_payment_timeout(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A payment timeout names a transition of the order model, and is not negative."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from idempotent_orders import get_order_model
+    from idempotent_orders.conf import conf
+    from idempotent_orders.transitions import has_transition
+
+    names = ("PAYMENT_TIMEOUT", "PAYMENT_TIMEOUT_TRANSITION")
+    if not all(_well_typed(n) for n in names) or conf.PAYMENT_TIMEOUT == 0:
+        return []
+    if conf.PAYMENT_TIMEOUT < 0:
+        return [
+            Error(
+                "PAYMENT_TIMEOUT must be a number of seconds (0: orders never expire).",
+                id="idempotent_orders.E052",
+            )
+        ]
+    try:
+        model = get_order_model()
+    except ImproperlyConfigured:
+        return []  # E040 says so
+    if not has_transition(model, conf.PAYMENT_TIMEOUT_TRANSITION):
+        return [
+            Error(
+                f"PAYMENT_TIMEOUT is set, but the order model {model._meta.label} has no "
+                f"transition {conf.PAYMENT_TIMEOUT_TRANSITION!r} (PAYMENT_TIMEOUT_TRANSITION) "
+                "for its timers to take.",
+                hint="Name one of its @transition methods, or set PAYMENT_TIMEOUT to 0.",
+                id="idempotent_orders.E052",
+            )
+        ]
+    return []

@@ -134,6 +134,22 @@ DEFAULTS: dict[str, Any] = {
     "PRINCIPAL_RESOLVER": "idempotent_orders.http.keys.default_principal",
     # Business-key time window (seconds) of create_order().
     "ORDER_WINDOW": 300,
+    # Webhook ingress: provider name (the URL's last segment) -> its settings dict:
+    # SCHEME ("stripe" or "hmac"), SECRET (or SECRETS, a list, for rotation),
+    # EVENT_TYPES (provider event type -> message type), TO_MESSAGE (dotted path of
+    # callable(event) -> (order_id, payload)), and optional CONSUMER ("payments"),
+    # TOLERANCE (seconds, 300), RETRY_HORIZON (seconds; Stripe's default is 3 days),
+    # INLINE (consume in the request after storing; default False: a task via the
+    # outbox), and for "hmac" SIGNATURE_HEADER, TIMESTAMP_HEADER, ID_FIELD, TYPE_FIELD.
+    "WEBHOOKS": {},
+    # Seconds an order may wait for its payment; past it, a durable timer takes the
+    # transition below (written with the order, fired once through the inbox). 0: never.
+    "PAYMENT_TIMEOUT": 0,
+    "PAYMENT_TIMEOUT_TRANSITION": "expire",
+    # Due timers one pass of fire_due_timers fires, and how long (seconds) a pass
+    # holds a timer it claimed before another process may fire it too.
+    "TIMER_BATCH_SIZE": 100,
+    "TIMER_CLAIM_SECONDS": 60,
 }
 
 
@@ -167,6 +183,8 @@ POSITIVE: frozenset[str] = frozenset(
         "OUTBOX_RETENTION",
         "OUTBOX_RETRY_BACKOFF_MAX",
         "IDEMPOTENT_MAX_ATTEMPTS",
+        "TIMER_BATCH_SIZE",
+        "TIMER_CLAIM_SECONDS",
     }
 )
 
@@ -402,6 +420,26 @@ class Settings:
     @property
     def ORDER_WINDOW(self) -> int:
         return int(self._get("ORDER_WINDOW"))
+
+    @property
+    def WEBHOOKS(self) -> dict[str, Any]:
+        return dict(self._get("WEBHOOKS"))
+
+    @property
+    def PAYMENT_TIMEOUT(self) -> int:
+        return int(self._get("PAYMENT_TIMEOUT"))
+
+    @property
+    def PAYMENT_TIMEOUT_TRANSITION(self) -> str:
+        return str(self._get("PAYMENT_TIMEOUT_TRANSITION"))
+
+    @property
+    def TIMER_BATCH_SIZE(self) -> int:
+        return int(self._get("TIMER_BATCH_SIZE"))
+
+    @property
+    def TIMER_CLAIM_SECONDS(self) -> int:
+        return int(self._get("TIMER_CLAIM_SECONDS"))
 
 
 conf = Settings()

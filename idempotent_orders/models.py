@@ -411,3 +411,117 @@ class SpentPayment(models.Model):
 
     def __str__(self) -> str:
         return f"payment {self.payment_id} paid order {self.order_id}"
+
+
+class WebhookStatus(models.TextChoices):
+    """Life of a :class:`WebhookEvent`; the values are part of the public contract."""
+
+    #: Verified and stored; its consumption is queued (or running).
+    RECEIVED = "received", "received"
+    #: Consumed: ``outcome`` says what the inbox decided.
+    PROCESSED = "processed", "processed"
+    #: Turning it into a message, or consuming it, raised; kept with why, replayable.
+    FAILED = "failed", "failed"
+    #: Refused at the door (signature, timestamp, body, type): answered 4xx, never consumed.
+    REJECTED = "rejected", "rejected"
+
+
+class WebhookEvent(models.Model):
+    """One provider event as it arrived (the raw body), or one refused request.
+
+    Accepted events are unique on ``(provider, event_id)``: a provider's retry
+    of an event counts a delivery on the same row. Consuming it goes through
+    the inbox with the event id as the message id, which is the authority on
+    "seen before". Refused requests keep ``event_id`` empty (NULL) and the id
+    they claimed in ``claimed_id``: an unsigned request cannot occupy the slot
+    of a real event.
+    """
+
+    provider = models.CharField(max_length=64)
+    # NULL for refused requests: NULLs never collide in the unique index.
+    event_id = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    #: The id a refused request claimed (unverified), for operators.
+    claimed_id = models.CharField(max_length=255, blank=True, default="")
+    event_type = models.CharField(max_length=255, blank=True, default="")
+    #: The message type the event type maps to ("" when it maps to none).
+    message_type = models.CharField(max_length=64, blank=True, default="")
+    status = models.CharField(max_length=16, choices=WebhookStatus.choices)
+    #: What consuming it decided (an :class:`Outcome` value), "" until then.
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, blank=True, default="")
+    order = models.ForeignKey(
+        order_model_label(),
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="webhook_events",
+    )
+    #: The raw body as received (refused requests: an excerpt).
+    body = models.TextField(blank=True, default="")
+    #: Why it was refused, or why consuming it failed.
+    error = models.TextField(blank=True, default="")
+    #: Deliveries of this event (the provider's retries add to it).
+    deliveries = models.PositiveIntegerField(default=1)
+    #: Consumptions started (the first one, retries, operator replays).
+    attempts = models.PositiveIntegerField(default=0)
+    received_at = models.DateTimeField(db_default=Now())
+    last_delivery_at = models.DateTimeField(db_default=Now())
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["provider", "event_id"], name="idempotent_orders_webhook_event"
+            )
+        ]
+        indexes = [models.Index(fields=["status", "received_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.provider}:{self.event_id or self.claimed_id or '?'} ({self.status})"
+
+
+class TimerStatus(models.TextChoices):
+    PENDING = "pending", "pending"
+    #: Its message was consumed: ``outcome`` says what the inbox decided.
+    FIRED = "fired", "fired"
+    #: Firing raised; kept with why, fired again on the next pass.
+    FAILED = "failed", "failed"
+
+
+class Timer(models.Model):
+    """A transition an order is due to take at ``due_at`` unless something else moved it first.
+
+    Written in the transaction that put the order in the state the timer waits
+    on, so the timer exists if and only if that state was committed. Firing
+    consumes ``message_id`` (fixed when the row is written) through the inbox,
+    so firing it twice, from two beats or two workers, is harmless.
+    """
+
+    order = models.ForeignKey(order_model_label(), on_delete=models.CASCADE, related_name="timers")
+    #: The order model's ``@transition`` the timer takes.
+    transition = models.CharField(max_length=64)
+    #: The message type consumed (bound to ``transition`` for the ``timers`` consumer).
+    message_type = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=255, unique=True)
+    payload: models.JSONField[Any] = models.JSONField(
+        default=dict, blank=True, encoder=DjangoJSONEncoder
+    )
+    due_at = models.DateTimeField()
+    status = models.CharField(
+        max_length=16, choices=TimerStatus.choices, default=TimerStatus.PENDING
+    )
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, blank=True, default="")
+    #: A firing process holds it until then (others skip it; the inbox is the authority).
+    claimed_until = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+    fired_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["due_at", "id"]
+        indexes = [models.Index(fields=["status", "due_at"])]
+
+    def __str__(self) -> str:
+        due = f"{self.due_at:%Y-%m-%d %H:%M}"
+        return f"{self.transition} order {self.order_id} at {due} ({self.status})"

@@ -207,3 +207,36 @@ def consume_batch_task(self: Task, messages: list[Any], consumer: str) -> list[s
         for message_id in failed:
             dead_letter(consumer, message_id)
     return [DEAD if o is Outcome.FAILED else o.value for o in outcomes]
+
+
+@shared_task(name="idempotent_orders.consume_webhook_event", **CONSUMER_TASK_OPTIONS)
+def consume_webhook_event(self: Task, message: dict[str, Any]) -> str:
+    """Consume a stored webhook event (``message["event"]`` is its pk) through the inbox.
+
+    Queued through the outbox by the webhook view, in the transaction that stored
+    the event. A failure is retried with backoff and dead-lettered at last, as
+    for any consumed message; the event row says ``failed`` meanwhile.
+    """
+    from idempotent_orders.webhooks.ingress import process_event
+
+    try:
+        return process_event(int(message["event"])) or "failed"
+    except MessageFailed as exc:
+        return _failed(self, exc)
+    except TRANSIENT_ERRORS as exc:
+        countdown = min(conf.TASK_RETRY_BACKOFF_MAX, 2**self.request.retries)
+        raise self.retry(exc=exc, countdown=countdown, max_retries=conf.TASK_MAX_RETRIES) from exc
+
+
+@shared_task(name="idempotent_orders.fire_due_timers", acks_late=True, reject_on_worker_lost=True)
+def fire_due_timers() -> dict[str, int]:
+    """Periodic: fire the durable timers that are due (run it on Celery beat, every few seconds).
+
+    Several beats or workers may run it at once: a timer's message id is fixed,
+    so the inbox applies each timer once.
+    """
+    from collections import Counter
+
+    from idempotent_orders.timers import fire_due
+
+    return dict(Counter(outcome for _, outcome in fire_due()))

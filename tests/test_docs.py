@@ -12,6 +12,7 @@ import pytest
 
 from idempotent_orders.checks import setting_type
 from idempotent_orders.conf import DEFAULTS
+from idempotent_orders.webhooks.config import KEYS as WEBHOOK_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -65,11 +66,14 @@ KNOWN_NAMES = {
     # Make variables, WSGI request keys, SQL, test-suite constants.
     "DEMO_ARGS",
     "DEMO_WEB_ADDR",
+    "DEMO_PAYMENT_TIMEOUT",
     "HTTP_HOST",
     "HTTP_IDEMPOTENCY_KEY",
     "GET_LOCK",
     "CRASH_POINTS",
 }
+# The keys of one webhook provider's dict in WEBHOOKS.
+KNOWN_NAMES |= WEBHOOK_KEYS
 #: Environment variables of the benchmark, the chaos run and the test suite.
 KNOWN_PREFIXES = ("BENCH_", "CHAOS_", "IO_")
 
@@ -111,7 +115,9 @@ def test_settings_reference_has_every_default_with_its_value() -> None:
     for d in docs:
         assert d.value == DEFAULTS[d.name], d.name
         assert d.comment or d.described_by, f"{d.name} has no description"
-        assert d.type == setting_type(d.name).__name__ or d.type.startswith("list["), d.name
+        assert d.type == setting_type(d.name).__name__ or d.type.startswith(("list[", "dict[")), (
+            d.name
+        )
     assert {d.name: d.type for d in docs}["LEASE_SECONDS"] == "float"
     table = reference.settings_table(docs)
     for name in DEFAULTS:

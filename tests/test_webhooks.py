@@ -1,0 +1,355 @@
+"""Webhook ingress: signatures, durable storage, one consumption per event id, replay, checks."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+from django.conf import settings
+from django.core.checks import run_checks
+from django.test import Client, override_settings
+
+from idempotent_orders.models import (
+    AuditEntry,
+    OutboxMessage,
+    ProcessedMessage,
+    WebhookEvent,
+    WebhookStatus,
+)
+from idempotent_orders.webhooks import ingress
+from idempotent_orders.webhooks.signing import (
+    SignatureError,
+    sign_hmac,
+    stripe_signature,
+    verify_hmac,
+    verify_stripe,
+)
+
+SECRET = "whsec_test_secret"
+URL = "/webhooks/fakepay/"
+
+
+def provider_settings(**extra: Any) -> dict[str, Any]:
+    return {
+        **settings.IDEMPOTENT_ORDERS,
+        "WEBHOOKS": {
+            "fakepay": {
+                "SCHEME": "stripe",
+                "SECRET": SECRET,
+                "EVENT_TYPES": {"payment_intent.succeeded": "payment.succeeded"},
+                "TO_MESSAGE": "idempotent_orders.webhooks.stripe.payment_intent",
+                **extra,
+            },
+            "generic": {
+                "SCHEME": "hmac",
+                "SECRETS": ["old", "new"],
+                "EVENT_TYPES": {"paid": "payment.succeeded"},
+                "TO_MESSAGE": "idempotent_orders.webhooks.stripe.payment_intent",
+                "TIMESTAMP_HEADER": "X-Timestamp",
+                "INLINE": True,
+            },
+        },
+    }
+
+
+@pytest.fixture
+def fakepay(request: pytest.FixtureRequest) -> Iterator[bool]:
+    inline = getattr(request, "param", False)
+    with override_settings(IDEMPOTENT_ORDERS=provider_settings(INLINE=inline)):
+        yield inline
+
+
+def event(order: Any, *, event_id: str, payment_id: str, amount: int = 1250) -> dict[str, Any]:
+    return {
+        "id": event_id,
+        "type": "payment_intent.succeeded",
+        "data": {
+            "object": {
+                "id": payment_id,
+                "amount_received": amount,
+                "currency": "cny",
+                "metadata": {"order_id": str(order.pk)},
+            }
+        },
+    }
+
+
+def post(client: Client, body: bytes, signature: str | None, url: str = URL) -> Any:
+    headers = {"HTTP_STRIPE_SIGNATURE": signature} if signature else {}
+    return client.post(url, data=body, content_type="application/json", **headers)
+
+
+def signed_post(client: Client, payload: dict[str, Any], **kw: Any) -> Any:
+    body = json.dumps(payload).encode()
+    return post(client, body, stripe_signature(SECRET, body, **kw))
+
+
+def run_queued() -> None:
+    """What a worker does with the queued consumptions: each one, in any order, twice."""
+    rows = list(OutboxMessage.objects.filter(task_name=ingress.TASK))
+    random.shuffle(rows)
+    for row in rows * 2:
+        ingress.process_event(row.payload["event"])
+
+
+# -- signatures ------------------------------------------------------------------------
+
+
+def test_stripe_signature_checks_body_secret_and_age() -> None:
+    body = b'{"id": "evt_1"}'
+    now = int(time.time())
+    verify_stripe(body, stripe_signature(SECRET, body, timestamp=now), [SECRET])
+    # A rotated secret: either may have signed; several v1 entries are allowed.
+    header = f"{stripe_signature('other', body, timestamp=now)},v1=deadbeef"
+    verify_stripe(body, header, ["nope", "other"])
+    old = now - 301
+    cases: list[tuple[bytes, str | None, str]] = [
+        (body + b" ", stripe_signature(SECRET, body, timestamp=now), "webhook-signature-invalid"),
+        (body, stripe_signature("wrong", body, timestamp=now), "webhook-signature-invalid"),
+        (body, stripe_signature(SECRET, body, timestamp=old), "webhook-timestamp-outside-tolerance"),  # noqa: E501
+        (body, None, "webhook-signature-missing"),
+        (body, "v1=abc", "webhook-signature-malformed"),
+        (body, f"t=x,v1={'0' * 64}", "webhook-signature-malformed"),
+    ]  # fmt: skip
+    for raw, header_value, code in cases:
+        with pytest.raises(SignatureError) as caught:
+            verify_stripe(raw, header_value, [SECRET], tolerance=300)
+        assert caught.value.code == code
+
+
+def test_generic_hmac_signs_the_body_and_the_timestamp() -> None:
+    body = b"{}"
+    verify_hmac(body, sign_hmac("s", body), ["s"])
+    now = int(time.time())
+    verify_hmac(body, sign_hmac("s", body, timestamp=now), ["x", "s"], timestamp=str(now))
+    with pytest.raises(SignatureError, match="does not match"):
+        verify_hmac(body, sign_hmac("s", body, timestamp=now), ["s"], timestamp=str(now + 1))
+    with pytest.raises(SignatureError) as caught:
+        verify_hmac(
+            body, sign_hmac("s", body, timestamp=now - 900), ["s"], timestamp=str(now - 900)
+        )
+    assert caught.value.code == "webhook-timestamp-outside-tolerance"
+
+
+# -- the endpoint ----------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_refused_requests_get_a_problem_and_are_recorded(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    client = Client()
+    order = make_order()
+    payload = event(order, event_id="evt_bad", payment_id="pi_1")
+    body = json.dumps(payload).encode()
+    answers = [
+        post(client, body, stripe_signature("forged", body)),
+        post(client, body, stripe_signature(SECRET, body, timestamp=int(time.time()) - 3600)),
+        post(client, body, None),
+        signed_post(client, {**payload, "type": "customer.created"}),
+        signed_post(client, {"type": "payment_intent.succeeded"}),
+        post(client, body, stripe_signature(SECRET, body), url="/webhooks/nobody/"),
+    ]
+    got = [(r.status_code, r["Content-Type"], r.json()["code"]) for r in answers]
+    problem = "application/problem+json"
+    assert got == [
+        (400, problem, "webhook-signature-invalid"),
+        (400, problem, "webhook-timestamp-outside-tolerance"),
+        (400, problem, "webhook-signature-missing"),
+        (422, problem, "webhook-event-type-unknown"),
+        (400, problem, "webhook-event-id-invalid"),
+        (404, problem, "webhook-provider-unknown"),
+    ]
+    refused = list(WebhookEvent.objects.order_by("id"))
+    assert [e.status for e in refused] == [WebhookStatus.REJECTED] * 5
+    assert all(e.event_id is None for e in refused)  # none occupies the real event's slot
+    assert refused[3].claimed_id == "evt_bad"
+    assert refused[3].event_type == "customer.created"
+    assert refused[0].error.startswith("webhook-signature-invalid")
+    assert not ProcessedMessage.objects.exists()
+    order.refresh_from_db()
+    assert order.status == "pending_payment"
+    # The real event still gets in after the forgeries.
+    assert signed_post(client, payload).status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+@pytest.mark.parametrize(
+    "deliveries", [["A", "B", "A", "A"], ["B", "A", "A", "A"], ["A", "A", "B", "A"]]
+)
+def test_one_event_sent_three_times_among_another_pays_the_order_once(
+    fakepay: bool, deliveries: list[str], make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    events = {
+        "A": event(order, event_id="evt_A", payment_id="pi_A"),
+        # Another payment for the same order (a customer who paid twice).
+        "B": event(order, event_id="evt_B", payment_id="pi_B"),
+    }
+    client = Client()
+    answers = [signed_post(client, events[name]).status_code for name in deliveries]
+    assert answers == [200] * 4
+    if not fakepay:
+        run_queued()
+    order.refresh_from_db()
+    # Inline, the first delivery wins; queued, whichever consumption runs first.
+    first = order.payment_id.removeprefix("pi_")
+    assert first in ("A", "B")
+    assert first == deliveries[0] or not fakepay
+    assert (order.status, order.version) == ("paid", 1)
+    stored = {e.event_id: e for e in WebhookEvent.objects.all()}
+    assert sorted(stored) == ["evt_A", "evt_B"]
+    assert stored["evt_A"].deliveries == 3
+    other = "B" if first == "A" else "A"
+    assert stored[f"evt_{first}"].outcome == "applied"
+    assert stored[f"evt_{other}"].outcome == "rejected"
+    inbox = {m.message_id: m for m in ProcessedMessage.objects.filter(consumer="payments")}
+    assert sorted(inbox) == ["evt_A", "evt_B"]
+    # Rejected by the payment validator: a second payment for a paid order.
+    assert f"differs from the order's payment 'pi_{first}'" in inbox[f"evt_{other}"].error
+    assert all(e.status == WebhookStatus.PROCESSED for e in stored.values())
+
+
+@pytest.mark.django_db
+def test_a_stored_event_is_queued_with_its_row(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    response = signed_post(Client(), event(order, event_id="evt_q", payment_id="pi_q"))
+    assert response.json() == {"id": "evt_q", "status": "received"}
+    stored = WebhookEvent.objects.get()
+    (queued,) = OutboxMessage.objects.filter(task_name=ingress.TASK)
+    assert queued.payload["event"] == stored.pk
+    order.refresh_from_db()
+    assert order.status == "pending_payment"  # answered before consuming
+
+
+@pytest.mark.django_db
+def test_an_event_that_cannot_become_a_message_is_kept_failed_and_replayable(
+    fakepay: bool, make_order: Callable[..., Any], staff: Client
+) -> None:
+    order = make_order()
+    broken = event(order, event_id="evt_nometa", payment_id="pi_x")
+    del broken["data"]["object"]["metadata"]
+    assert signed_post(Client(), broken).status_code == 200
+    run_queued()
+    stored = WebhookEvent.objects.get()
+    assert stored.status == WebhookStatus.FAILED
+    assert "KeyError" in stored.error
+    assert not ProcessedMessage.objects.exists()  # the inbox slot stays free for a fixed replay
+
+    # The admin's replay: confirm first, then consume once and audit.
+    changelist = "/admin/idempotent_orders/webhookevent/"
+    ask = staff.post(changelist, {"action": "replay_events", "_selected_action": [stored.pk]})
+    assert ask.status_code == 200
+    assert b"Replay webhook events: are you sure?" in ask.content
+    assert not AuditEntry.objects.exists()
+    done = staff.post(
+        changelist, {"action": "replay_events", "_selected_action": [stored.pk], "post": "yes"}
+    )
+    assert done.status_code == 302
+    entry = AuditEntry.objects.get()
+    assert (entry.action, entry.result, entry.username) == ("webhook:replay", "failed", "operator")
+
+
+@pytest.mark.django_db
+def test_replaying_a_consumed_event_is_a_duplicate(
+    fakepay: bool, make_order: Callable[..., Any], staff: Client
+) -> None:
+    order = make_order()
+    signed_post(Client(), event(order, event_id="evt_r", payment_id="pi_r"))
+    run_queued()
+    stored = WebhookEvent.objects.get()
+    changelist = "/admin/idempotent_orders/webhookevent/"
+    ask = staff.post(changelist, {"action": "replay_events", "_selected_action": [stored.pk]})
+    assert b"duplicate: already applied" in ask.content
+    staff.post(
+        changelist, {"action": "replay_events", "_selected_action": [stored.pk], "post": "yes"}
+    )
+    entry = AuditEntry.objects.get()
+    assert (entry.target, entry.object_id, entry.result) == (
+        "idempotent_orders.webhookevent",
+        str(stored.pk),
+        "applied",  # what the event's one consumption decided; nothing ran again
+    )
+    order.refresh_from_db()
+    assert order.version == 1
+    assert ProcessedMessage.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_generic_hmac_provider_consumes_inline(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    payload = {**event(order, event_id="g-1", payment_id="pi_g"), "type": "paid"}
+    body = json.dumps(payload).encode()
+    now = int(time.time())
+    response = Client().post(
+        "/webhooks/generic/",
+        data=body,
+        content_type="application/json",
+        HTTP_X_SIGNATURE=sign_hmac("new", body, timestamp=now),
+        HTTP_X_TIMESTAMP=str(now),
+    )
+    assert response.status_code == 200, response.content
+    assert response.json() == {"id": "g-1", "outcome": "applied"}
+    order.refresh_from_db()
+    assert order.status == "paid"
+
+
+# -- checks ----------------------------------------------------------------------------
+
+
+def _ids(**config: Any) -> list[str]:
+    with override_settings(IDEMPOTENT_ORDERS={**provider_settings(), **config}):
+        return sorted(m.id for m in run_checks() if "idempotent_orders.E05" in (m.id or ""))
+
+
+def test_checks_hold_the_inbox_to_the_providers_retry_horizon() -> None:
+    assert _ids() == []
+    # Stripe retries for three days; an inbox kept for two forgets events it will see again.
+    assert _ids(DEDUP_RETENTION=2 * 24 * 3600) == ["idempotent_orders.E051"]
+    broken = {"x": {"SCHEME": "nope", "EVENT_TYPES": {"a": "no.such.type"}, "TO_MESSAGE": "x.y"}}
+    assert set(_ids(WEBHOOKS=broken)) == {"idempotent_orders.E050"}
+    assert _ids(PAYMENT_TIMEOUT=60, PAYMENT_TIMEOUT_TRANSITION="evaporate") == [
+        "idempotent_orders.E052"
+    ]
+
+
+# -- the demo --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_demo_payment_page_pays_the_order_by_a_signed_webhook(
+    live_server: Any, staff: Client, make_order: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from demo_project import payments
+
+    real = payments.deliver
+    sent: list[int] = []
+
+    def to_live_server(url: str, body: bytes, headers: dict[str, str]) -> int:
+        status = real(live_server.url + urlparse(url).path, body, headers)
+        sent.append(status)
+        return status
+
+    monkeypatch.setattr(payments, "deliver", to_live_server)
+    order = make_order()
+    with override_settings(IDEMPOTENT_ORDERS=provider_settings(INLINE=True)):
+        page = staff.get(f"/shop/orders/{order.pk}/pay/")
+        assert page.status_code == 200
+        assert b"FakePay" in page.content
+        paid = staff.post(f"/shop/orders/{order.pk}/pay/", {"deliveries": "3"})
+    assert paid.status_code == 303
+    assert sent == [200, 200, 200]
+    order.refresh_from_db()
+    assert (order.status, order.version) == ("paid", 1)
+    (stored,) = WebhookEvent.objects.all()
+    assert (stored.deliveries, stored.outcome) == (3, "applied")
