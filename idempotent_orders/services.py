@@ -482,7 +482,7 @@ def _run(
     again); an exception from the body, a condition or a receiver propagates
     and rolls the transaction back.
     """
-    version: int = order.version  # type: ignore[attr-defined]
+    version: int = order.version
     ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
     if not commit(order, ran, version, conditions):
         raise _Conflict

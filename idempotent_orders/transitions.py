@@ -124,8 +124,8 @@ def _graph(model: type[Model]) -> tuple[dict[str, Edge], dict[Any, frozenset[Any
         for source, declared in method._django_fsm.transitions.items():
             if source not in (ANY_STATE, ANY_OTHER_STATE):
                 known.add(source)
-            targets, _, _ = _possible_targets(declared, source)
-            known |= targets
+            possible, _, _ = _possible_targets(declared, source)
+            known |= possible
     edges: dict[str, Edge] = {}
     for name, method in field.transitions[model].items():
         meta = method._django_fsm
@@ -568,8 +568,8 @@ def call_transition(
     field = state_field(model)
     before = snapshot if snapshot is not None else _snapshot(instance)
     source = field.get_state(instance)
-    for key, value in (fields or {}).items():
-        setattr(instance, key, value)
+    for column, value in (fields or {}).items():
+        setattr(instance, column, value)
     key = id(instance)
     _saves.watched[key] = False
     error: BaseException | None = None
