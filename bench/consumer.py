@@ -37,7 +37,7 @@ def _raw(orders: list[Any], tag: str) -> None:
 
 def one_by_one(messages: list[dict[str, Any]]) -> None:
     """Each message through ``consume_message``, as a per-message consumer would."""
-    from idempotent_orders.services import consume_message
+    from idempotent_orders.consuming.single import consume_message
 
     for message in messages:
         consume_message(message, consumer="payments")
@@ -45,7 +45,7 @@ def one_by_one(messages: list[dict[str, Any]]) -> None:
 
 def in_batches(messages: list[dict[str, Any]]) -> None:
     """The messages through ``consume_batch``, ``BATCH`` at a time."""
-    from idempotent_orders.batch import consume_batch
+    from idempotent_orders.consuming.batch import consume_batch
 
     for i in range(0, len(messages), BATCH):
         consume_batch(messages[i : i + BATCH], consumer="payments")

@@ -28,7 +28,7 @@ def child() -> None:
     from django.db import reset_queries
 
     from idempotent_orders import dedup
-    from idempotent_orders.batch import consume_batch
+    from idempotent_orders.consuming.batch import consume_batch
 
     samples = []
     done = 0

@@ -54,8 +54,8 @@ def run() -> list[Row]:
     setup()
     from django.db import connection
 
+    from idempotent_orders.consuming.single import consume_message
     from idempotent_orders.models import Order
-    from idempotent_orders.services import consume_message
 
     with connection.cursor() as cur:
         cur.execute("DROP TABLE IF EXISTS bench_naive_inbox, bench_naive_effects")

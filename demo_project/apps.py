@@ -9,7 +9,8 @@ class DemoProjectConfig(AppConfig):
 
     def ready(self) -> None:
         from demo_project.models import ShopOrder
-        from idempotent_orders import get_order_model, handlers
+        from idempotent_orders import get_order_model
+        from idempotent_orders.consuming import registry as handlers
 
         if get_order_model() is not ShopOrder:
             return  # the test suite runs the demo's views on the default model

@@ -15,10 +15,10 @@ from django.views.decorators.http import require_http_methods
 
 from demo_project.tasks import award_points
 from idempotent_orders import get_order_model
+from idempotent_orders.consuming.graph import state_field
 from idempotent_orders.http.forms import idempotent_form
+from idempotent_orders.orders import create_order
 from idempotent_orders.outbox import publish_on_commit
-from idempotent_orders.services import create_order
-from idempotent_orders.transitions import state_field
 
 #: The demo's catalogue: sku -> (name, unit price in CNY).
 PRODUCTS = {

@@ -49,7 +49,7 @@ The admin cannot break the guarantee the workers keep:
   outbox, each count linking to the list of exactly those rows.
 
 Every action goes through the same services as the workers
-(:func:`~idempotent_orders.transitions.apply_transition`, the reconciler's
+(:func:`~idempotent_orders.consuming.running.apply_transition`, the reconciler's
 functions), is idempotent (a second click finds nothing to do) and is recorded
 as an :class:`~idempotent_orders.models.AuditEntry`.
 """
@@ -80,8 +80,21 @@ from django.utils.timesince import timesince
 
 from idempotent_orders import fulfilment, get_order_model, leases, reconcile
 from idempotent_orders.conf import conf
+from idempotent_orders.consuming.graph import (
+    Edge,
+    TransitionStatus,
+    classify,
+    current_state,
+    edge,
+    edges,
+    has_transition,
+    state_field,
+    unmet_conditions,
+)
+from idempotent_orders.consuming.registry import registered
+from idempotent_orders.consuming.running import apply_transition, written_values
+from idempotent_orders.consuming.single import parse_envelope, redeliver
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
-from idempotent_orders.handlers import registered
 from idempotent_orders.idempotent import requeue_inbox
 from idempotent_orders.leases import StepResult
 from idempotent_orders.models import (
@@ -96,20 +109,6 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.outbox import outbox_stats, requeue_outbox
-from idempotent_orders.services import parse_envelope, redeliver
-from idempotent_orders.transitions import (
-    Edge,
-    TransitionStatus,
-    apply_transition,
-    classify,
-    current_state,
-    edge,
-    edges,
-    has_transition,
-    state_field,
-    unmet_conditions,
-    written_values,
-)
 
 
 def audit(

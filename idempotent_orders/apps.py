@@ -17,7 +17,8 @@ class IdempotentOrdersConfig(AppConfig):
         connect()  # Prometheus metrics, when prometheus-client is installed
         _register_built_in_types()
 
-        from idempotent_orders import fulfilment, leases, transitions
+        from idempotent_orders import fulfilment, leases
+        from idempotent_orders.consuming import running as transitions
 
         leases.register_step(fulfilment.STEP)
         transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
@@ -32,7 +33,8 @@ def _register_built_in_types() -> None:
     """
     from django.core.exceptions import ImproperlyConfigured
 
-    from idempotent_orders import get_order_model, handlers
+    from idempotent_orders import get_order_model
+    from idempotent_orders.consuming import registry as handlers
     from idempotent_orders.exceptions import UnknownTransition
 
     with contextlib.suppress(ImproperlyConfigured, UnknownTransition):

@@ -64,12 +64,14 @@ def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     """The configured order model exists, has a usable state graph, and binds every message type."""
     from django.core.exceptions import ImproperlyConfigured
 
-    from idempotent_orders import get_order_model, handlers
+    from idempotent_orders import get_order_model
     from idempotent_orders.conf import ORDER_MODEL_SETTING
+    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming.graph import edges, has_transition
+    from idempotent_orders.consuming.running import parameters
     from idempotent_orders.exceptions import UnknownTransition
     from idempotent_orders.models import AbstractOrder
-    from idempotent_orders.services import missing_create_fields
-    from idempotent_orders.transitions import edges, has_transition, parameters
+    from idempotent_orders.orders import missing_create_fields
 
     try:
         model = get_order_model()
@@ -520,8 +522,8 @@ def check_order_model_history(
 @register(Tags.compatibility)
 def check_webhooks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Webhook providers are well formed, and the inbox outlives each provider's retries."""
-    from idempotent_orders import handlers
     from idempotent_orders.conf import conf
+    from idempotent_orders.consuming import registry as handlers
     from idempotent_orders.webhooks.config import problems, provider
 
     if not _well_typed("WEBHOOKS"):
@@ -568,7 +570,7 @@ def check_payment_timeout(app_configs: Any = None, **kwargs: Any) -> list[CheckM
 
     from idempotent_orders import get_order_model
     from idempotent_orders.conf import conf
-    from idempotent_orders.transitions import has_transition
+    from idempotent_orders.consuming.graph import has_transition
 
     names = ("PAYMENT_TIMEOUT", "PAYMENT_TIMEOUT_TRANSITION")
     if not all(_well_typed(n) for n in names) or conf.PAYMENT_TIMEOUT == 0:

@@ -1,7 +1,7 @@
 """Exceptions raised by idempotent_orders.
 
 ``django_fsm.TransitionNotAllowed`` is not wrapped: the conditional transition
-primitive returns a :class:`~idempotent_orders.transitions.TransitionResult`
+primitive returns a :class:`~idempotent_orders.consuming.graph.TransitionResult`
 instead of raising it.
 """
 

@@ -20,19 +20,19 @@ from django.utils.module_loading import import_string
 
 from idempotent_orders import get_order_model, leases
 from idempotent_orders.conf import conf
-from idempotent_orders.engine import consumed
-from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
-from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
-from idempotent_orders.services import release_parked
-from idempotent_orders.transitions import (
+from idempotent_orders.consuming.decision import consumed
+from idempotent_orders.consuming.graph import (
     TransitionResult,
     TransitionStatus,
-    apply_transition,
     classify,
     current_state,
     edge,
     has_transition,
 )
+from idempotent_orders.consuming.running import apply_transition
+from idempotent_orders.consuming.single import release_parked
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
+from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
 
 __all__ = [
     "CONSUMER",

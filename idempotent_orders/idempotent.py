@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from idempotent_orders import leases
 from idempotent_orders.conf import conf
-from idempotent_orders.engine import consumed
+from idempotent_orders.consuming.decision import consumed
 from idempotent_orders.exceptions import (
     CallFailed,
     CallInProgress,

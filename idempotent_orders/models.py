@@ -35,7 +35,7 @@ class AbstractOrder(FSMModelMixin, models.Model):
     ``@transition`` methods, then point ``settings.IDEMPOTENT_ORDERS_ORDER_MODEL``
     at the model before the first ``migrate``. The state is never assigned
     directly: every change is committed by
-    :func:`idempotent_orders.transitions.apply_transition`, one conditional
+    :func:`idempotent_orders.consuming.running.apply_transition`, one conditional
     ``UPDATE`` that also bumps ``version``.
     """
 

@@ -1,4 +1,4 @@
-"""Celery tasks: thin wrappers around :func:`~idempotent_orders.services.consume_message`."""
+"""Celery tasks: thin wrappers around the consumer (:mod:`idempotent_orders.consuming.single`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 from celery import Task, shared_task
 
 from idempotent_orders.conf import conf
-from idempotent_orders.failures import TRANSIENT, MessageFailed, dead_letter
+from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, dead_letter
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome
-from idempotent_orders.services import consume_message
 
 #: What a consuming task returns for a message that failed its last retry.
 DEAD = "dead"
@@ -165,7 +165,7 @@ def purge_outbox_task() -> int:
 @shared_task(name="idempotent_orders.surface_overdue_parked")
 def surface_overdue_parked() -> int:
     """Periodic: mark parked messages that waited too long (see ``PARKED_TIMEOUT``)."""
-    from idempotent_orders.services import surface_overdue_parked as surface
+    from idempotent_orders.consuming.single import surface_overdue_parked as surface
 
     return len(surface())
 
@@ -177,7 +177,7 @@ def consume_batch_task(self: Task, messages: list[Any], consumer: str) -> list[s
     A transient error retries the whole batch: the inbox makes the retry see
     the messages a previous attempt committed as duplicates.
     """
-    from idempotent_orders.batch import consume_batch
+    from idempotent_orders.consuming.batch import consume_batch
 
     try:
         outcomes = consume_batch(messages, consumer=consumer)

@@ -5,7 +5,7 @@ transaction that put the order in the state it waits on, so it exists exactly
 when that state was committed; no in-memory ETA is lost with a worker.
 :func:`fire_due` (the ``idempotent_orders.fire_due_timers`` task, on beat)
 consumes each due timer's message through
-:func:`~idempotent_orders.services.consume_message` with the message id fixed
+:func:`~idempotent_orders.consuming.single.consume_message` with the message id fixed
 when the timer was written: two beats, two workers or a retry firing the same
 timer are duplicates in the inbox, and a payment racing the timer ends in one
 outcome (paid, or expired with the payment rejected as money to give back).
@@ -24,12 +24,13 @@ from django.db import IntegrityError, transaction
 from django.db.models import Model, Q
 from django.utils import timezone
 
-from idempotent_orders import get_order_model, handlers
+from idempotent_orders import get_order_model
 from idempotent_orders.conf import conf
-from idempotent_orders.failures import TRANSIENT, MessageFailed, dead_letter, describe
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, dead_letter, describe
+from idempotent_orders.consuming.graph import TransitionStatus, classify, current_state
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome, ProcessedMessage, Timer, TimerStatus
-from idempotent_orders.services import consume_message
-from idempotent_orders.transitions import TransitionStatus, classify, current_state
 
 __all__ = ["CONSUMER", "fire_due", "schedule", "timer_message_id"]
 

@@ -13,6 +13,8 @@ from django.urls import reverse
 
 from demo_project import warehouse
 from idempotent_orders import admin as io_admin
+from idempotent_orders.consuming.running import apply_transition
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
 from idempotent_orders.models import (
     AuditEntry,
@@ -21,8 +23,6 @@ from idempotent_orders.models import (
     OrderStatus,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
-from idempotent_orders.transitions import apply_transition
 from tests.support.admin import shown
 from tests.support.messages import payment
 

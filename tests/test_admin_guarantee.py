@@ -19,6 +19,7 @@ from django.utils import timezone
 from demo_project import warehouse
 from idempotent_orders import admin as io_admin
 from idempotent_orders import tasks
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfilment_message_id
 from idempotent_orders.idempotent import idempotent
 from idempotent_orders.models import (
@@ -33,7 +34,6 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from tests.support.admin import form_data, shown
 from tests.support.messages import payment, shipment
 from tests.support.services import wait_until

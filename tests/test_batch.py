@@ -11,8 +11,9 @@ from unittest import mock
 import pytest
 from django.db import OperationalError, connection
 
-from idempotent_orders import batch as batch_module
-from idempotent_orders.batch import consume_batch
+from idempotent_orders.consuming import batch as batch_module
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     InboxStatus,
     Order,
@@ -21,7 +22,6 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
 from tests.support.messages import payment, shipment
 from tests.support.services import require_service, wait_until
@@ -368,7 +368,7 @@ def test_no_look_for_parked_messages_of_orders_the_batch_found_without_any(make_
 
 @pytest.mark.django_db
 def test_follow_ups_run_in_the_batch_without_any_signal_receiver(make_order) -> None:
-    from idempotent_orders import transitions
+    from idempotent_orders.consuming import running as transitions
 
     written: list[tuple[int, str, str]] = []
 

@@ -113,7 +113,7 @@ def test_a_consumer_killed_mid_batch_has_its_batch_redelivered_and_applied_once(
     # One batch of 600 is two consume_batch chunks (500 + 100): the first commits,
     # the second waits on an order row this test holds locked, and the consumer is
     # SIGKILLed there. Nothing of the batch was acknowledged, so all 600 come back.
-    from idempotent_orders.batch import CHUNK
+    from idempotent_orders.consuming.batch import CHUNK
 
     free = [make_order() for _ in range(CHUNK)]
     locked = [make_order() for _ in range(100)]

@@ -13,9 +13,10 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders import services, statements
+from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming import sql as statements
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
-from idempotent_orders.services import consume_message
 from idempotent_orders.signals import order_transitioned
 from tests.support.messages import payment, shipment
 

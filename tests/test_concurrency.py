@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Order, OrderStatus, Outcome, ParkedMessage, ProcessedMessage
-from idempotent_orders.services import consume_message
 from tests.support.messages import payment, shipment
 from tests.support.services import ROOT
 from tests.support.threads import run_threads

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     InboxStatus,
     Order,
@@ -14,7 +15,6 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from idempotent_orders.signals import message_consumed, order_transitioned
 from tests.support.messages import payment, shipment
 
@@ -267,7 +267,7 @@ def test_a_payment_that_cannot_apply_is_kept_as_money_to_give_back(make_order) -
 
 @pytest.mark.parametrize("path", ["single", "batch"])
 def test_one_payment_pays_one_order(make_order, path: str) -> None:
-    from idempotent_orders.batch import consume_batch
+    from idempotent_orders.consuming.batch import consume_batch
     from idempotent_orders.models import SpentPayment
 
     first, second = make_order(), make_order()
@@ -294,7 +294,7 @@ def test_one_payment_pays_one_order(make_order, path: str) -> None:
 def test_a_message_id_reused_with_another_payload_is_kept_and_flagged(
     make_order, path: str
 ) -> None:
-    from idempotent_orders.batch import consume_batch
+    from idempotent_orders.consuming.batch import consume_batch
 
     first, second = make_order(), make_order()
     original = payment(first, message_id=f"reused-{first.pk}")

@@ -20,10 +20,10 @@ from django.utils import timezone
 
 from idempotent_orders import dedup, stats
 from idempotent_orders.checks import check_dedup, check_redis_layer, check_setting_values
+from idempotent_orders.consuming.single import consume_message, surface_overdue_parked
 from idempotent_orders.dedup import Layer
 from idempotent_orders.dedup.bloom import BloomLayer, stable_hash
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, ProcessedMessage
-from idempotent_orders.services import consume_message, surface_overdue_parked
 from idempotent_orders.signals import dedup_answered, parked_overdue
 from tests.support.messages import payment, shipment
 from tests.support.services import ROOT, RedisServer, private_redis_settings

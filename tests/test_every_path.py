@@ -9,9 +9,10 @@ from django.conf import settings
 from django.db import transaction
 from django.test import override_settings
 
-from idempotent_orders import batch as batch_module
-from idempotent_orders import services
-from idempotent_orders.batch import consume_batch
+from idempotent_orders.consuming import batch as batch_module
+from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     Order,
     OrderStatus,
@@ -21,7 +22,6 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from tests.support.messages import payment, shipment
 from tests.support.services import require_service
 

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 from django_fsm.signals import post_transition
 
-from idempotent_orders import dedup, get_order_model, handlers
+from idempotent_orders import dedup, get_order_model
 from idempotent_orders.admin import _requeue_and_redeliver
-from idempotent_orders.batch import consume_batch
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.failures import MessageFailed, dead_letter
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.exceptions import InvalidMessage
-from idempotent_orders.failures import MessageFailed, dead_letter
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
-from idempotent_orders.services import consume_message
 from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db(transaction=True)

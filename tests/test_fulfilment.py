@@ -12,10 +12,10 @@ from django.utils import timezone
 from demo_project import warehouse
 from demo_project.models import WarehouseRequest
 from idempotent_orders import reconcile
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import Verifier, fulfil, fulfilment_message_id
 from idempotent_orders.leases import Lease, StepResult, Verdict
 from idempotent_orders.models import InboxStatus, Order, OrderStatus, Outcome, ProcessedMessage
-from idempotent_orders.services import consume_message
 from idempotent_orders.signals import lease_finished, message_reconciled
 from tests.support.messages import payment, shipment
 

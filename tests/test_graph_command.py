@@ -7,8 +7,8 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 
+from idempotent_orders.consuming.graph import edges
 from idempotent_orders.models import Order
-from idempotent_orders.transitions import edges
 
 
 def graph(*args: str) -> str:

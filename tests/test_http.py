@@ -24,7 +24,7 @@ from idempotent_orders.http.forms import FORM_FIELD
 from idempotent_orders.http.keys import TOKEN_PREFIX, parse_key, scope_of
 from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import IdempotencyKey, KeyState, Order
-from idempotent_orders.services import create_order
+from idempotent_orders.orders import create_order
 from tests import http_urls
 from tests.support.corpus import HTTP_BAD_BODIES, BadBody
 

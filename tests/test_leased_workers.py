@@ -14,10 +14,10 @@ from demo_project import warehouse, webhooks
 from demo_project.models import WarehouseRequest, WebhookDelivery
 from demo_project.tasks import notify_partner
 from idempotent_orders import leases, reconcile
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
 from idempotent_orders.leases import StepResult
 from idempotent_orders.models import InboxStatus, Order, OrderStatus, ProcessedMessage
-from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import fulfil_order
 from tests.support.messages import payment
 from tests.support.services import ROOT, wait_until

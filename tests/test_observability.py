@@ -10,9 +10,9 @@ from django.test import Client
 
 from demo_project import warehouse
 from idempotent_orders import reconcile
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfil
 from idempotent_orders.observability import JsonFormatter, record_layer_hit
-from idempotent_orders.services import consume_message
 from tests.support.messages import payment
 from tests.support.metrics import sample
 

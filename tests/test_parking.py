@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from idempotent_orders import dedup, services
+from idempotent_orders import dedup
+from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage
-from idempotent_orders.services import consume_message
 from tests.support.messages import payment, shipment
 from tests.support.services import RedisServer, private_redis_settings
 

@@ -9,9 +9,9 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from idempotent_orders import leases
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import InboxStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.retention import purge
-from idempotent_orders.services import consume_message
 from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db

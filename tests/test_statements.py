@@ -10,8 +10,9 @@ from django.db.models import QuerySet
 from django.db.models.manager import BaseManager
 from django.test.utils import CaptureQueriesContext
 
-from idempotent_orders import get_order_model, statements
-from idempotent_orders.statements import read_order
+from idempotent_orders import get_order_model
+from idempotent_orders.consuming import sql as statements
+from idempotent_orders.consuming.sql import read_order
 
 pytestmark = pytest.mark.django_db
 

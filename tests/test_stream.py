@@ -18,6 +18,7 @@ from django.db import OperationalError, close_old_connections, connection
 from django.test.utils import CaptureQueriesContext
 
 from idempotent_orders import dedup, stats
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.exceptions import ConcurrentUpdate
 from idempotent_orders.models import (
     Order,
@@ -26,7 +27,6 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import publish
 from tests.support.messages import payment, shipment
 from tests.support.services import RedisServer, private_redis_settings, wait_until

@@ -181,11 +181,90 @@ def test_error_codes_are_kebab_case() -> None:
 
 
 def test_one_function_sends_message_consumed() -> None:
-    # Every path reports a decided message through engine.consumed(); a second
+    # Every path reports a decided message through consuming.decision.consumed(); a second
     # sender would drift from it (arguments, sender) as the copies once did.
     senders = [
         path.relative_to(PACKAGE).as_posix()
         for path in PACKAGE.rglob("*.py")
         for _ in re.finditer(r"message_consumed\.send", path.read_text())
     ]
-    assert senders == ["engine.py"]
+    assert senders == ["consuming/decision.py"]
+
+
+CONSUMING = "idempotent_orders.consuming"
+#: What the consume road may not reach: the app's outer rooms build on it, not under it.
+OUTER = {
+    "idempotent_orders.admin",
+    "idempotent_orders.contrib",
+    "idempotent_orders.fulfilment",
+    "idempotent_orders.http",
+    "idempotent_orders.idempotent",
+    "idempotent_orders.leases",
+    "idempotent_orders.outbox",
+    "idempotent_orders.reconcile",
+    "idempotent_orders.tasks",
+    "idempotent_orders.timers",
+    "idempotent_orders.webhooks",
+}
+
+
+def test_the_consume_road_goes_down_its_layers_and_never_out() -> None:
+    from idempotent_orders.consuming import LAYERS
+
+    graph = import_graph(ROOT, "idempotent_orders")
+    road = {m for m in graph if m.startswith(f"{CONSUMING}.")}
+    assert road == {f"{CONSUMING}.{name}" for name in LAYERS}, "LAYERS names every module"
+    wrong = {}
+    for position, name in enumerate(LAYERS):
+        module = f"{CONSUMING}.{name}"
+        above = {f"{CONSUMING}.{later}" for later in LAYERS[position:]}
+        outer = {d for d in graph[module] if any(d == o or d.startswith(f"{o}.") for o in OUTER)}
+        if graph[module] & above or outer:
+            wrong[module] = sorted((graph[module] & above) | outer)
+    assert wrong == {}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if "migrations" in path.parts:
+            continue
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if not node.module.startswith("idempotent_orders"):
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and _package(node.module) != _package(module):
+                    found.append(f"{module} imports {node.module}.{alias.name}")
+    assert found == []
+
+
+def test_the_old_module_paths_answer_with_a_deprecation_warning() -> None:
+    import importlib
+    import warnings
+
+    from idempotent_orders.consuming.batch import consume_batch
+    from idempotent_orders.consuming.registry import register
+    from idempotent_orders.consuming.single import consume_message
+    from idempotent_orders.orders import create_order
+
+    for old, name, new in [
+        ("services", "consume_message", consume_message),
+        ("services", "create_order", create_order),
+        ("handlers", "register", register),
+        ("batch", "consume_batch", consume_batch),
+    ]:
+        module = importlib.import_module(f"idempotent_orders.{old}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(module, name) is new
+        assert [w.category for w in caught] == [DeprecationWarning]
+        assert "removed in 0.4.0" in str(caught[0].message)

@@ -15,8 +15,8 @@ from django.test import override_settings
 from django.utils import timezone
 
 from idempotent_orders import get_order_model
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome, ProcessedMessage, Timer, TimerStatus
-from idempotent_orders.services import consume_message
 from idempotent_orders.timers import CONSUMER, fire, fire_due, schedule
 
 PAST = timedelta(seconds=1)

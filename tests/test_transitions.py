@@ -8,15 +8,15 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from idempotent_orders.models import Order, OrderStatus
-from idempotent_orders.transitions import (
+from idempotent_orders.consuming.graph import (
     TransitionStatus,
-    apply_transition,
     classify,
     edge,
     edges,
     reachable_from,
 )
+from idempotent_orders.consuming.running import apply_transition
+from idempotent_orders.models import Order, OrderStatus
 
 pytestmark = pytest.mark.django_db
 

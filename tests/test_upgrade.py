@@ -30,7 +30,7 @@ for name in ("concrete_fields", "local_concrete_fields", "db_returning_fields"):
     )
 pays = handlers.get_handler("payment.succeeded")
 handlers._registry["payment.succeeded"] = dataclasses.replace(pays, money=False)
-from idempotent_orders.services import consume_message
+from idempotent_orders.consuming.single import consume_message
 order = Order.objects.create(business_key="legacy-1", amount=Decimal("12.50"), currency="CNY")
 pay = {"message_id": "p-1", "type": "payment.succeeded", "order_id": order.pk, "seq": 1,
        "payload": {"payment_id": "PAY-1", "amount": "12.50", "currency": "CNY"}}
@@ -44,7 +44,7 @@ CHECK = """
 import django; django.setup()
 from idempotent_orders import get_order_model
 from idempotent_orders.models import ParkedMessage, ProcessedMessage
-from idempotent_orders.services import consume_message
+from idempotent_orders.consuming.single import consume_message
 order = get_order_model().objects.get(business_key="legacy-1")
 print(order.status, order.version, order.last_seq, order.payment_id, ParkedMessage.objects.count())
 print(sorted(ProcessedMessage.objects.values_list("message_id", "outcome")))

@@ -4,7 +4,7 @@ The producers keep sending ``idempotent_orders.consume_payment`` and
 ``idempotent_orders.consume_shipping`` task messages (``publish``, the outbox
 relay); :class:`BatchWorker` reads them from the same queue with a plain kombu
 consumer instead of a Celery worker, and hands each batch to
-:func:`~idempotent_orders.batch.consume_batch`:
+:func:`~idempotent_orders.consuming.batch.consume_batch`:
 
 1. it takes up to ``batch_size`` deliveries (prefetch is twice that), or what
    arrived within ``flush_interval`` seconds of the first;
@@ -36,7 +36,7 @@ from typing import Any
 
 from django.db import close_old_connections, connection
 
-from idempotent_orders.batch import consume_batch
+from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.models import Outcome
 from idempotent_orders.tasks import TRANSIENT_ERRORS
 

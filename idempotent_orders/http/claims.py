@@ -57,6 +57,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from idempotent_orders.conf import conf
+from idempotent_orders.consuming.sql import build, compiled_read, driver_cursor, fetch_one
 from idempotent_orders.exceptions import (
     BodyTooLarge,
     KeyInFlight,
@@ -67,7 +68,6 @@ from idempotent_orders.exceptions import (
     TooManySessions,
 )
 from idempotent_orders.models import IdempotencyKey, KeyQuota, KeyState
-from idempotent_orders.statements import build, compiled_read, driver_cursor, fetch_one
 
 try:
     from psycopg import Error as _DriverError
@@ -685,7 +685,7 @@ def _run_claim(
     """Run the claim's three statements: the key's row if it exists, and the inserted id.
 
     Straight on the driver's connection where nothing needs to see the query
-    (see :func:`~idempotent_orders.statements.driver_cursor`).
+    (see :func:`~idempotent_orders.consuming.sql.driver_cursor`).
     """
     cursor = driver_cursor(conn)
     if cursor is None:

@@ -16,6 +16,7 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 
 from idempotent_orders import get_order_model
+from idempotent_orders.consuming.graph import current_state
 from idempotent_orders.exceptions import IdempotencyError
 from idempotent_orders.http.decorators import idempotent_view
 from idempotent_orders.http.keys import check_length, get_principal
@@ -23,8 +24,7 @@ from idempotent_orders.http.problems import problem_from, problem_response
 from idempotent_orders.http.schema import MAX_ITEMS, MAX_QUANTITY, openapi
 from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import AbstractOrder
-from idempotent_orders.services import create_order
-from idempotent_orders.transitions import current_state
+from idempotent_orders.orders import create_order
 
 __all__ = ["order_detail", "orders", "schema", "token_endpoint"]
 

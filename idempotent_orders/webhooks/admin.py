@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from idempotent_orders.failures import MessageFailed
+from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.idempotent import requeue_inbox
 from idempotent_orders.models import (
     AuditEntry,

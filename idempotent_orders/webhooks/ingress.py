@@ -22,10 +22,10 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from idempotent_orders.conf import conf
-from idempotent_orders.failures import TRANSIENT, MessageFailed, describe
+from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, describe
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome, ProcessedMessage, WebhookEvent, WebhookStatus
 from idempotent_orders.outbox import publish_on_commit
-from idempotent_orders.services import consume_message
 from idempotent_orders.webhooks.config import Provider, provider
 from idempotent_orders.webhooks.signing import SignatureError, verify_hmac, verify_stripe
 
@@ -222,7 +222,7 @@ def process_event(pk: int) -> str | None:
     its first consumption had. A provider's event that cannot be turned into a
     message (the project's ``TO_MESSAGE`` raised) is kept as ``failed`` and
     None returned; a failure while consuming raises
-    :class:`~idempotent_orders.failures.MessageFailed` after keeping it as
+    :class:`~idempotent_orders.consuming.failures.MessageFailed` after keeping it as
     ``failed`` too. Database errors propagate (the task retries).
     """
     event = WebhookEvent.objects.get(pk=pk)

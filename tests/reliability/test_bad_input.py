@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from idempotent_orders import tasks
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     InboxStatus,
     Order,
@@ -17,7 +18,6 @@ from idempotent_orders.models import (
     Outcome,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from tests.support.chaos import Planned, build_stream, check_invariants, make_orders
 from tests.support.corpus import BadCase, corpus
 from tests.support.services import wait_until

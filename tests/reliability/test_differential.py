@@ -3,8 +3,8 @@
 One stream of messages — copies, any order, sequence gaps, invalid payloads,
 unknown orders, unknown types, messages without ``seq`` or without an id — is
 consumed twice, against two identical sets of orders: once message by message
-with :func:`~idempotent_orders.services.consume_message`, once cut into random
-consecutive chunks, each a :func:`~idempotent_orders.batch.consume_batch` call
+with :func:`~idempotent_orders.consuming.single.consume_message`, once cut into random
+consecutive chunks, each a :func:`~idempotent_orders.consuming.batch.consume_batch` call
 (with the module's ``CHUNK`` patched small too, so one call is several
 transactions). Both runs must leave the same database state.
 
@@ -53,10 +53,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from idempotent_orders import batch as batch_module
-from idempotent_orders.batch import consume_batch
+from idempotent_orders.consuming import batch as batch_module
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Order, ParkedMessage, ProcessedMessage
-from idempotent_orders.services import consume_message
 
 pytestmark = [pytest.mark.backends("sqlite", "postgresql", "mysql")]
 

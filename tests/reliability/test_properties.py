@@ -19,9 +19,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idempotent_orders import batch, services
-from idempotent_orders.batch import consume_batch
-from idempotent_orders.handlers import get_handler
+from idempotent_orders.consuming import batch
+from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.graph import TransitionStatus, classify
+from idempotent_orders.consuming.registry import get_handler
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     InboxStatus,
     Order,
@@ -30,9 +33,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message
 from idempotent_orders.tasks import fulfilment_message
-from idempotent_orders.transitions import TransitionStatus, classify
 from tests.support.chaos import Planned, check_invariants, lifecycle, make_orders
 
 

@@ -9,7 +9,8 @@ class ShopConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from idempotent_orders import get_order_model, handlers
+        from idempotent_orders import get_order_model
+        from idempotent_orders.consuming import registry as handlers
         from tests.shop.models import Order
 
         if get_order_model() is not Order:

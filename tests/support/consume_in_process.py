@@ -10,7 +10,7 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 django.setup()
 
-from idempotent_orders.services import consume_message  # noqa: E402
+from idempotent_orders.consuming.single import consume_message  # noqa: E402
 
 
 def main() -> None:

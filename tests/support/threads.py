@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import close_old_connections, connection
 
-from idempotent_orders.services import consume_message
+from idempotent_orders.consuming.single import consume_message
 
 
 def run_threads(deliveries: list[tuple[str, dict[str, Any]]], threads: int) -> Counter[str]:

@@ -23,8 +23,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from demo_project import warehouse
-from idempotent_orders import handlers
 from idempotent_orders.admin import OrderAdminMixin
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.fulfilment import fulfilment_message_id
 from idempotent_orders.models import (
@@ -35,7 +36,6 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.models import Order as DefaultOrder
-from idempotent_orders.services import consume_message
 from tests.shop.models import Order, Phase
 from tests.support.admin import form_data, shown
 from tests.support.messages import payment, shipment

@@ -34,11 +34,11 @@ from django_fsm.signals import post_transition, pre_transition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from idempotent_orders import handlers
-from idempotent_orders.batch import consume_batch
-from idempotent_orders.failures import MessageFailed
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.failures import MessageFailed
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
-from idempotent_orders.services import consume_message
 from tests.shop.models import (
     ConcurrentFlowOrder,
     FlowOrder,
@@ -309,7 +309,7 @@ def test_a_message_does_what_the_direct_call_does(
 
 
 def test_state_values_keep_their_type() -> None:
-    from idempotent_orders.transitions import edge
+    from idempotent_orders.consuming.graph import edge
 
     assert edge(IntOrder, "approve").sources == {Level.SUBMITTED}
     assert type(next(iter(edge(IntOrder, "approve").sources))) is Level

@@ -17,9 +17,11 @@ from django.core.management import call_command
 from django.db import connection
 from django_fsm.signals import post_transition, pre_transition
 
-from idempotent_orders import get_order_model, handlers
-from idempotent_orders.batch import consume_batch
+from idempotent_orders import get_order_model
 from idempotent_orders.checks import check_order_model
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfil
 from idempotent_orders.models import (
     Order as DefaultOrder,
@@ -30,7 +32,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from idempotent_orders.services import consume_message, create_order
+from idempotent_orders.orders import create_order
 from idempotent_orders.tasks import publish
 from tests.shop.models import Order, Phase
 from tests.support.messages import payment, shipment

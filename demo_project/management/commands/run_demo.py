@@ -24,7 +24,8 @@ from demo_project.models import LoyaltyAccount
 from demo_project.shop import POINTS_PER_UNIT, place_order, points_message_id
 from idempotent_orders import get_order_model
 from idempotent_orders.conf import conf
-from idempotent_orders.handlers import get_handler
+from idempotent_orders.consuming.graph import edge, state_field
+from idempotent_orders.consuming.registry import get_handler
 from idempotent_orders.models import (
     AbstractOrder,
     OutboxMessage,
@@ -35,7 +36,6 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.outbox import relay_outbox
 from idempotent_orders.tasks import publish
-from idempotent_orders.transitions import edge, state_field
 
 
 def final_state() -> str:

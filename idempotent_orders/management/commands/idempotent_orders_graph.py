@@ -10,8 +10,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Model
 
 from idempotent_orders import get_order_model
+from idempotent_orders.consuming.graph import edges, state_field
 from idempotent_orders.exceptions import UnknownTransition
-from idempotent_orders.transitions import edges, state_field
 
 FORMATS = ("mermaid", "dot")
 _PLAIN_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from idempotent_orders.services import surface_overdue_parked
+from idempotent_orders.consuming.single import surface_overdue_parked
 
 
 class Command(BaseCommand):

@@ -58,6 +58,18 @@ RETRYABLE = Q(status=InboxStatus.FAILED) | Q(
 )
 
 
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}
+_RETRYABLE_MYSQL_ERRORS = {1213}
+
+
+def is_retryable(exc: OperationalError) -> bool:
+    """Whether the database rolled the transaction back and it may simply run again."""
+    cause = exc.__cause__
+    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
+        return True
+    return bool(exc.args) and exc.args[0] in _RETRYABLE_MYSQL_ERRORS
+
+
 class MessageFailed(IdempotentOrdersError):
     """Handling a message raised; its failed inbox row holds why. The cause is chained."""
 

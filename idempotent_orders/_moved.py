@@ -1,0 +1,39 @@
+"""Old module paths kept as deprecated aliases of the modules that replaced them.
+
+Each old module (``idempotent_orders.services``, ``engine``, ``transitions``,
+``handlers``, ``statements``, ``presume``, ``batch``) answers attribute lookups
+from its new home and warns once per name (``DeprecationWarning``). They are
+removed in version 0.4.0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+#: The release that removes the old paths.
+REMOVED_IN = "0.4.0"
+
+
+def moved(old: str, *new: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``old`` that finds names in the ``new`` modules."""
+    warned: set[str] = set()
+
+    def __getattr__(name: str) -> Any:
+        for module_name in new:
+            module = importlib.import_module(module_name)
+            if hasattr(module, name):
+                if name not in warned:
+                    warned.add(name)
+                    warnings.warn(
+                        f"{old}.{name} moved to {module_name}.{name}; the old path is "
+                        f"removed in {REMOVED_IN}",
+                        DeprecationWarning,
+                        stacklevel=2,
+                    )
+                return getattr(module, name)
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+    return __getattr__

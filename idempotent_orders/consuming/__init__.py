@@ -1,0 +1,64 @@
+"""The consume road: one message, or a batch, applied to its order exactly once.
+
+One module per step, in the order a message meets them, each importing only
+the ones above it (``tests/test_structure.py`` keeps it so):
+
+1. :mod:`~idempotent_orders.consuming.graph`: the model's django-fsm-2 graph.
+2. :mod:`~idempotent_orders.consuming.registry`: message types and the
+   transitions they drive.
+3. :mod:`~idempotent_orders.consuming.envelope`: a raw message becomes an
+   envelope, or a reason.
+4. :mod:`~idempotent_orders.consuming.running`: running the model's own
+   transition and committing it with one conditional UPDATE.
+5. :mod:`~idempotent_orders.consuming.decision`: what the message does to the
+   order as read.
+6. :mod:`~idempotent_orders.consuming.sql`: the per-vendor statements (the
+   order read, the inbox insert, the claim-and-apply statement).
+7. :mod:`~idempotent_orders.consuming.payments`: a payment pays one order, once.
+8. :mod:`~idempotent_orders.consuming.failures`: what raised is kept, retried,
+   dead-lettered.
+9. :mod:`~idempotent_orders.consuming.one_statement`: PostgreSQL's one-statement
+   road for transitions with nothing of the project's to run.
+10. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
+11. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
+
+The dedup layers in front of the database are :mod:`idempotent_orders.dedup`.
+"""
+
+#: The modules of the road, lowest first: each imports only modules before it.
+LAYERS = (
+    "graph",
+    "registry",
+    "envelope",
+    "running",
+    "decision",
+    "sql",
+    "payments",
+    "failures",
+    "one_statement",
+    "single",
+    "batch",
+)
+
+#: The road's public names, importable from here: ``from idempotent_orders.consuming
+#: import consume_message``. Looked up on first use, so importing the package loads
+#: nothing else (the app registry need not be ready).
+_PUBLIC = {
+    "consume_message": "single",
+    "release_parked": "single",
+    "redeliver": "single",
+    "consume_batch": "batch",
+    "register": "registry",
+    "MessageFailed": "failures",
+    "apply_transition": "running",
+}
+
+__all__ = ["LAYERS", *_PUBLIC]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)

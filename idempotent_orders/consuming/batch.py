@@ -1,0 +1,828 @@
+"""Consuming many messages at once: one multi-row inbox insert decides every duplicate.
+
+:func:`consume_batch` gives each message the outcome :func:`consume_message`
+would, in far fewer round trips. In one transaction it
+
+1. claims the batch's message ids with one ``INSERT ... ON CONFLICT DO NOTHING
+   RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB): the rows returned
+   are new, every other id is a duplicate — the unique index stays the only
+   authority;
+2. locks the batch's orders (``SELECT ... FOR UPDATE``, by primary key so two
+   batches never deadlock on each other) and decides each new message with
+   :func:`idempotent_orders.consuming.decision.decide` — the single path's own decision —
+   in arrival order, against the order as the batch's earlier messages left it;
+3. writes every changed order with one conditional ``UPDATE`` (``WHERE id=:id
+   AND version=:v`` per row), parks early messages and records the outcomes.
+
+After commit it releases parked successors and only then writes the fast-path
+keys, as the single path does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from django.db import OperationalError, connection, transaction
+from django.db.models import (
+    BooleanField,
+    Case,
+    CharField,
+    F,
+    Field,
+    IntegerField,
+    Model,
+    Q,
+    TextField,
+    Value,
+    When,
+)
+from django.db.models.expressions import RawSQL
+from django.utils import timezone
+
+from idempotent_orders import dedup, get_order_model
+from idempotent_orders.consuming.decision import Verdict, announce, decide, unknown_order
+from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
+from idempotent_orders.consuming.failures import RETRYABLE, TRANSIENT, MessageFailed, is_retryable
+from idempotent_orders.consuming.graph import TransitionResult, state_field
+from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.running import (
+    advance,
+    runs_user_code,
+    transition_heard,
+    transition_starting,
+    transition_written,
+    written_values,
+)
+from idempotent_orders.consuming.single import consume_message, park, release_parked
+from idempotent_orders.consuming.sql import _names as _inbox_names
+from idempotent_orders.consuming.sql import _on_conflict, inbox_template, insert_inbox_values
+from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage, UnknownTransition
+from idempotent_orders.models import (
+    AbstractOrder,
+    InboxStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+    SpentPayment,
+)
+from idempotent_orders.signals import message_released
+
+__all__ = ["consume_batch"]
+
+
+logger = logging.getLogger("idempotent_orders")
+
+#: Messages per transaction; a longer batch is consumed in chunks of this size.
+CHUNK = 500
+#: Times a chunk is run again after its transaction was chosen as a deadlock victim.
+DEADLOCK_RETRIES = 5
+
+
+@dataclass
+class _Item:
+    index: int
+    envelope: Envelope
+    pk: int = 0
+    #: The outcome this delivery reports (what the single path returns for it).
+    outcome: Outcome = Outcome.APPLIED
+    reason: str = ""
+    #: The outcome its inbox row ends with, when it differs: a message parked
+    #: and released within the batch reports ``parked`` and records the release.
+    recorded_outcome: Outcome | None = None
+    #: The inbox row as inserted is final (an applied message, or an unknown order).
+    recorded: bool = True
+    #: The order exists: its parked successors are worth a look after commit.
+    order_exists: bool = True
+
+
+def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
+    """Consume ``messages`` exactly once each; the outcomes come back in input order.
+
+    The effect on every order is the one :func:`~idempotent_orders.consuming.single.consume_message`
+    would have for the same messages in the same order, and each message gets
+    the outcome the single path would give it — except that messages parked
+    before or within the batch are released after the batch commits, so when
+    two messages of one batch drive the same transition, the one recorded as
+    ``applied`` may differ (the order still moves once). A message repeated
+    within the batch is a duplicate from its second copy on.
+    Database errors propagate and roll back the whole chunk, so the batch can
+    be retried as it is.
+    """
+    outcomes: list[Outcome | None] = [None] * len(messages)
+    for start in range(0, len(messages), CHUNK):
+        chunk = messages[start : start + CHUNK]
+        for offset, outcome in _consume_chunk(chunk, consumer).items():
+            outcomes[start + offset] = outcome
+    return [o if o is not None else Outcome.DUPLICATE for o in outcomes]
+
+
+def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]:
+    outcomes: dict[int, Outcome] = {}
+    items: dict[str, _Item] = {}
+    repeats: list[tuple[int, Envelope]] = []
+    id_length = ProcessedMessage._meta.get_field("message_id").max_length or 255
+    for index, message in enumerate(messages):
+        try:
+            envelope = parse_envelope(message, consumer=consumer)
+        except InvalidMessage:
+            envelope = None
+        if envelope is None or len(envelope.message_id) > id_length:
+            # Rare: the single path records the rejection with its reason.
+            outcomes[index] = consume_message(message, consumer=consumer)
+            continue
+        if envelope.message_id in items:
+            repeats.append((index, envelope))
+            continue
+        items[envelope.message_id] = _Item(index=index, envelope=envelope)
+    if items and not _plain(get_order_model(), items.values()):
+        # A transition with a body or a receiver runs one message at a time, in
+        # arrival order, on the single path: each sees what the previous ones wrote.
+        rest = sorted([(i.index, i.envelope) for i in items.values()] + repeats, key=lambda x: x[0])
+        outcomes.update(_one_by_one([(index, messages[index]) for index, _ in rest], consumer))
+        return outcomes
+    # One look at the fast path for the whole chunk (one Redis round trip at most).
+    if items:
+        layers = dedup.lookup_many(consumer, list(items))
+        for message_id, layer in layers.items():
+            if layer is dedup.Layer.REDIS_HIT:
+                item = items.pop(message_id)
+                announce(consumer, item.envelope, Outcome.DUPLICATE, "fast path: already processed")
+                outcomes[item.index] = Outcome.DUPLICATE
+
+    claimed: list[_Item] = []
+    settled: set[int] = set()
+    if items:
+        # A deadlock victim's transaction was rolled back whole, so the chunk
+        # can simply run again (inside a caller's transaction, the caller retries).
+        attempts = 1 if connection.in_atomic_block else DEADLOCK_RETRIES
+        for attempt in range(attempts):
+            fresh = {m: _Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
+            try:
+                claimed, settled = _transact(consumer, fresh)
+            except OperationalError as exc:
+                if attempt + 1 == attempts or not is_retryable(exc):
+                    raise
+                time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+            except TRANSIENT:
+                raise
+            except Exception:
+                # A validator raised (or the database refused a row): the chunk rolled
+                # back whole. Each message goes alone, so the bad one is recorded as
+                # failed and the good ones commit.
+                logger.warning(
+                    "a batch of %d rolled back on an error; consuming its messages one by one",
+                    len(items),
+                    exc_info=True,
+                )
+                rest = sorted(
+                    [(i.index, i.envelope) for i in items.values()] + repeats,
+                    key=lambda x: x[0],
+                )
+                outcomes.update(
+                    _one_by_one([(index, messages[index]) for index, _ in rest], consumer)
+                )
+                return outcomes
+            else:
+                items = fresh
+                break
+
+    claimed_ids = {item.envelope.message_id for item in claimed}
+    unclaimed = [m for m in items if m not in claimed_ids]
+    dead: set[str] = set()
+    if unclaimed:
+        # Failed deliveries of these messages (or requeued dead letters): run again.
+        # Dead letters are not run, and not remembered (their requeue must reach us).
+        # A message whose id was used before for another message goes there too (kept
+        # and flagged by the single path, never counted a duplicate).
+        found = list(
+            ProcessedMessage.objects.filter(consumer=consumer, message_id__in=unclaimed)
+            .annotate(again=Case(When(RETRYABLE, then=Value(True)), default=Value(False)))
+            .values_list("message_id", "status", "again", "fingerprint")
+        )
+        again = {
+            m
+            for m, status, retry, fingerprint in found
+            if status != InboxStatus.DEAD
+            and (retry or (fingerprint and fingerprint != items[m].envelope.fingerprint))
+        }
+        dead = {m for m, status, _, _ in found if status == InboxStatus.DEAD}
+        if again:
+            retried = sorted(items[m].index for m in again)
+            outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
+            for message_id in again:
+                items.pop(message_id)
+    for item in items.values():
+        if item.envelope.message_id in claimed_ids:
+            outcomes[item.index] = item.outcome
+            announce(consumer, item.envelope, item.outcome, item.reason)
+        else:
+            outcomes[item.index] = Outcome.DUPLICATE
+            announce(consumer, item.envelope, Outcome.DUPLICATE, "already in the inbox")
+    for index, envelope in repeats:
+        outcomes[index] = Outcome.DUPLICATE
+        announce(consumer, envelope, Outcome.DUPLICATE, "repeated within the batch")
+
+    # Every message may unblock a parked successor, a duplicate too: it may be
+    # the redelivery of a batch whose release was cut short (see consume_message).
+    # One query finds the orders that have any. Orders the chunk locked and
+    # found without parked messages are skipped, as the single path skips an
+    # order whose flag it read false: a message parked since sets the flag
+    # only after our commit (the row was locked) and then re-checks itself.
+    touched = {i.envelope.order_id for i in items.values() if i.order_exists}
+    touched |= {envelope.order_id for _, envelope in repeats}
+    touched -= settled
+    if touched:
+        waiting = (
+            ParkedMessage.objects.filter(order_id__in=touched)
+            .values_list("order_id", flat=True)
+            .distinct()
+        )
+        for order_id in sorted(set(waiting)):
+            release_parked(order_id)
+    # Remembered last, as the single path does: a worker that dies before this
+    # point leaves no fast-path key, so the redelivery reaches the database.
+    remembered = [m for m in items if m not in dead]
+    transaction.on_commit(lambda: dedup.remember_many(consumer, remembered))
+    return outcomes
+
+
+def _plain(model: type[Model], items: Any) -> bool:
+    """Whether every message of the chunk drives a transition with nothing of the
+    project's to run: no body, no fsm-2 receiver (see ``runs_user_code``).
+    """
+    names = {item.envelope.handler.transition for item in items}
+    try:
+        return not any(runs_user_code(model, name) for name in names)
+    except UnknownTransition:
+        return False  # the single path records why
+
+
+def _one_by_one(messages: list[tuple[int, Any]], consumer: str) -> dict[int, Outcome]:
+    """The single path for each message, in order; a failure is kept and does not stop the rest."""
+    outcomes: dict[int, Outcome] = {}
+    for index, message in messages:
+        try:
+            outcomes[index] = consume_message(message, consumer=consumer)
+        except MessageFailed:
+            outcomes[index] = Outcome.FAILED
+    return outcomes
+
+
+def _transact(consumer: str, items: dict[str, _Item]) -> tuple[list[_Item], set[int]]:
+    """Claim, decide and write one chunk in one transaction.
+
+    Returns the claimed items and the orders it locked that have no parked
+    message when it commits (``has_parked`` false).
+    """
+    with transaction.atomic():
+        order_ids = {i.envelope.order_id for i in items.values()}
+        # MariaDB checks a foreign key at once, share-locking the order row the
+        # inbox row points to; locking the orders first keeps two batches from
+        # each holding a share lock the other's FOR UPDATE waits on. PostgreSQL
+        # checks at commit, so it claims first and locks only the orders of
+        # new messages.
+        lock_first = connection.vendor == "mysql"
+        if connection.vendor == "postgresql":
+            # The claim itself says which orders exist (one statement, not two).
+            new_ids = _claim_postgres(consumer, list(items.values()))
+            known = {items[m].envelope.order_id for m in new_ids if items[m].order_exists}
+        else:
+            if lock_first:
+                orders = _lock_orders(order_ids)
+                known = set(orders)
+            else:
+                known = set(
+                    get_order_model()
+                    ._default_manager.filter(pk__in=order_ids)
+                    .values_list("pk", flat=True)
+                )
+            new_ids = _claim(consumer, list(items.values()), known)
+        claimed = [items[m] for m in sorted(new_ids, key=lambda m: items[m].index)]
+        for item in claimed:
+            item.pk = new_ids[item.envelope.message_id]
+        if not lock_first:
+            orders = _lock_orders({i.envelope.order_id for i in claimed} & known)
+        _decide_and_write(consumer, claimed, orders)
+    return claimed, {pk for pk, order in orders.items() if not order.has_parked}
+
+
+def _claim(consumer: str, items: list[_Item], known: set[int]) -> dict[str, int]:
+    """Insert an inbox row per message; return ``{message_id: pk}`` of the rows that are new.
+
+    Rows go in sorted by message id, so concurrent batches take the unique
+    index's locks in one order and cannot deadlock on each other.
+    """
+    now = timezone.now()
+    template = inbox_template()
+    rows = []
+    for item in sorted(items, key=lambda i: i.envelope.message_id):
+        env = item.envelope
+        if env.order_id in known:
+            status, outcome, error, body = InboxStatus.DONE, Outcome.APPLIED, "", ""
+            order_id: int | None = env.order_id
+        else:  # decided now: nothing else can change an unknown order's verdict
+            item.outcome, item.reason = Outcome.REJECTED, unknown_order(env).reason
+            item.order_exists = False
+            status, outcome, error = InboxStatus.REJECTED, Outcome.REJECTED, item.reason
+            body = serialise(env.as_dict())[:BODY_EXCERPT]
+            order_id = None
+        rows.append(
+            template.params(
+                {
+                    "consumer": consumer,
+                    "message_id": env.message_id,
+                    "message_type": env.message_type,
+                    "status": str(status),
+                    "outcome": str(outcome),
+                    "order_id": order_id,
+                    "seq": env.seq,
+                    "error": error,
+                    "body": body,
+                    "fingerprint": env.fingerprint,
+                },
+                now,
+            )
+        )
+    return insert_inbox_values(template.fields, rows)
+
+
+def _claim_postgres(consumer: str, items: list[_Item]) -> dict[str, int]:
+    """:func:`_claim` on PostgreSQL in one statement that also looks the orders up.
+
+    ``INSERT ... SELECT ... FROM unnest(<ids>, <types>, <orders>, <seqs>) ... ON
+    CONFLICT DO NOTHING RETURNING id, message_id, order_id``: the columns that
+    are the same for every row are one parameter each, the per-message ones one
+    array each, and ``order_id`` is the order's own id or NULL when there is no
+    such order (``unknown order``: marked here, recorded by :func:`_record_outcomes`).
+    Rows go in sorted by message id, as in :func:`_claim`.
+    """
+    template = inbox_template()
+    fields = template.fields
+    qn = connection.ops.quote_name
+    ordered = sorted(items, key=lambda i: i.envelope.message_id)
+    first = ordered[0].envelope
+    row = template.params(
+        {
+            "consumer": consumer,
+            "message_id": first.message_id,
+            "message_type": first.message_type,
+            "status": str(InboxStatus.DONE),
+            "outcome": str(Outcome.APPLIED),
+            "order_id": first.order_id,
+            "seq": first.seq,
+            "error": "",
+            "body": "",
+            "fingerprint": first.fingerprint,
+        },
+        timezone.now(),
+    )
+    per_row: dict[str, list[Any]] = {
+        "fingerprint": [i.envelope.fingerprint for i in ordered],
+        "message_id": [i.envelope.message_id for i in ordered],
+        "message_type": [i.envelope.message_type for i in ordered],
+        "order_id": [i.envelope.order_id for i in ordered],
+        "seq": [i.envelope.seq for i in ordered],
+    }
+    model = get_order_model()
+    order_table = qn(model._meta.db_table)
+    order_pk = qn(str(model._meta.pk.column if model._meta.pk else "id"))
+    selected: list[str] = []
+    arrays: list[str] = []
+    aliases: list[str] = []
+    params: list[Any] = []
+    array_params: list[Any] = []
+    for pos, f in enumerate(fields):
+        name = f.attname
+        if name not in per_row:
+            selected.append(f"%s::{f.db_type(connection)}")
+            params.append(row[pos])
+            continue
+        arrays.append(f"%s::{f.db_type(connection)}[]")
+        array_params.append(_array(per_row[name]))
+        aliases.append(qn(name))
+        if name == "order_id":
+            selected.append(
+                f"(SELECT o.{order_pk} FROM {order_table} AS o WHERE o.{order_pk} = v.{qn(name)})"
+            )
+        else:
+            selected.append(f"v.{qn(name)}")
+    table, pk, message_id = _inbox_names()
+    order_column = qn(str(ProcessedMessage._meta.get_field("order").column))
+    sql = (
+        f"INSERT INTO {table} ({', '.join(qn(str(f.column)) for f in fields)})"
+        f" SELECT {', '.join(selected)} FROM unnest({', '.join(arrays)}) AS v({', '.join(aliases)})"
+        f" {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
+    )
+    by_id = {i.envelope.message_id: i for i in items}
+    new: dict[str, int] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params + array_params)
+        for pk_, mid, order_id in cursor.fetchall():
+            new[mid] = pk_
+            if order_id is None:  # no such order: rejected, as _claim records it
+                item = by_id[mid]
+                item.outcome, item.reason = Outcome.REJECTED, unknown_order(item.envelope).reason
+                item.order_exists, item.recorded = False, False
+    return new
+
+
+def _array(values: list[Any]) -> Any:
+    """``values`` as one PostgreSQL array literal (text), or the list itself.
+
+    psycopg adapts a list element by element in Python; for the types written
+    here (text, integers, aware datetimes, finite decimals, NULL) the literal is
+    built in one pass. Any other type is left to psycopg.
+    """
+    parts: list[str] = []
+    append = parts.append
+    for value in values:
+        kind = type(value)
+        if value is None:
+            append("NULL")
+        elif kind is int:
+            append(str(value))
+        elif kind is str:
+            append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif kind is datetime and value.tzinfo is not None:
+            append('"' + value.isoformat() + '"')
+        elif kind is Decimal and value.is_finite():
+            append(str(value))
+        else:
+            return values
+    return "{" + ",".join(parts) + "}"
+
+
+def _lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
+    """The orders, locked in primary key order so that concurrent batches queue, never deadlock."""
+    if not order_ids:
+        return {}
+    model = get_order_model()
+    locked = model._default_manager.select_for_update()
+    if connection.vendor == "postgresql":
+        # ``pk = ANY(<one array>)``: ``pk__in`` prepares a parameter per order.
+        qn = connection.ops.quote_name
+        pk = model._meta.pk
+        assert pk is not None
+        column = f"{qn(model._meta.db_table)}.{qn(str(pk.column))}"
+        any_of = RawSQL(
+            f"{column} = ANY(%s::{pk.rel_db_type(connection)}[])",
+            (_array(sorted(order_ids)),),
+            output_field=BooleanField(),
+        )
+        locked = locked.filter(any_of)
+    else:
+        locked = locked.filter(pk__in=order_ids)
+    return {o.pk: o for o in locked.order_by("pk")}
+
+
+@dataclass
+class _Waiting:
+    """A parked message of a locked order: parked earlier (``row``) or earlier in this batch."""
+
+    consumer: str
+    envelope: Envelope | None
+    row: ParkedMessage | None = None
+    item: _Item | None = None
+    #: Why it cannot be read (a handler was unregistered since it was parked).
+    unreadable: str = ""
+
+
+def _waiting_key(vendor: str) -> Callable[[tuple[int, _Waiting]], tuple[Any, ...]]:
+    """The order ``release_parked`` takes parked rows in: ``ORDER BY seq, id`` as the
+    database sorts it (NULL last on PostgreSQL, first elsewhere), batch items last.
+    """
+    nulls_last = vendor == "postgresql"
+
+    def key(entry: tuple[int, _Waiting]) -> tuple[Any, ...]:
+        position, waiting = entry
+        seq = waiting.envelope.seq if waiting.envelope is not None else None
+        if seq is None and waiting.row is not None:
+            seq = waiting.row.seq
+        return ((seq is None) == nulls_last, seq or 0, position)
+
+    return key
+
+
+def _parked_before(orders: Mapping[int, AbstractOrder]) -> dict[int, list[_Waiting]]:
+    """The parked messages of the locked orders that have any, as ``release_parked`` reads them."""
+    flagged = [pk for pk, order in orders.items() if order.has_parked]
+    waiting: dict[int, list[_Waiting]] = {}
+    if not flagged:
+        return waiting
+    for row in ParkedMessage.objects.filter(order_id__in=flagged).order_by("seq", "id"):
+        try:
+            envelope: Envelope | None = parse_envelope(row.envelope, consumer=row.consumer)
+            unreadable = ""
+        except InvalidMessage as exc:
+            envelope, unreadable = None, exc.message
+        waiting.setdefault(row.order_id, []).append(
+            _Waiting(row.consumer, envelope, row=row, unreadable=unreadable)
+        )
+    return waiting
+
+
+def _decide_and_write(
+    consumer: str, claimed: list[_Item], orders: dict[int, AbstractOrder]
+) -> None:
+    """Decide each claimed message with the engine, in arrival order, then write them all.
+
+    The single path releases an order's parked messages after each message it
+    consumes; so does this loop, in memory, before the next message of the
+    batch is decided: messages parked before the batch and messages of the
+    batch itself that can now go ahead are decided in ``release_parked``'s
+    order. What is still waiting at the end is parked.
+    """
+    live = [i for i in claimed if i.order_exists]
+    if not live:
+        _record_outcomes(claimed)
+        return
+    model = get_order_model()
+    state_name = state_field(model).name
+    read_version = {pk: o.version for pk, o in orders.items()}
+    changed: dict[int, dict[str, Any]] = {}
+    transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
+    waiting = _parked_before(orders)
+    released: list[tuple[_Waiting, Verdict]] = []
+    order_key = _waiting_key(connection.vendor)
+    # ``updated_at`` (when the model has one): one moment for the whole chunk,
+    # the moment of its one UPDATE.
+    stamp = written_values(model, {})
+
+    spends: list[SpentPayment] = []
+
+    def take(order: AbstractOrder, verdict: Verdict, env: Envelope | None) -> None:
+        """The verdict's effect on the order, in memory (written by one UPDATE later)."""
+        if verdict.transition and env is not None and env.handler.money:
+            payment = payment_id(env.payload)
+            if payment is not None:
+                spends.append(
+                    SpentPayment(
+                        payment_id=payment,
+                        order_id=order.pk,
+                        consumer=consumer,
+                        message_id=env.message_id,
+                    )
+                )
+        if verdict.transition:
+            transition_starting(order, verdict.transition)
+            values = {**stamp, **verdict.values}
+            result = advance(order, verdict.transition, values)
+            changed.setdefault(order.pk, {}).update(
+                values, **{state_name: result.target, "version": result.version}
+            )
+            transitions.append((order, verdict.transition, result))
+        elif verdict.outcome is not Outcome.PARKED and verdict.advance_to is not None:
+            order.last_seq = verdict.advance_to
+            changed.setdefault(order.pk, {})["last_seq"] = verdict.advance_to
+
+    def release(order: AbstractOrder) -> None:
+        """``release_parked`` for one order: the first that can go ahead, again and again."""
+        queue = waiting.get(order.pk)
+        progressed = True
+        while queue and progressed:
+            progressed = False
+            for position, entry in sorted(enumerate(queue), key=order_key):
+                if entry.envelope is None:
+                    verdict = Verdict(Outcome.REJECTED, entry.unreadable)
+                else:
+                    verdict = decide(order, entry.envelope)
+                    if verdict.outcome is Outcome.PARKED:
+                        continue
+                    take(order, verdict, entry.envelope)
+                del queue[position]
+                if entry.item is not None:  # parked earlier in this batch: its row is final
+                    entry.item.recorded_outcome, entry.item.reason = verdict.outcome, verdict.reason
+                    entry.item.recorded = False
+                else:
+                    released.append((entry, verdict))
+                progressed = True
+                break
+
+    for item in live:
+        env = item.envelope
+        order = orders.get(env.order_id)
+        if order is None:  # deleted between the two reads
+            item.outcome, item.reason = Outcome.REJECTED, unknown_order(env).reason
+            item.order_exists, item.recorded = False, False
+            continue
+        # Each message meets the order as the batch's earlier messages left it.
+        verdict = decide(order, env)
+        item.outcome, item.reason = verdict.outcome, verdict.reason
+        item.recorded = item.outcome is Outcome.APPLIED
+        if verdict.outcome is Outcome.PARKED:
+            queue = waiting.setdefault(order.pk, [])
+            if env.seq is not None and any(
+                w.envelope is not None and w.envelope.seq == env.seq for w in queue
+            ):
+                # Another message already waits with this (order, seq): a producer bug.
+                item.outcome = Outcome.REJECTED
+                item.reason = f"another message is already parked with seq {env.seq}"
+                continue
+            queue.append(_Waiting(consumer, env, item=item))
+        else:
+            take(order, verdict, env)
+        release(order)
+
+    if spends:
+        # A payment id spent already (or twice in this chunk) fails the insert: the
+        # chunk rolls back and its messages go one by one, each told why.
+        SpentPayment.objects.bulk_create(spends)
+    if changed:
+        _update_orders(changed, read_version)
+    parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]
+    for item in parked:
+        if not park(consumer, item.envelope, orders[item.envelope.order_id], item.reason):
+            # Another message already waits with this (order, seq): a producer bug.
+            item.outcome = item.recorded_outcome = Outcome.REJECTED
+            item.reason = f"another message is already parked with seq {item.envelope.seq}"
+    flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
+    flag = {pk for pk in flag if not orders[pk].has_parked}
+    if flag:
+        # The single path skips its look for parked successors on orders whose
+        # flag it read false; the orders are locked, so this lands before any
+        # such consumer's conditional write.
+        model._default_manager.filter(pk__in=flag).update(has_parked=True)
+        for pk in flag:
+            orders[pk].has_parked = True
+    _record_released(released)
+    _record_outcomes(claimed)
+    # Nothing to announce when nobody listens and no follow-up wants the target
+    # (the same rule as the single path's, see presume.py).
+    heard: dict[str, bool] = {}
+    for order, name, result in transitions:
+        target = result.target
+        if target not in heard:
+            heard[target] = transition_heard(model, target)
+        if heard[target]:
+            transition_written(order, name, result)
+
+
+def _record_released(released: list[tuple[_Waiting, Verdict]]) -> None:
+    """Messages parked before the batch and released in it: claim the parked row, record."""
+    for entry, verdict in released:
+        assert entry.row is not None
+        ParkedMessage.objects.filter(pk=entry.row.pk).delete()
+        ProcessedMessage.objects.filter(
+            consumer=entry.consumer, message_id=entry.row.message_id
+        ).update(
+            outcome=verdict.outcome,
+            status=verdict.inbox_status,
+            error=verdict.reason,
+            attempts=F("attempts") + 1,
+        )
+        transaction.on_commit(
+            functools.partial(
+                message_released.send,
+                sender=ParkedMessage,
+                consumer=entry.consumer,
+                message_id=entry.row.message_id,
+                order_id=entry.row.order_id,
+                outcome=verdict.outcome,
+            )
+        )
+
+
+def _update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[int, int]) -> None:
+    """One conditional UPDATE of every changed order: ``WHERE (id=:id AND version=:v) OR ...``."""
+    model = get_order_model()
+    names = sorted({name for values in changed.values() for name in values})
+    if connection.vendor == "postgresql":
+        _update_orders_from_values(model, changed, read_version, names)
+        return
+    assignments: dict[str, Any] = {
+        name: Case(
+            *(
+                When(pk=pk, then=Value(values[name]))
+                for pk, values in changed.items()
+                if name in values
+            ),
+            default=F(name),
+            output_field=_concrete(model, name),
+        )
+        for name in names
+    }
+    condition = Q()
+    for pk in changed:
+        condition |= Q(pk=pk, version=read_version[pk])
+    rows = model._default_manager.filter(condition).update(**assignments)
+    if rows != len(changed):
+        # The rows are locked, so this means a writer ignored the lock (or a
+        # database without row locks let one through): start the batch again.
+        raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
+
+
+def _update_orders_from_values(
+    model: type[Model],
+    changed: Mapping[int, dict[str, Any]],
+    read_version: Mapping[int, int],
+    names: list[str],
+) -> None:
+    """PostgreSQL: the same conditional UPDATE as ``UPDATE ... FROM unnest(<arrays>)``.
+
+    NULL in a row means "unchanged", so a transition cannot write NULL on this
+    path (the single path can); the built-in columns are never nullable.
+
+    Building a CASE per column per order costs more in Python than the
+    statement costs the database; arrays cost next to nothing.
+    """
+    qn = connection.ops.quote_name
+    fields = [_concrete(model, name) for name in names]
+    columns = [str(f.column) for f in fields]
+    # One array per column (unnest): the statement text does not grow with the
+    # number of orders, so the driver does not parse a placeholder per value.
+    plains = [_plain_type(f) for f in fields]
+    prepared: dict[tuple[int, int], Any] = {}
+    ids: list[int] = []
+    versions: list[int] = []
+    arrays: list[list[Any]] = [[] for _ in fields]
+    for pk, values in changed.items():
+        ids.append(pk)
+        versions.append(read_version[pk])
+        for n, (array, f, plain) in enumerate(zip(arrays, fields, plains, strict=True)):
+            value = values.get(f.name)
+            if value is not None and type(value) is not plain:
+                key = (n, id(value))  # the chunk's one updated_at is prepared once
+                if key not in prepared:
+                    prepared[key] = f.get_db_prep_save(value, connection)
+                value = prepared[key]
+            array.append(value)
+    params: list[Any] = [_array(ids), _array(versions), *map(_array, arrays)]
+    table = qn(model._meta.db_table)
+    pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
+    sets = ", ".join(f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})" for c in columns)
+    aliases = ", ".join(qn("new_" + c) for c in columns)
+    unnest = ", ".join(
+        ["%s::bigint[]", "%s::bigint[]"] + [f"%s::{f.db_type(connection)}[]" for f in fields]
+    )
+    sql = (
+        f"UPDATE {table} AS o SET {sets}"
+        f" FROM unnest({unnest}) AS v(id, read_version, {aliases})"
+        f" WHERE o.{pk_column} = v.id AND o.{qn('version')} = v.read_version"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.rowcount
+    if rows != len(changed):
+        raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
+
+
+def _plain_type(field: Field[Any, Any]) -> type | None:
+    """The value type that ``field`` prepares for the database as it is.
+
+    ``str`` for a field that prepares text as Django's ``CharField``/``TextField``
+    do (fsm-2's state field included), ``int`` for one that prepares integers as
+    ``IntegerField`` does; None for any other field (every value is prepared).
+    """
+    field_class: Any = type(field)
+    if field_class.get_db_prep_save is not Field.get_db_prep_save:
+        return None
+    prep = (field_class.get_prep_value, field_class.to_python)
+    if field_class.get_db_prep_value is Field.get_db_prep_value and prep in (
+        (CharField.get_prep_value, CharField.to_python),
+        (TextField.get_prep_value, TextField.to_python),
+    ):
+        return str
+    if field_class.get_db_prep_value is IntegerField.get_db_prep_value and prep == (
+        IntegerField.get_prep_value,
+        IntegerField.to_python,
+    ):
+        return int
+    return None
+
+
+def _concrete(model: type[Model], name: str) -> Field[Any, Any]:
+    found = model._meta.get_field(name)
+    assert isinstance(found, Field)
+    return found
+
+
+def _record_outcomes(claimed: list[_Item]) -> None:
+    """Correct the inbox rows whose outcome is not the ``applied`` they were inserted with."""
+    rows = []
+    for item in claimed:
+        if item.recorded:
+            continue
+        outcome = item.recorded_outcome or item.outcome
+        rows.append(
+            ProcessedMessage(
+                pk=item.pk,
+                outcome=outcome,
+                status=InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE,
+                error=item.reason,
+                body=(
+                    serialise(item.envelope.as_dict())[:BODY_EXCERPT]
+                    if outcome is Outcome.REJECTED
+                    else ""
+                ),
+            )
+        )
+    if rows:
+        ProcessedMessage.objects.bulk_update(rows, ["outcome", "status", "error", "body"])

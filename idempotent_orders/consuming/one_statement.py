@@ -1,0 +1,504 @@
+"""The single path's one-statement case on PostgreSQL: decide "apply" in SQL.
+
+A new message normally costs two round trips: the order read, then the
+claim-and-apply statement conditional on the version read. For the built-in
+message types whose transition has one source and no ``conditions=``,
+:func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
+column tests hold on the order (state, ``has_parked``, ``last_seq``, and the
+validator's comparisons with the order, such as the amount and currency of a
+payment). Those tests go into the claim-and-apply statement's WHERE clause
+instead of a version read beforehand, so the message costs one statement,
+committed on its own (prepared once per database session, see
+:func:`~idempotent_orders.consuming.sql.fetch_one`):
+
+``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
+moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
+RETURNING the new row)``.
+
+PostgreSQL checks the WHERE clause on the row version it locks (a concurrent
+writer's committed change included), so the tests hold on the order the
+update writes, as a read-then-conditional-update would ensure. Every test is
+at least as strict as the Python validator (text compared bytewise, ``COLLATE
+"C"``); anything else (the tests fail, a duplicate, a value the column cannot
+take) writes nothing and the message takes the usual path: read, decide,
+write. A project's own validator never takes this path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, DataError, connections
+from django.db.models import (
+    AutoField,
+    BigAutoField,
+    BigIntegerField,
+    CharField,
+    DateTimeField,
+    Field,
+    IntegerField,
+    Model,
+    PositiveBigIntegerField,
+    PositiveIntegerField,
+    PositiveSmallIntegerField,
+    SmallAutoField,
+    SmallIntegerField,
+    TextField,
+)
+from django.utils import timezone
+
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.graph import (
+    TransitionResult,
+    TransitionStatus,
+    edge,
+    has_transition,
+    state_field,
+)
+from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.running import (
+    in_transaction_work,
+    runs_user_code,
+    transition_heard,
+    transition_written,
+    written_values,
+)
+from idempotent_orders.consuming.sql import build, compiled_read, fetch_one, inbox_template
+from idempotent_orders.exceptions import InvalidMessage
+from idempotent_orders.models import Outcome, SpentPayment
+
+__all__ = ["presume"]
+
+#: ``(field name, value, empty_allowed)``: the column must equal ``value`` (or be empty).
+Test = tuple[str, Any, bool]
+#: Turns a payload into the written columns and the tests on the order; None: no guess.
+Guard = Callable[[type[Model], Mapping[str, Any]], tuple[dict[str, Any], list[Test]] | None]
+
+
+@functools.cache
+def _names(model: type[Model]) -> frozenset[str]:
+    return frozenset(f.name for f in model._meta.concrete_fields)
+
+
+def _money(model: type[Model], payload: Mapping[str, Any]) -> list[Test] | None:
+    """The amount/currency tests of ``handlers._check_money``; None when it would reject."""
+    raw = payload.get("amount")
+    if not isinstance(raw, str) or not raw.isascii():
+        return None
+    try:
+        amount = Decimal(raw)
+    except InvalidOperation:
+        return None
+    if not amount.is_finite() or amount <= 0:
+        return None
+    names = _names(model)
+    tests: list[Test] = []
+    if "amount" in names:
+        tests.append(("amount", amount, False))
+    if "currency" in names:
+        currency = payload.get("currency")
+        if not isinstance(currency, str):
+            return None  # never equal to a column value: the validator rejects it
+        tests.append(("currency", currency, False))
+    return tests
+
+
+def _text(payload: Mapping[str, Any], key: str, max_length: int) -> str | None:
+    try:
+        return handlers._text(payload, key, max_length=max_length)
+    except InvalidMessage:
+        return None
+
+
+def _payment(model: type[Model], payload: Mapping[str, Any]) -> Any:
+    payment_id = _text(payload, "payment_id", 128)
+    tests = _money(model, payload)
+    if payment_id is None or tests is None:
+        return None
+    if "payment_id" not in _names(model):
+        return {}, tests
+    return {"payment_id": payment_id}, [*tests, ("payment_id", payment_id, True)]
+
+
+def _refund(model: type[Model], payload: Mapping[str, Any]) -> Any:
+    payment_id = _text(payload, "payment_id", 128)
+    tests = _money(model, payload)
+    if payment_id is None or tests is None:
+        return None
+    if "payment_id" in _names(model):
+        tests.append(("payment_id", payment_id, True))
+    return {}, tests
+
+
+def _shipment(model: type[Model], payload: Mapping[str, Any]) -> Any:
+    tracking = _text(payload, "tracking_number", 128)
+    carrier = _text(payload, "carrier", 64)
+    if tracking is None or carrier is None:
+        return None
+    names = _names(model)
+    values = {"tracking_number": tracking, "carrier": carrier}
+    return {k: v for k, v in values.items() if k in names}, []
+
+
+def _delivery(model: type[Model], payload: Mapping[str, Any]) -> Any:
+    tracking = _text(payload, "tracking_number", 128)
+    if tracking is None:
+        return None
+    if "tracking_number" not in _names(model):
+        return {}, []
+    return {}, [("tracking_number", tracking, True)]
+
+
+def _nothing(model: type[Model], payload: Mapping[str, Any]) -> Any:
+    return {}, []
+
+
+#: The built-in validators and their SQL form. Keyed by the function itself, so a
+#: type registered with a project's own validator never takes this path.
+GUARDS: dict[Any, Guard] = {
+    handlers.validate_payment: _payment,
+    handlers.validate_refund: _refund,
+    handlers.validate_shipment: _shipment,
+    handlers.validate_delivery: _delivery,
+    handlers._no_payload: _nothing,
+}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What one (model, transition) allows: its single source and target."""
+
+    source: str
+    target: str
+
+
+_shapes: dict[tuple[type[Model], str], _Shape | None] = {}
+
+
+def _shape(model: type[Model], name: str) -> _Shape | None:
+    key = (model, name)
+    try:
+        return _shapes[key]
+    except KeyError:
+        pass
+    shape: _Shape | None = None
+    if has_transition(model, name) and _is_text(state_field(model)):
+        e = edge(model, name)
+        if len(e.sources) == 1:
+            (source,) = e.sources
+            transition = getattr(model, name)._django_fsm.get_transition(source)
+            if transition is not None and not transition.conditions:
+                shape = _Shape(source, e.target)
+    _shapes[key] = shape
+    return shape
+
+
+def _is_text(field: Any) -> bool:
+    return isinstance(field, CharField | TextField)
+
+
+class _Arguments:
+    """The arguments of a statement being written, handed out as ``%(a<n>)s`` placeholders.
+
+    One argument per source of a value and the preparation it gets, so a value
+    the statement uses twice (the time, a payment id both written and tested)
+    is sent once.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._index: dict[tuple[Any, ...], int] = {}
+        #: ``(source, preparation)`` of each argument, in order.
+        self.sources: list[tuple[str, _Prepare]] = []
+
+    def ref(self, source: str, field: Field[Any, Any], prepare: _Prepare) -> str:
+        # Django's own text, integer and time fields prepare a value the same
+        # whatever their options: one argument serves every such column of a type.
+        owner: Any = type(field) if type(field) in _OPTIONLESS else field
+        key = (source, owner, field.db_type(self._conn))
+        n = self._index.get(key)
+        if n is None:
+            n = self._index[key] = len(self.sources)
+            self.sources.append((source, prepare))
+        return f"%(a{n})s"
+
+
+#: Prepares an argument's value for the database: ``(value, connection) -> value``.
+_Prepare = Callable[[Any, Any], Any]
+
+_OPTIONLESS = frozenset(
+    {
+        CharField,
+        TextField,
+        DateTimeField,
+        IntegerField,
+        BigIntegerField,
+        PositiveIntegerField,
+        PositiveBigIntegerField,
+    }
+)
+_PLAIN = frozenset({str, int})
+
+
+#: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
+#: as it is.
+_TEXT_FIELDS = frozenset({CharField, TextField})
+_INTEGER_FIELDS = frozenset(
+    {
+        AutoField,
+        BigAutoField,
+        SmallAutoField,
+        IntegerField,
+        BigIntegerField,
+        SmallIntegerField,
+        PositiveIntegerField,
+        PositiveBigIntegerField,
+        PositiveSmallIntegerField,
+    }
+)
+
+
+def _prepare(field: Field[Any, Any]) -> _Prepare:
+    """An order column's preparation (``get_db_prep_save``), skipped where it returns the
+    value unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields.
+    """
+    prepare = field.get_db_prep_save
+    kind = type(field)
+    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
+    if plain is None:
+        return prepare
+
+    def unchanged(value: Any, conn: Any) -> Any:
+        return value if type(value) is plain else prepare(value, conn)
+
+    return unchanged
+
+
+def _inbox_prepare(field: Field[Any, Any]) -> _Prepare:
+    """An inbox column's preparation: a plain ``str``/``int`` (or None) goes as it is,
+    as :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` sends it."""
+
+    def prepare(value: Any, conn: Any) -> Any:
+        if value is None or type(value) in _PLAIN:
+            return value
+        return field.get_db_prep_save(value, conn)
+
+    return prepare
+
+
+def _literal(conn: Any, value: Any) -> str:
+    """``value`` as an SQL literal in a statement text (``%`` doubled for the driver)."""
+    return str(conn.ops.compose_sql("%s", [value])).replace("%", "%%")
+
+
+@dataclass(frozen=True)
+class _Statement:
+    """The claim-and-apply statement of one kind of message, and where its arguments come from.
+
+    The columns no message changes (the inbox row's status and defaults, the
+    transition's source and target) are literals in its text, composed once.
+    """
+
+    sql: str
+    #: ``(source, preparation)`` of each ``%(a<n>)s``: see :func:`_arguments`.
+    sources: tuple[tuple[str, _Prepare], ...]
+
+
+def _compile(
+    conn: Any,
+    model: type[Model],
+    shape: _Shape,
+    value_names: list[str],
+    tests: list[tuple[str, bool, bool]],
+    seq: bool,
+    attnames: tuple[str, ...],
+    spends: str = "",
+) -> _Statement:
+    """The statement for a message writing ``value_names`` and testing ``tests``.
+
+    ``tests`` are ``(field name, empty allowed, same value as the written field)``.
+    ``spends`` (the source of the payment id, or ""): the message carries money;
+    its payment id is recorded as spent
+    (:mod:`idempotent_orders.consuming.payments`) in the same statement, and a payment id
+    spent already leaves the order alone (the usual path then says why).
+    """
+    template = inbox_template()
+    args = _Arguments(conn)
+    per_message = {"consumer", "message_id", "message_type", "order_id", "seq", "fingerprint"}
+    inserted = []
+    for field, base in zip(template.fields, template.base, strict=True):
+        if field.attname in per_message:
+            inserted.append(args.ref(field.attname, field, _inbox_prepare(field)))
+        elif field.attname == "updated_at":
+            inserted.append(args.ref("now", field, field.get_db_prep_save))
+        else:  # as in every applied message's row: the template's own value
+            inserted.append(_literal(conn, base))
+    qn = conn.ops.quote_name
+    meta = model._meta
+    table = qn(meta.db_table)
+    state = qn(str(state_field(model).column))
+    pk_field = meta.pk
+    assert pk_field is not None
+    pk = qn(str(pk_field.column))
+    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
+    sets = [f"{state} = {_literal(conn, shape.target)}", f"{version} = {version} + 1"]
+    for name in value_names:
+        written = _field(model, name)
+        source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
+        placeholder = args.ref(source, written, _prepare(written))
+        sets.append(f"{qn(str(written.column))} = {placeholder}")
+    where = [
+        f"{pk} = {args.ref('order_id', pk_field, _prepare(pk_field))}",
+        f'{state} = {_literal(conn, shape.source)} COLLATE "C"',
+        f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
+    ]
+    if seq:
+        last_seq = _field(model, "last_seq")
+        column = qn(str(last_seq.column))
+        where.append(f"{column} = {args.ref('previous_seq', last_seq, _prepare(last_seq))}")
+    for name, empty, shared in tests:
+        tested = _field(model, name)
+        column = qn(str(tested.column))
+        collate = ' COLLATE "C"' if _is_text(tested) else ""
+        source = f"set:{name}" if shared else f"test:{name}"
+        test = f"{column} = {args.ref(source, tested, _prepare(tested))}{collate}"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+    by_attname = {f.attname: f for f in meta.concrete_fields}
+    # Without anyone to hand the order to, the statement returns none of it.
+    returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames) or "1"
+    spent = ""
+    if spends:
+        smeta = SpentPayment._meta
+        sfields = [smeta.get_field(n) for n in ("payment_id", "order", "consumer", "message_id")]
+        columns = ", ".join(qn(str(f.column)) for f in sfields)  # type: ignore[union-attr]
+        refs = [
+            args.ref(source, f, _inbox_prepare(f))  # type: ignore[arg-type]
+            for source, f in zip(
+                (spends, "order_id", "consumer", "message_id"), sfields, strict=True
+            )
+        ]
+        unique = qn(str(sfields[0].column))  # type: ignore[union-attr]
+        spent = (
+            f" spent AS (INSERT INTO {qn(smeta.db_table)} ({columns})"
+            f" SELECT {', '.join(refs)} WHERE EXISTS (SELECT 1 FROM claim)"
+            f" ON CONFLICT ({unique}) DO NOTHING RETURNING 1),"
+        )
+        where.append("EXISTS (SELECT 1 FROM spent)")
+    sql = (
+        f"WITH claim AS ({template.insert(inserted)} RETURNING 1),{spent}"
+        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
+        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim)"
+        f" RETURNING {returning})"
+        " SELECT c.n, CASE WHEN c.n = 1 THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END,"
+        " moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
+    )
+    return _Statement(sql, tuple(args.sources))
+
+
+def _field(model: type[Model], name: str) -> Field[Any, Any]:
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+#: Statements by (database, model, transition, written fields, tests, with seq, announced).
+_statements: dict[tuple[Any, ...], _Statement] = {}
+
+
+def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+    """Apply ``envelope`` in one statement when its verdict is "apply"; None: take the usual path.
+
+    Call only where :func:`~idempotent_orders.consuming.sql.can_claim_and_apply` holds.
+    On APPLIED the inbox row and the transition are committed and
+    ``transition_written`` was called (when anyone listens for the order); the caller
+    announces the outcome.
+    """
+    guard = GUARDS.get(envelope.handler.validate)
+    if guard is None:
+        return None
+    name = envelope.handler.transition
+    shape = _shape(model, name)
+    if shape is None or runs_user_code(model, name):
+        return None  # the model's own method must run: read, run, write
+    # The order as written is built only for someone to hand it to. Nobody to hand
+    # it to means no work inside the transaction either (the common case: one look).
+    announced = transition_heard(model, shape.target)
+    if announced and in_transaction_work(model, shape.target):
+        return None
+    alias, plan = compiled_read(model, "pk")
+    if plan is None or alias != DEFAULT_DB_ALIAS:
+        return None
+    # The wrapper itself, not the ``connection`` proxy: each attribute read
+    # through the proxy costs a context-local lookup.
+    conn = connections[alias]
+    guessed = guard(model, envelope.payload)
+    if guessed is None:
+        return None
+    fields, tests = guessed
+    seq = envelope.seq
+    shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
+    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    # The spent record's payment id is the one written on the order when it is (one argument).
+    spends = (
+        ""
+        if payment is None
+        else "set:payment_id"
+        if fields.get("payment_id") == payment
+        else "payment_id"
+    )
+    key = (alias, model, name, tuple(fields), shapes, seq is None, announced, spends)
+    statement = _statements.get(key)
+    if statement is None:
+        names = list(
+            written_values(model, {**fields, "last_seq": 0} if seq is not None else fields)
+        )
+        statement = _statements[key] = _compile(
+            conn,
+            model,
+            shape,
+            names,
+            list(shapes),
+            seq is not None,
+            plan.attnames if announced else (),
+            spends,
+        )
+    now = timezone.now()
+    values: dict[str, Any] = {
+        "consumer": consumer,
+        "message_id": envelope.message_id,
+        "message_type": envelope.message_type,
+        "order_id": envelope.order_id,
+        "seq": seq,
+        "previous_seq": None if seq is None else seq - 1,
+        "now": now,
+        "payment_id": payment,
+        "fingerprint": envelope.fingerprint,
+    }
+    for field_name, value in fields.items():
+        values[f"set:{field_name}"] = value
+    for field_name, value, _ in tests:
+        values[f"test:{field_name}"] = value
+    args = [prepare(values[source], conn) for source, prepare in statement.sources]
+    try:
+        row = fetch_one(statement.sql, args, conn)
+    except DataError:
+        # The deliberate division by zero (the tests failed: nothing was written),
+        # or a value a column cannot take: the usual path decides and says why.
+        return None
+    if row is None or not row[0]:
+        return None  # a duplicate: the usual path reads the order and answers it
+    if announced:
+        order = build(model, alias, plan, row[2:])
+        result = TransitionResult(
+            TransitionStatus.APPLIED,
+            shape.source,
+            shape.target,
+            order.version,  # type: ignore[attr-defined]
+        )
+        transition_written(order, name, result)
+    return Outcome.APPLIED

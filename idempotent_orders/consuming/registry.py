@@ -1,0 +1,214 @@
+"""Registry of message types: each names the order model's transition it drives.
+
+A project registers its types with :func:`register` from its ``AppConfig.ready()``.
+The built-in payment, shipping and fulfilment types are registered in this
+app's ``ready()`` for each of them whose transition the order model declares
+(all of them on the default ``Order``), unless the project registered that
+type itself. A type bound to a transition the model does not have is a system
+check error (``idempotent_orders.E040``), never a per-message crash.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.db.models import Model
+
+from idempotent_orders.exceptions import InvalidMessage
+
+#: Turns (order, payload) into the extra columns the transition writes; raises InvalidMessage.
+#: The order is an instance of the order model (typed loosely so validators may name their own).
+Validator = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+#: Turns (order, payload) into the keyword arguments the transition method is called with.
+Arguments = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class MessageHandler:
+    message_type: str
+    #: Name of an ``@transition`` method on the order model.
+    transition: str
+    validate: Validator
+    #: Consumers allowed to receive this type; empty means any.
+    consumers: frozenset[str] = frozenset()
+    #: Shapes the transition method's keyword arguments; None: the payload entries
+    #: whose names the method takes as parameters (all of them for ``**kwargs``).
+    arguments: Arguments | None = None
+    #: The message carries money (a payment): when it cannot apply, it is kept as
+    #: rejected and said to be money to give back, never counted stale.
+    money: bool = False
+
+
+_registry: dict[str, MessageHandler] = {}
+
+
+def register(
+    message_type: str,
+    *,
+    transition: str,
+    validate: Validator | None = None,
+    consumers: frozenset[str] | set[str] | None = None,
+    arguments: Arguments | None = None,
+    money: bool = False,
+) -> None:
+    """Make ``message_type`` drive the order model's ``transition``.
+
+    A message of the type calls the model's own ``@transition`` method, as
+    django-fsm-2 would: with the payload entries whose names are parameters of
+    the method as keyword arguments (every entry when it takes ``**kwargs``),
+    or with what ``arguments(order, payload)`` returns when given. ``money``
+    marks a type that carries a payment: one that arrives after its order was
+    cancelled or moved past its step is rejected as money to give back.
+
+    ``validate(order, payload)`` returns the columns the transition writes
+    besides the state (``{}`` for none) or raises
+    :class:`~idempotent_orders.exceptions.InvalidMessage` with a reason.
+    ``consumers`` restricts which consumers accept the type (others reject it).
+    Registering a type again replaces it.
+    """
+    _registry[message_type] = MessageHandler(
+        message_type=message_type,
+        transition=transition,
+        validate=validate or _no_payload,
+        consumers=frozenset(consumers or ()),
+        arguments=arguments,
+        money=money,
+    )
+
+
+def get_handler(message_type: str) -> MessageHandler | None:
+    return _registry.get(message_type)
+
+
+def registered() -> list[MessageHandler]:
+    """Every registered message type, sorted by name."""
+    return [_registry[name] for name in sorted(_registry)]
+
+
+def _no_payload(order: Model, payload: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _text(payload: Mapping[str, Any], key: str, *, max_length: int) -> str:
+    value = payload.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidMessage(f"payload.{key} must be a non-empty string")
+    if len(value) > max_length:
+        raise InvalidMessage(f"payload.{key} is longer than {max_length} characters")
+    return value
+
+
+def _has(order: Model, name: str) -> bool:
+    return name in _field_names(type(order))
+
+
+@functools.cache
+def _field_names(model: type[Model]) -> frozenset[str]:
+    return frozenset(f.name for f in model._meta.concrete_fields)
+
+
+def _check_money(order: Any, payload: Mapping[str, Any]) -> None:
+    raw = payload.get("amount")
+    if not isinstance(raw, str):
+        raise InvalidMessage("payload.amount must be a decimal string such as '12.50'")
+    if not raw.isascii():
+        # Decimal() reads any Unicode digit (fullwidth "12.50" too); amounts are ASCII.
+        raise InvalidMessage(f"payload.amount {raw[:40]!r} must use ASCII digits")
+    try:
+        amount = Decimal(raw)
+    except InvalidOperation:
+        raise InvalidMessage(f"payload.amount {raw[:40]!r} is not a decimal number") from None
+    if not amount.is_finite() or amount <= 0:
+        raise InvalidMessage(f"payload.amount {raw[:40]!r} must be a positive amount")
+    if _has(order, "amount") and amount != order.amount:
+        raise InvalidMessage(
+            f"payload.amount {amount} does not match the order amount {order.amount}"
+        )
+    currency = payload.get("currency")
+    if _has(order, "currency") and currency != order.currency:
+        raise InvalidMessage(
+            f"payload.currency {str(currency)[:8]!r} does not match the order currency "
+            f"{order.currency!r}"
+        )
+
+
+def validate_payment(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
+    payment_id = _text(payload, "payment_id", max_length=128)
+    _check_money(order, payload)
+    if not _has(order, "payment_id"):
+        return {}
+    if order.payment_id and order.payment_id != payment_id:
+        raise InvalidMessage(
+            f"payment {payment_id[:40]!r} differs from the order's payment {order.payment_id!r}"
+        )
+    return {"payment_id": payment_id}
+
+
+def validate_refund(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
+    payment_id = _text(payload, "payment_id", max_length=128)
+    _check_money(order, payload)
+    if _has(order, "payment_id") and order.payment_id and order.payment_id != payment_id:
+        raise InvalidMessage(
+            f"refund of payment {payment_id[:40]!r}, order paid by {order.payment_id!r}"
+        )
+    return {}
+
+
+def validate_shipment(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
+    values = {
+        "tracking_number": _text(payload, "tracking_number", max_length=128),
+        "carrier": _text(payload, "carrier", max_length=64),
+    }
+    return {name: value for name, value in values.items() if _has(order, name)}
+
+
+def validate_delivery(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
+    tracking = _text(payload, "tracking_number", max_length=128)
+    shipped_as = order.tracking_number if _has(order, "tracking_number") else ""
+    if shipped_as and shipped_as != tracking:
+        raise InvalidMessage(
+            f"delivery of parcel {tracking[:40]!r}, order shipped as {shipped_as!r}"
+        )
+    return {}
+
+
+#: The built-in types: (type, transition, validator, consumers).
+BUILT_IN: list[tuple[str, str, Validator, frozenset[str]]] = [
+    ("payment.succeeded", "pay", validate_payment, frozenset()),
+    ("payment.refunded", "refund", validate_refund, frozenset()),
+    ("shipment.dispatched", "ship", validate_shipment, frozenset()),
+    ("shipment.delivered", "complete", validate_delivery, frozenset()),
+    ("order.cancelled", "cancel", _no_payload, frozenset()),
+    # Internal: the fulfilment step without a warehouse call. The leased path
+    # (idempotent_orders.fulfilment.fulfil) records the same inbox row; an
+    # outside producer cannot send this type to the payment or shipping consumers.
+    ("order.fulfilment", "start_processing", _no_payload, frozenset({"fulfilment"})),
+]
+
+
+def register_built_in(model: type[Model]) -> list[str]:
+    """Register each built-in type whose transition ``model`` declares and the project did not
+    register itself; return the types registered. Called from the app's ``ready()``.
+    """
+    from idempotent_orders.conf import conf
+    from idempotent_orders.consuming.graph import has_transition
+
+    done = []
+    for message_type, transition, validate, consumers in BUILT_IN:
+        if message_type == "order.fulfilment":
+            transition = conf.FULFILMENT_TRANSITION
+        if message_type in _registry or not has_transition(model, transition):
+            continue
+        register(
+            message_type,
+            transition=transition,
+            validate=validate,
+            consumers=consumers,
+            money=message_type == "payment.succeeded",
+        )
+        done.append(message_type)
+    return done

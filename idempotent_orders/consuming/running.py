@@ -1,0 +1,444 @@
+"""Running a transition: the model's own fsm-2 method, then one conditional UPDATE.
+
+:func:`call_transition` calls the ``@transition`` method as django-fsm-2 does
+(conditions, body, signals with the arguments, ``on_error``, ``RETURN_VALUE`` /
+``GET_STATE``) and collects what it changed; :func:`commit` writes it with one
+``UPDATE ... WHERE pk AND state AND version``. :func:`apply_transition` does both
+for one order (the admin, the fulfilment step); the consumers call the two steps
+inside the transaction that claimed the message. Follow-ups (work a transition
+queues in its own transaction, such as the fulfilment outbox row) are registered here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dis
+import inspect
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Protocol
+
+from django.db import transaction
+from django.db.models import F, Model
+from django.db.models.signals import post_save
+from django.utils import timezone
+from django_fsm.signals import post_transition, pre_transition
+
+from idempotent_orders.consuming.graph import (
+    TransitionResult,
+    TransitionStatus,
+    check_transition,
+    current_state,
+    edge,
+    state_field,
+)
+from idempotent_orders.signals import order_transitioned
+
+
+def written_values(model: type[Model], fields: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The columns a transition writes besides state and version: ``fields``, and
+    ``updated_at`` when the model has one (a queryset UPDATE skips ``auto_now``).
+    """
+    values: dict[str, Any] = dict(fields or {})
+    if _has_updated_at(model):
+        values.setdefault("updated_at", timezone.now())
+    return values
+
+
+@cache
+def _has_updated_at(model: type[Model]) -> bool:
+    return any(f.name == "updated_at" for f in model._meta.concrete_fields)
+
+
+def advance(
+    instance: Model, name: str, values: Mapping[str, Any] | None = None
+) -> TransitionResult:
+    """Move ``instance`` along transition ``name`` in memory: state, ``version + 1``, ``values``.
+
+    No database write and no check: the caller decided with
+    :func:`check_transition` and commits the row with a conditional UPDATE
+    (:func:`apply_transition` for one order; the batch consumer for many).
+    """
+    model = type(instance)
+    field = state_field(model)
+    e = edge(model, name)
+    source = current_state(instance)
+    field.set_state(instance, e.target)
+    version = instance.version + 1  # type: ignore[attr-defined]
+    instance.version = version  # type: ignore[attr-defined]
+    for key, value in (values or {}).items():
+        setattr(instance, key, value)
+    return TransitionResult(TransitionStatus.APPLIED, source, e.target, version)
+
+
+def transition_starting(instance: Model, name: str) -> None:
+    """Send fsm-2's ``pre_transition`` for ``name`` from the state ``instance`` is in.
+
+    Sent before the conditional UPDATE; a receiver that raises aborts the write.
+    """
+    if not pre_transition.has_listeners(type(instance)):
+        return
+    source = current_state(instance)
+    pre_transition.send(**_fsm_signal(instance, name, source, edge(type(instance), name).target))
+
+
+class FollowUp(Protocol):
+    """Work a transition queues in its own transaction (an outbox row, for instance)."""
+
+    def wanted(self, model: type[Model], target: Any) -> bool:
+        """Whether entering ``target`` on ``model`` queues this follow-up."""
+
+    def write(self, instance: Model, name: str, result: TransitionResult) -> None:
+        """Queue it, in the transaction that committed the transition."""
+
+
+_follow_ups: list[FollowUp] = []
+
+
+def register_follow_up(follow_up: FollowUp) -> None:
+    """Run ``follow_up`` in the transaction of every transition it wants (idempotent)."""
+    if follow_up not in _follow_ups:
+        _follow_ups.append(follow_up)
+
+
+def in_transaction_work(model: type[Model], target: Any) -> bool:
+    """Whether a transition into ``target`` has work to do inside its transaction:
+    a follow-up, or a receiver of fsm-2's ``pre_transition``/``post_transition``.
+    """
+    return (
+        any(f.wanted(model, target) for f in _follow_ups)
+        or pre_transition.has_listeners(model)
+        or post_transition.has_listeners(model)
+    )
+
+
+def transition_heard(model: type[Model], target: Any) -> bool:
+    """Whether announcing a transition into ``target`` reaches anyone: work inside
+    its transaction (:func:`in_transaction_work`) or a receiver of
+    :data:`~idempotent_orders.signals.order_transitioned`. The consuming paths
+    skip :func:`transition_written` (and building what it is handed) otherwise.
+    """
+    return in_transaction_work(model, target) or order_transitioned.has_listeners(model)
+
+
+def transition_written(
+    instance: Model, name: str, result: TransitionResult, *, fsm_sent: bool = False
+) -> None:
+    """Announce a transition whose UPDATE succeeded: fsm-2's ``post_transition`` (unless the
+    model's own method already sent it: ``fsm_sent``) and the follow-ups now, in the
+    transaction (they may write in it), and
+    :data:`~idempotent_orders.signals.order_transitioned` after commit.
+    """
+    model = type(instance)
+    if not fsm_sent and post_transition.has_listeners(model):
+        post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
+    for follow_up in _follow_ups:
+        if follow_up.wanted(model, result.target):
+            follow_up.write(instance, name, result)
+    transaction.on_commit(
+        lambda: order_transitioned.send(
+            sender=model,
+            order=instance,
+            transition=name,
+            source=result.source,
+            target=result.target,
+            version=result.version,
+        ),
+        using=instance._state.db,
+    )
+
+
+def _fsm_signal(instance: Model, name: str, source: Any, target: Any) -> dict[str, Any]:
+    return {
+        "sender": type(instance),
+        "instance": instance,
+        "name": name,
+        "field": state_field(type(instance)),
+        "source": source,
+        "target": target,
+        "method_args": (),
+        "method_kwargs": {},
+    }
+
+
+# -- Running the model's own transition ---------------------------------------------------
+
+
+def _returns_none_only(func: Any) -> bool:
+    """Whether ``func``'s body does nothing: ``pass``, a docstring, ``...``, ``return None``."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    ops = [
+        (i.opname, i.argval)
+        for i in dis.get_instructions(code)
+        if i.opname not in ("RESUME", "NOP", "CACHE")
+    ]
+    return ops in ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+
+
+@cache
+def has_body(model: type[Model], name: str) -> bool:
+    """Whether transition ``name`` does more than move the state: a body that is not empty,
+    a target its body decides (``RETURN_VALUE``, ``GET_STATE``), no target, or ``on_error``.
+    """
+    e = edge(model, name)
+    if e.dynamic or e.targetless:
+        return True
+    declared = getattr(model, name)._django_fsm.transitions.values()
+    return any(t.on_error is not None or not _returns_none_only(t.method) for t in declared)
+
+
+def runs_user_code(model: type[Model], name: str) -> bool:
+    """Whether committing ``name`` must call the model's method: it has a body
+    (:func:`has_body`) or someone receives fsm-2's ``pre_transition``/``post_transition``.
+    A transition for which this is false may be committed by one SQL statement.
+    """
+    return (
+        has_body(model, name)
+        or pre_transition.has_listeners(model)
+        or post_transition.has_listeners(model)
+    )
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """The keyword parameters of a transition method (``self`` left out)."""
+
+    names: frozenset[str]
+    required: frozenset[str]
+    #: The method takes ``**kwargs``: every payload entry is passed.
+    any: bool
+
+
+@cache
+def parameters(model: type[Model], name: str) -> Parameters:
+    """What transition ``name``'s method accepts as keyword arguments."""
+    declared = next(iter(getattr(model, name)._django_fsm.transitions.values()))
+    signature = inspect.signature(declared.method)
+    names: set[str] = set()
+    required: set[str] = set()
+    takes_any = False
+    for position, p in enumerate(signature.parameters.values()):
+        if position == 0 and p.kind is not p.KEYWORD_ONLY:
+            continue  # self
+        if p.kind is p.VAR_KEYWORD:
+            takes_any = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            names.add(p.name)
+            if p.default is p.empty:
+                required.add(p.name)
+        elif p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+            required.add(p.name)  # never passed by name: the check names it
+    return Parameters(frozenset(names), frozenset(required), takes_any)
+
+
+def arguments(model: type[Model], name: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a message with ``payload`` calls transition ``name`` with:
+    the payload entries the method names as parameters (all of them for ``**kwargs``).
+    """
+    accepted = parameters(model, name)
+    if accepted.any:
+        return {str(k): v for k, v in payload.items()}
+    return {k: v for k, v in payload.items() if k in accepted.names}
+
+
+def missing_arguments(model: type[Model], name: str, kwargs: Mapping[str, Any]) -> list[str]:
+    """The required parameters of transition ``name`` that ``kwargs`` does not carry."""
+    return sorted(parameters(model, name).required - set(kwargs))
+
+
+class _Saves(threading.local):
+    watched: dict[int, bool]
+
+    def __init__(self) -> None:
+        self.watched = {}
+
+
+_saves = _Saves()
+
+
+def _note_save(sender: Any, instance: Model, **kwargs: Any) -> None:
+    watched = _saves.watched
+    if watched and id(instance) in watched:
+        watched[id(instance)] = True
+
+
+post_save.connect(_note_save, dispatch_uid="idempotent_orders.consuming.running.note_save")
+
+
+@dataclass
+class Ran:
+    """What calling the model's transition method did to the instance, in memory."""
+
+    name: str
+    source: Any
+    #: The state after the call (the ``on_error`` state when the body raised).
+    target: Any
+    #: Fields the body or a receiver changed, by attname (state and version left out).
+    values: dict[str, Any]
+    returned: Any = None
+    #: What the body raised when fsm-2 moved the order to the ``on_error`` state.
+    error: BaseException | None = None
+    #: A receiver or the body saved the instance itself (in this transaction).
+    saved: bool = False
+
+
+_DEFERRED = object()
+
+
+def _tracked(model: type[Model]) -> list[Any]:
+    return [f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"]
+
+
+def _snapshot(instance: Model) -> dict[str, Any]:
+    state = instance.__dict__
+    taken: dict[str, Any] = {}
+    for f in _tracked(type(instance)):
+        value = state.get(f.attname, _DEFERRED)
+        taken[f.attname] = copy.deepcopy(value) if isinstance(value, dict | list) else value
+    return taken
+
+
+def restore(instance: Model, snapshot: Mapping[str, Any], version: int) -> None:
+    """Put ``instance`` back as :func:`_snapshot` saw it (protected state fields too)."""
+    for attname, value in snapshot.items():
+        if value is _DEFERRED:
+            instance.__dict__.pop(attname, None)
+        else:
+            instance.__dict__[attname] = value
+    instance.__dict__["version"] = version
+    instance._state.fields_cache.clear()
+
+
+def call_transition(
+    instance: Model,
+    name: str,
+    kwargs: Mapping[str, Any],
+    *,
+    fields: Mapping[str, Any] | None = None,
+    snapshot: Mapping[str, Any] | None = None,
+) -> Ran:
+    """Call the model's own transition method ``name`` on ``instance`` with ``kwargs``, as
+    fsm-2 does (conditions, body, ``pre_transition``/``post_transition`` with the
+    arguments, ``on_error``, ``RETURN_VALUE``/``GET_STATE``), and collect what it changed.
+
+    ``fields`` (a validator's columns) are set on the instance first, so the body
+    and the conditions see them. Nothing is written: :func:`commit` does that.
+    An exception from the body, a condition or a receiver propagates, except
+    where fsm-2's ``on_error`` moved the state: then it is kept in ``Ran.error``.
+    """
+    model = type(instance)
+    field = state_field(model)
+    before = snapshot if snapshot is not None else _snapshot(instance)
+    source = field.get_state(instance)
+    for column, value in (fields or {}).items():
+        setattr(instance, column, value)
+    key = id(instance)
+    _saves.watched[key] = False
+    error: BaseException | None = None
+    returned: Any = None
+    try:
+        returned = getattr(instance, name)(**kwargs)
+    except Exception as exc:
+        on_error = getattr(model, name)._django_fsm.exception_state(source)
+        if on_error is None or field.get_state(instance) != on_error:
+            raise
+        error = exc
+    finally:
+        saved = _saves.watched.pop(key, False)
+    values: dict[str, Any] = {}
+    state_attname = field.attname
+    now = instance.__dict__
+    for f in _tracked(model):
+        if f.attname == state_attname:
+            continue
+        value = now.get(f.attname, _DEFERRED)
+        if value is _DEFERRED:
+            continue
+        if getattr(f, "auto_now", False):
+            values[f.attname] = f.pre_save(instance, False)
+        elif value != before.get(f.attname, _DEFERRED):
+            values[f.attname] = value
+    return Ran(name, source, field.get_state(instance), values, returned, error, saved)
+
+
+def commit(
+    instance: Model, ran: Ran, version: int, extra_filters: Mapping[str, Any] | None = None
+) -> bool:
+    """Write what :func:`call_transition` did with one conditional UPDATE: the state, every
+    changed field and ``version + 1``, ``WHERE pk AND state AND version`` (and
+    ``extra_filters``). False when another writer changed the row first.
+    """
+    model = type(instance)
+    field = state_field(model)
+    states = [ran.source]
+    if ran.saved and ran.target != ran.source:
+        # Saved by a receiver in this very transaction: the row holds the target already.
+        states.append(ran.target)
+    rows = model._default_manager.filter(
+        pk=instance.pk,
+        **{f"{field.attname}__in": states},
+        version=version,
+        **dict(extra_filters or {}),
+    ).update(**{field.attname: ran.target, "version": F("version") + 1}, **ran.values)
+    if rows != 1:
+        return False
+    instance.__dict__["version"] = version + 1
+    return True
+
+
+class _Lost(Exception):
+    """The conditional UPDATE found the row changed: undo what the body wrote."""
+
+
+def apply_transition(
+    instance: Model,
+    name: str,
+    *,
+    fields: Mapping[str, Any] | None = None,
+    extra_filters: Mapping[str, Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> TransitionResult:
+    """Run transition ``name`` (the model's own method) and commit it with one conditional
+    UPDATE; never raises on a lost race.
+
+    ``UPDATE ... SET <state>=:target, version=version+1, <changed fields> WHERE
+    id=:id AND <state>=:source AND version=:v``. The method runs as fsm-2 runs it
+    (conditions, body, signals, ``on_error``) with ``kwargs``; what its body
+    creates is written in the same transaction (a savepoint, when the caller
+    has one). On success the instance matches the row; on any other result it
+    is left as it was read, so it never holds a state the database does not.
+    ``extra_filters`` add conditions to the WHERE clause. An exception from the
+    method propagates, after its writes were rolled back.
+    """
+    checked = check_transition(instance, name)
+    if not checked.applied:
+        return checked
+    version: int = instance.version  # type: ignore[attr-defined]
+    before = _snapshot(instance)
+    # Only the project's code can write other rows; without any, no savepoint is needed.
+    atomic = (
+        transaction.atomic(using=instance._state.db)
+        if runs_user_code(type(instance), name)
+        else contextlib.nullcontext()
+    )
+    try:
+        with atomic:
+            ran = call_transition(instance, name, kwargs or {}, fields=fields, snapshot=before)
+            if not commit(instance, ran, version, extra_filters):
+                raise _Lost
+            result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+            transition_written(instance, name, result, fsm_sent=True)
+    except _Lost:
+        restore(instance, before, version)
+        return TransitionResult(TransitionStatus.CONFLICT, checked.source, ran.target, version)
+    except BaseException:
+        restore(instance, before, version)
+        raise
+    if ran.error is not None:
+        return TransitionResult(TransitionStatus.FAILED, ran.source, ran.target, version + 1)
+    return result

@@ -1,0 +1,696 @@
+"""Idempotent writes: consuming a payment or shipping message exactly once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any, cast
+
+from django.db import IntegrityError, OperationalError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from idempotent_orders import dedup, get_order_model
+from idempotent_orders.conf import conf
+from idempotent_orders.consuming.decision import (
+    REFUND,
+    Verdict,
+    announce,
+    consumed,
+    decide,
+    unknown_order,
+)
+from idempotent_orders.consuming.envelope import (
+    BODY_EXCERPT,
+    Envelope,
+    has_nul,
+    parse_envelope,
+    serialise,
+    synthetic_id,
+    valid_message_id,
+)
+from idempotent_orders.consuming.failures import (
+    RETRYABLE,
+    TRANSIENT,
+    MessageFailed,
+    describe,
+    is_retryable,
+    record_failure,
+    retryable,
+)
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
+from idempotent_orders.consuming.one_statement import presume
+from idempotent_orders.consuming.payments import payment_id, spend
+from idempotent_orders.consuming.running import (
+    advance,
+    call_transition,
+    commit,
+    in_transaction_work,
+    runs_user_code,
+    transition_written,
+    written_values,
+)
+from idempotent_orders.consuming.sql import (
+    ClaimConflict,
+    can_claim_and_apply,
+    claim_and_apply,
+    read_order,
+)
+from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
+from idempotent_orders.models import (
+    AbstractOrder,
+    InboxStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
+from idempotent_orders.signals import (
+    dedup_answered,
+    message_released,
+    parked_overdue,
+)
+
+__all__ = [
+    "Envelope",
+    "MessageFailed",
+    "Outcome",
+    "consume_message",
+    "parse_envelope",
+    "redeliver",
+    "release_parked",
+    "surface_overdue_parked",
+]
+
+logger = logging.getLogger("idempotent_orders")
+
+
+class _Conflict(Exception):
+    """The order changed between our read and our conditional write: decide again."""
+
+
+class _Duplicate(Exception):
+    """The inbox already holds this (consumer, message_id)."""
+
+
+class _Spent(Exception):
+    """The message's payment id already paid an order (``owner``)."""
+
+    def __init__(self, payment: str, owner: Any) -> None:
+        super().__init__(payment, owner)
+        self.payment = payment
+        self.owner = owner
+
+
+def _spent_verdict(envelope: Envelope, order: AbstractOrder, spent: _Spent) -> Verdict:
+    """What a message whose payment was spent already does: a duplicate on its own order,
+    money to give back on any other."""
+    seq = envelope.seq
+    slot = seq if seq is not None and seq == order.last_seq + 1 else None
+    if spent.owner == order.pk:
+        reason = f"payment {spent.payment} was already applied to this order"
+        return Verdict(Outcome.DUPLICATE, reason, advance_to=slot)
+    reason = f"payment {spent.payment} already paid order {spent.owner}; {REFUND}"
+    return Verdict(Outcome.REJECTED, reason, advance_to=slot)
+
+
+def consume_message(message: Any, *, consumer: str) -> Outcome:
+    """Apply one payment/shipping message to its order, exactly once.
+
+    Never raises for bad input: a malformed or inapplicable message is recorded
+    as ``rejected`` with its reason. Database errors (lost connection,
+    serialization failure) propagate so the caller can retry the delivery.
+    Parked successors that this message unblocks are released before returning.
+    """
+    try:
+        envelope = parse_envelope(message, consumer=consumer)
+    except InvalidMessage as exc:
+        raw_id = message.get("message_id") if isinstance(message, Mapping) else None
+        message_id = raw_id if valid_message_id(raw_id) and not has_nul(raw_id) else None
+        message_id = message_id or synthetic_id(message)
+        outcome = _reject(
+            consumer=consumer,
+            message_id=message_id,
+            message_type=_excerpt(message.get("type")) if isinstance(message, Mapping) else "",
+            order=None,
+            seq=None,
+            reason=exc.message,
+            body=serialise(message)[:BODY_EXCERPT],
+        )
+        dedup.remember_on_commit(consumer, message_id)
+        return outcome
+
+    if dedup.lookup(consumer, envelope.message_id) is dedup.Layer.REDIS_HIT:
+        # Only a Redis key written after the whole message was handled (its
+        # transaction and the releases below) answers without the database.
+        announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
+        return Outcome.DUPLICATE
+
+    if can_claim_and_apply():
+        applied = presume(envelope, consumer, get_order_model())
+        if applied is not None:
+            announce(consumer, envelope, applied, "")
+            dedup.remember_on_commit(consumer, envelope.message_id)
+            return applied
+    waiting: list[bool] = []
+    dead: list[bool] = []
+    try:
+        outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
+    except TRANSIENT:
+        raise  # the delivery is retried as it is; nothing was written
+    except Exception as exc:
+        # A bug in a body, condition, receiver or validator, or a constraint the
+        # database refused: the transaction rolled back. Keep the message, say why.
+        failure = record_failure(
+            consumer,
+            message_id=envelope.message_id,
+            message_type=envelope.message_type,
+            order_id=envelope.order_id,
+            seq=envelope.seq,
+            envelope=envelope.as_dict(),
+            exc=exc,
+            fingerprint=envelope.fingerprint,
+        )
+        consumed(
+            consumer,
+            envelope.message_id,
+            Outcome.FAILED,
+            message_type=envelope.message_type,
+            order_id=envelope.order_id,
+            reason=failure.reason,
+        )
+        raise failure from exc
+    if outcome is Outcome.PARKED or any(waiting):
+        # Every outcome may unblock a successor: an applied message fills a gap,
+        # a duplicate may be the redelivery of one whose worker died before
+        # releasing, and a parked one re-checks because its predecessor may
+        # have committed while it was parking (the lost wake-up). Orders that
+        # never had a parked message are skipped: their ``has_parked`` was read
+        # false and the write was conditional on it (see _write), so a message
+        # parked concurrently either made our write conflict and re-read, or
+        # committed after us and re-checks itself.
+        release_parked(envelope.order_id)
+    # Remembered last: a worker that dies before this point leaves no fast-path
+    # key, so the redelivery reaches the database and releases successors itself.
+    # A dead letter is not remembered: its requeue must reach the database.
+    if not dead:
+        dedup.remember_on_commit(consumer, envelope.message_id)
+    return outcome
+
+
+def _database_conflict(consumer: str, message_id: str) -> None:
+    dedup_answered.send(
+        sender=dedup.Layer,
+        layer=dedup.Layer.DATABASE_CONFLICT,
+        consumer=consumer,
+        message_id=message_id,
+    )
+
+
+def _excerpt(value: Any) -> str:
+    return value[:64] if isinstance(value, str) and "\x00" not in value else ""
+
+
+def _reject(
+    *,
+    consumer: str,
+    message_id: str,
+    message_type: str,
+    order: AbstractOrder | None,
+    seq: int | None,
+    reason: str,
+    body: str,
+    order_id: Any = None,
+) -> Outcome:
+    if order_id is not None and order is None:
+        order = get_order_model()._default_manager.filter(pk=order_id).first()
+    try:
+        with transaction.atomic():
+            ProcessedMessage.objects.create(
+                consumer=consumer,
+                message_id=message_id,
+                message_type=message_type,
+                status=InboxStatus.REJECTED,
+                outcome=Outcome.REJECTED,
+                order_id=order.pk if order is not None else None,
+                seq=seq,
+                error=reason,
+                body=body,
+            )
+    except IntegrityError:
+        outcome, reason = Outcome.DUPLICATE, "already recorded"
+        _database_conflict(consumer, message_id)
+    else:
+        outcome = Outcome.REJECTED
+        logger.warning(
+            "rejected message %s (%s): %s",
+            message_id,
+            consumer,
+            reason,
+            extra={"message_id": message_id, "order_id": order.pk if order else None},
+        )
+    consumed(
+        consumer,
+        message_id,
+        outcome,
+        message_type=message_type,
+        order_id=order.pk if order else None,
+        reason=reason,
+    )
+    return outcome
+
+
+def _consume(
+    envelope: Envelope,
+    consumer: str,
+    parked: ParkedMessage | None = None,
+    *,
+    waiting: list[bool] | None = None,
+    dead: list[bool] | None = None,
+) -> Outcome:
+    """Decide and write in one transaction; loop while other writers win the race.
+
+    With ``parked`` set, the message is being released: its inbox row exists
+    and is updated rather than inserted, and the parked row is claimed by
+    deleting it first. ``waiting`` receives the ``has_parked`` flag of the
+    order as last read (nothing when there is no order).
+    """
+    retrying = False
+    override: Verdict | None = None
+    for _attempt in range(conf.CONFLICT_RETRIES):
+        order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
+        if order is not None and waiting is not None:
+            waiting[:] = [order.has_parked]
+        if order is None:
+            if parked is not None:  # the order was deleted; its parked rows went with it
+                return Outcome.PARKED
+            return _reject(
+                consumer=consumer,
+                message_id=envelope.message_id,
+                message_type=envelope.message_type,
+                order=None,
+                seq=envelope.seq,
+                reason=unknown_order(envelope).reason,
+                body=serialise(envelope.as_dict())[:BODY_EXCERPT],
+            )
+        verdict = override if override is not None else decide(order, envelope)
+        if parked is not None and verdict.outcome is Outcome.PARKED:
+            return Outcome.PARKED  # still waiting; leave the parked row alone
+        try:
+            outcome = _write(envelope, consumer, order, verdict, parked, retrying=retrying)
+        except _Duplicate:
+            again: bool | None = None if parked is not None or retrying else False
+            if parked is None and not retrying:
+                again, stored = retryable(consumer, envelope.message_id)
+                if stored and stored != envelope.fingerprint:
+                    # The id was used before for another message: not a duplicate.
+                    return _reused(envelope, consumer)
+            if again:
+                # A failed delivery of this message (or one an operator requeued):
+                # run it again, claiming its row instead of inserting one.
+                retrying = True
+                continue
+            if again is None and parked is None and dead is not None:
+                dead.append(True)  # a dead letter: not run, and not remembered
+            if parked is None:
+                _database_conflict(consumer, envelope.message_id)
+                announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
+            return Outcome.DUPLICATE
+        except _Conflict:
+            continue
+        except _Spent as spent:
+            # Rolled back; decided again as what it is, and recorded.
+            override = _spent_verdict(envelope, order, spent)
+            continue
+        except OperationalError as exc:
+            if not is_retryable(exc):
+                raise
+            # The database rolled the whole transaction back (on MariaDB the inbox
+            # row's foreign-key lock and the order UPDATE can cross); run it again.
+            continue
+        if parked is not None:
+            message_released.send(
+                sender=ParkedMessage,
+                consumer=consumer,
+                message_id=envelope.message_id,
+                order_id=envelope.order_id,
+                outcome=outcome,
+            )
+        announce(consumer, envelope, outcome, verdict.reason)
+        return outcome
+    raise ConcurrentUpdate(
+        f"order {envelope.order_id}: gave up after {conf.CONFLICT_RETRIES} conflicting writes"
+    )
+
+
+def _write(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    parked: ParkedMessage | None,
+    *,
+    retrying: bool = False,
+) -> Outcome:
+    """Write ``verdict`` in one transaction; raise _Duplicate or _Conflict when it cannot.
+
+    ``retrying``: the message has a failed inbox row, which is claimed by a
+    conditional update instead of an insert.
+    """
+    outcome = verdict.outcome
+    # A write that may unblock a successor is conditional on the has_parked
+    # flag as read, so a message parked since our read makes it conflict.
+    unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
+    model = type(order)
+    if (
+        verdict.transition
+        and parked is None
+        and not retrying
+        and can_claim_and_apply()
+        and not runs_user_code(model, verdict.transition)
+        and not in_transaction_work(model, edge(model, verdict.transition).target)
+        and not (envelope.handler.money and payment_id(envelope.payload))
+    ):
+        # No body, no receiver, nothing else to write: one statement commits it.
+        return _claim_and_apply(envelope, consumer, order, verdict, unflagged)
+    body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
+    with transaction.atomic():
+        # The first statement claims the message: the inbox insert (the unique
+        # index decides duplicates), or for a release, deleting the parked row.
+        if retrying:
+            claimed = ProcessedMessage.objects.filter(
+                RETRYABLE, consumer=consumer, message_id=envelope.message_id
+            ).update(
+                status=verdict.inbox_status,
+                outcome=outcome,
+                order_id=order.pk,
+                seq=envelope.seq,
+                error=verdict.reason,
+                body=body,
+                fingerprint=envelope.fingerprint,
+                attempts=F("attempts") + 1,
+                dead_at=None,
+                updated_at=timezone.now(),
+            )
+            if not claimed:
+                raise _Duplicate  # another delivery ran it meanwhile
+        elif parked is None:
+            try:
+                with transaction.atomic(savepoint=False):
+                    ProcessedMessage.objects.create(
+                        consumer=consumer,
+                        message_id=envelope.message_id,
+                        message_type=envelope.message_type,
+                        status=verdict.inbox_status,
+                        outcome=outcome,
+                        order_id=order.pk,
+                        seq=envelope.seq,
+                        error=verdict.reason,
+                        body=body,
+                        fingerprint=envelope.fingerprint,
+                    )
+            except IntegrityError:
+                raise _Duplicate from None
+        else:
+            claimed, _ = ParkedMessage.objects.filter(pk=parked.pk).delete()
+            if not claimed:
+                raise _Duplicate  # another worker released it
+            ProcessedMessage.objects.filter(
+                consumer=consumer, message_id=envelope.message_id
+            ).update(
+                outcome=outcome,
+                status=verdict.inbox_status,
+                error=verdict.reason,
+                attempts=F("attempts") + 1,
+            )
+
+        if verdict.transition:
+            payment = payment_id(envelope.payload) if envelope.handler.money else None
+            if payment is not None:
+                owner = spend(payment, order.pk, consumer, envelope.message_id)
+                if owner is not None:
+                    raise _Spent(payment, owner)
+            extra: dict[str, Any] = dict(unflagged)
+            if envelope.seq is not None:
+                extra["last_seq"] = envelope.seq - 1
+            outcome = _run(envelope, consumer, order, verdict, extra)
+        elif outcome is Outcome.PARKED:
+            if not park(consumer, envelope, order, verdict.reason):
+                # Another message already waits with this (order, seq): a producer bug.
+                reason = f"another message is already parked with seq {envelope.seq}"
+                ProcessedMessage.objects.filter(
+                    consumer=consumer, message_id=envelope.message_id
+                ).update(
+                    outcome=Outcome.REJECTED,
+                    status=InboxStatus.REJECTED,
+                    error=reason,
+                )
+                outcome = Outcome.REJECTED
+            elif not order.has_parked:
+                # In the parking transaction, so that a predecessor's
+                # conditional write either sees it or commits before it.
+                type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
+        elif verdict.advance_to is not None:
+            # The message used up its sequence slot without changing the state:
+            # advance last_seq so its successors are not parked forever.
+            advanced = (
+                type(order)
+                ._default_manager.filter(pk=order.pk, last_seq=order.last_seq, **unflagged)
+                .update(last_seq=verdict.advance_to)
+            )
+            if advanced != 1:
+                raise _Conflict
+    return outcome
+
+
+def _run(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    conditions: Mapping[str, Any],
+) -> Outcome:
+    """Call the model's own transition and commit it with one conditional UPDATE.
+
+    In the transaction that claimed the message. Raises _Conflict when another
+    writer changed the order since it was read (the caller reads and decides
+    again); an exception from the body, a condition or a receiver propagates
+    and rolls the transaction back.
+    """
+    version: int = order.version
+    ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+    if not commit(order, ran, version, conditions):
+        raise _Conflict
+    result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+    transition_written(order, verdict.transition, result, fsm_sent=True)
+    if ran.error is None:
+        return Outcome.APPLIED
+    # fsm-2's on_error: the body raised and the order moved to the error state,
+    # which is committed, as fsm-2 and a save() would. The message is kept as
+    # rejected, with what was raised.
+    reason = (
+        f"{verdict.transition} raised {describe(ran.error)}; "
+        f"the order moved to its on_error state {ran.target}"
+    )
+    ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id).update(
+        outcome=Outcome.REJECTED,
+        status=InboxStatus.REJECTED,
+        error=reason,
+        body=serialise(envelope.as_dict()),
+    )
+    logger.warning(
+        "message %s (%s): %s",
+        envelope.message_id,
+        consumer,
+        reason,
+        extra={"message_id": envelope.message_id, "order_id": order.pk},
+    )
+    return Outcome.REJECTED
+
+
+def reused_id(envelope: Envelope) -> str:
+    """The inbox id under which a message reusing another's id is kept."""
+    digest = hashlib.sha256(f"{envelope.message_id}\x00{envelope.fingerprint}".encode())
+    return f"reused:{digest.hexdigest()}"
+
+
+def _reused(envelope: Envelope, consumer: str) -> Outcome:
+    """Keep a message whose id was used before for another message, rejected and flagged."""
+    reason = (
+        f"message id {envelope.message_id} was used before with another payload; "
+        "this message is kept here and not applied"
+    )
+    return _reject(
+        consumer=consumer,
+        message_id=reused_id(envelope),
+        message_type=envelope.message_type,
+        order=None,
+        seq=envelope.seq,
+        reason=reason,
+        body=serialise(envelope.as_dict())[:BODY_EXCERPT],
+        order_id=envelope.order_id,
+    )
+
+
+def _claim_and_apply(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    unflagged: dict[str, Any],
+) -> Outcome:
+    """The common case on PostgreSQL: the inbox row and the transition in one statement.
+
+    Taken only outside a caller's transaction and when nothing else must be
+    written in the transition's transaction (no follow-up, no fsm-2 receiver).
+    """
+    model = type(order)
+    e = edge(model, verdict.transition)
+    values = written_values(model, verdict.values)
+    conditions = dict(unflagged)
+    if envelope.seq is not None:
+        conditions["last_seq"] = envelope.seq - 1
+    row = ProcessedMessage(
+        consumer=consumer,
+        message_id=envelope.message_id,
+        message_type=envelope.message_type,
+        status=verdict.inbox_status,
+        outcome=Outcome.APPLIED,
+        order_id=order.pk,
+        seq=envelope.seq,
+        fingerprint=envelope.fingerprint,
+    )
+    try:
+        claimed = claim_and_apply(
+            row,
+            order,
+            state_column=str(state_field(model).column),
+            sources=sorted(e.sources),
+            target=e.target,
+            version=order.version,
+            values=values,
+            conditions=conditions,
+        )
+    except ClaimConflict:
+        raise _Conflict from None
+    if not claimed:
+        raise _Duplicate
+    transition_written(order, e.name, advance(order, e.name, values))
+    return Outcome.APPLIED
+
+
+def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -> bool:
+    """Keep ``envelope`` until it can go ahead; False when its ``(order, seq)`` is taken."""
+    try:
+        with transaction.atomic():
+            ParkedMessage.objects.create(
+                consumer=consumer,
+                message_id=envelope.message_id,
+                order_id=order.pk,
+                seq=envelope.seq,
+                envelope=envelope.as_dict(),
+                reason=reason[:255],
+            )
+    except IntegrityError:
+        return False
+    return True
+
+
+def release_parked(order_id: int) -> list[Outcome]:
+    """Decide again every parked message of an order that can now go ahead, in order.
+
+    Each release runs in its own transaction; a message still waiting stays
+    parked. Safe to call from several workers at once: a parked row is claimed
+    by deleting it, so only one of them releases it.
+    """
+    outcomes: list[Outcome] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        waiting = list(ParkedMessage.objects.filter(order_id=order_id).order_by("seq", "id"))
+        for parked in waiting:
+            try:
+                envelope = parse_envelope(parked.envelope, consumer=parked.consumer)
+            except InvalidMessage as exc:  # a handler was unregistered meanwhile
+                envelope = None
+                reason = exc.message
+            if envelope is None:
+                with transaction.atomic():
+                    if ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
+                        ProcessedMessage.objects.filter(
+                            consumer=parked.consumer, message_id=parked.message_id
+                        ).update(
+                            outcome=Outcome.REJECTED,
+                            status=InboxStatus.REJECTED,
+                            error=reason,
+                        )
+                continue
+            outcome = _consume(envelope, parked.consumer, parked=parked)
+            if outcome is not Outcome.PARKED:
+                outcomes.append(outcome)
+                progressed = True
+                break  # the order changed: read the waiting list again, in order
+    return outcomes
+
+
+def surface_overdue_parked(*, timeout: int | None = None) -> list[ParkedMessage]:
+    """Release what can go ahead, then mark parked messages older than ``timeout`` overdue.
+
+    The release pass is a backstop for a worker that died between parking a
+    message and re-checking it. Each message is marked once (a conditional
+    UPDATE), and ``parked_overdue`` is sent for it; operators find the rows in
+    the admin under "overdue". Returns the newly marked rows.
+    """
+    from django.utils import timezone
+
+    timeout = conf.PARKED_TIMEOUT if timeout is None else timeout
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=timeout)
+    old = ParkedMessage.objects.filter(parked_at__lte=cutoff, overdue_at__isnull=True)
+    for order_id in old.values_list("order_id", flat=True).distinct().order_by("order_id"):
+        release_parked(order_id)
+    marked: list[ParkedMessage] = []
+    for parked in old.order_by("order_id", "seq", "id"):
+        if ParkedMessage.objects.filter(pk=parked.pk, overdue_at__isnull=True).update(
+            overdue_at=now
+        ):
+            parked.overdue_at = now
+            marked.append(parked)
+            waited = (now - parked.parked_at).total_seconds()
+            logger.error(
+                "parked message %s of order %s waited %.0fs for its predecessor: %s",
+                parked.message_id,
+                parked.order_id,
+                waited,
+                parked.reason,
+                extra={"message_id": parked.message_id, "order_id": parked.order_id},
+            )
+            parked_overdue.send(sender=ParkedMessage, parked=parked, waited=waited)
+    return marked
+
+
+def redeliver(ids: Iterable[int]) -> dict[int, Outcome | str]:
+    """Consume again, from the envelope they keep, the requeued messages among ``ids``.
+
+    What an operator's requeue of a dead consumer message runs, once the cause is
+    fixed: the message takes effect exactly once (the inbox row is claimed by a
+    conditional update), or fails again and is kept as failed.
+    """
+    done: dict[int, Outcome | str] = {}
+    rows = ProcessedMessage.objects.filter(RETRYABLE, pk__in=list(ids)).exclude(body="")
+    for row in rows:
+        try:
+            message = json.loads(row.body)
+        except ValueError:
+            done[row.pk] = "unreadable"
+            continue
+        if not isinstance(message, dict) or message.get("message_id") != row.message_id:
+            done[row.pk] = "unreadable"
+            continue
+        try:
+            done[row.pk] = consume_message(message, consumer=row.consumer)
+        except MessageFailed as exc:
+            done[row.pk] = f"failed again: {exc.reason}"
+    return done

@@ -1,0 +1,629 @@
+"""SQL the consumers write by hand: the order read, the inbox claim, and claim-and-apply.
+
+The claims keep the inbox's unique index the only authority on duplicates.
+:func:`insert_inbox_rows` is the batch path's multi-row ``INSERT ... ON
+CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB).
+:func:`claim_and_apply` is the single path's PostgreSQL statement for a
+message whose verdict is "apply": the inbox insert and the order's conditional
+UPDATE in one statement, committed on its own (one round trip instead of
+BEGIN, INSERT, UPDATE, COMMIT). :func:`read_order` is the single path's read of
+the order: the ORM's own SQL, compiled once per model and database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, DataError, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Field, Model
+from django.db.models.expressions import DatabaseDefault
+from django.db.models.manager import BaseManager
+
+from idempotent_orders.models import ProcessedMessage
+
+try:
+    from psycopg import ClientCursor as _DriverCursor
+    from psycopg import Connection as _Psycopg
+    from psycopg import errors as _errors
+    from psycopg.adapt import Transformer as _Transformer
+except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
+    _Psycopg = _DriverCursor = _errors = _Transformer = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "ClaimConflict",
+    "build",
+    "can_claim_and_apply",
+    "claim_and_apply",
+    "compiled_read",
+    "driver_cursor",
+    "fetch_one",
+    "insert_inbox_rows",
+    "read_order",
+]
+
+
+class ClaimConflict(Exception):
+    """The message was claimed but the order had moved: nothing was written; decide again."""
+
+
+@dataclass(frozen=True)
+class _ReadPlan:
+    """The compiled ``SELECT`` of one order by primary key, and how to build the instance."""
+
+    sql: str
+    attnames: tuple[str, ...]
+    #: ``(position, converters, expression)`` of the columns that need converting.
+    converters: tuple[tuple[int, tuple[Any, ...], Any], ...]
+
+
+#: Read plans by (model, database alias, looked-up fields); None where the ORM must read.
+_read_plans: dict[tuple[type[Model], str, tuple[str, ...]], _ReadPlan | None] = {}
+
+
+def _read_plan(model: type[Model], alias: str, lookups: tuple[str, ...]) -> _ReadPlan | None:
+    manager = model._default_manager
+    if type(manager).get_queryset is not BaseManager.get_queryset:
+        return None  # a manager that filters may do so differently on each call
+    try:
+        queryset = manager.using(alias).all()
+        for name in lookups:  # one filter() each: the parameters keep the lookups' order
+            queryset = queryset.filter(**{name: _sample(model, name)})
+        compiler = queryset.query.get_compiler(alias)
+        sql, params = compiler.as_sql()
+    except Exception:  # a field that the sample value cannot stand for: let the ORM read
+        return None
+    select, klass_info = compiler.select, compiler.klass_info
+    if len(params) != len(lookups) or not klass_info or compiler.annotation_col_map:
+        return None
+    start, end = klass_info["select_fields"][0], klass_info["select_fields"][-1] + 1
+    if (start, end) != (0, len(select)):
+        return None
+    converters = compiler.get_converters([col for col, _, _ in select])
+    return _ReadPlan(
+        sql=sql,
+        attnames=tuple(col.target.attname for col, _, _ in select),
+        converters=tuple((pos, tuple(c), expr) for pos, (c, expr) in converters.items()),
+    )
+
+
+def _sample(model: type[Model], name: str) -> Any:
+    field = model._meta.pk if name == "pk" else model._meta.get_field(name)
+    return 1 if field.get_internal_type() in _INTEGER_TYPES else "x"
+
+
+_INTEGER_TYPES = {
+    "AutoField",
+    "BigAutoField",
+    "SmallAutoField",
+    "IntegerField",
+    "BigIntegerField",
+    "SmallIntegerField",
+    "PositiveIntegerField",
+    "PositiveBigIntegerField",
+    "PositiveSmallIntegerField",
+}
+
+
+def compiled_read(model: type[Model], *lookups: str) -> tuple[str, _ReadPlan | None]:
+    """The database alias of ``model``'s default manager and its compiled read by ``lookups``.
+
+    The plan is the SQL of ``model._default_manager.filter(<lookup>=...)``, compiled
+    once; None when the manager has its own ``get_queryset`` (read through the ORM).
+    """
+    alias = model._default_manager.db
+    key = (model, alias, lookups)
+    try:
+        plan = _read_plans[key]
+    except KeyError:
+        plan = _read_plans[key] = _read_plan(model, alias, lookups)
+    return alias, plan
+
+
+def build(model: type[Model], alias: str, plan: _ReadPlan, row: Sequence[Any]) -> Model:
+    """The instance ``plan``'s SELECT returned as ``row``, as the ORM would build it."""
+    conn = connections[alias]
+    if plan.converters:
+        values = list(row)
+        for pos, functions, expression in plan.converters:
+            value = values[pos]
+            for function in functions:
+                value = function(value, expression, conn)
+            values[pos] = value
+        row = values
+    return model.from_db(alias, plan.attnames, row)
+
+
+def read_order(model: type[Model], pk: Any) -> Model | None:
+    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it.
+
+    The same SQL, compiled once per model and database instead of per message
+    (the compile costs more than the query). A default manager with its own
+    ``get_queryset`` is read through the ORM every time.
+    """
+    alias, plan = compiled_read(model, "pk")
+    if plan is None:
+        return model._default_manager.filter(pk=pk).first()
+    conn = connections[alias]
+    pk_field = model._meta.pk
+    assert pk_field is not None
+    with conn.cursor() as cursor:
+        cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
+        row = cursor.fetchone()
+    return None if row is None else build(model, alias, plan, row)
+
+
+def _inbox_fields(row: ProcessedMessage) -> list[Field[Any, Any]]:
+    """The fields an inbox INSERT writes (all but the key and database defaults)."""
+    return [
+        f
+        for f in ProcessedMessage._meta.concrete_fields
+        if not f.primary_key and not isinstance(getattr(row, f.attname), DatabaseDefault)
+    ]
+
+
+def _inbox_columns(row: ProcessedMessage) -> tuple[list[Field[Any, Any]], str]:
+    """The inbox INSERT's fields and its quoted column list."""
+    fields = _inbox_fields(row)
+    qn = connection.ops.quote_name
+    return fields, ", ".join(qn(str(f.column)) for f in fields)
+
+
+def _inbox_values(fields: list[Field[Any, Any]], row: ProcessedMessage) -> list[Any]:
+    return [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
+
+
+@dataclass(frozen=True)
+class InboxTemplate:
+    """The INSERT of one inbox row whose per-message columns are filled in by position.
+
+    Built once per database from a sample row, so the fields' defaults and
+    database preparation stay the model's own; only :data:`PER_MESSAGE`
+    columns (and ``updated_at``'s ``auto_now``) change between messages.
+    """
+
+    fields: list[Field[Any, Any]]
+    #: ``INSERT INTO <inbox> (<columns>) VALUES (%s, ...) ON CONFLICT ... DO NOTHING``
+    sql: str
+    base: list[Any]
+    #: Position of each per-message column in ``base``.
+    positions: dict[str, int]
+    #: ``sql`` around its value list: ``INSERT INTO <inbox> (<columns>) VALUES (`` and the rest.
+    head: str
+    tail: str
+
+    def insert(self, values: Sequence[str]) -> str:
+        """``sql`` with ``values`` (SQL expressions, one per field) as its value list."""
+        return f"{self.head}{', '.join(values)}{self.tail}"
+
+    def params(self, values: Mapping[str, Any], now: Any) -> list[Any]:
+        """``base`` with ``values`` and ``updated_at`` = ``now``, prepared by their fields.
+
+        A plain ``str`` or ``int`` is what every inbox column's preparation
+        returns for it, so only other values go through ``get_db_prep_save``.
+        """
+        params = list(self.base)
+        positions = self.positions
+        fields = self.fields
+        for name, value in values.items():
+            pos = positions[name]
+            if value is not None and type(value) not in _PLAIN:
+                value = fields[pos].get_db_prep_save(value, connection)
+            params[pos] = value
+        if "updated_at" in positions:
+            pos = positions["updated_at"]
+            params[pos] = fields[pos].get_db_prep_save(now, connection)
+        return params
+
+
+_PLAIN = frozenset({str, int})
+
+#: Columns :meth:`InboxTemplate.params` may set per message.
+PER_MESSAGE = (
+    "consumer",
+    "message_id",
+    "message_type",
+    "status",
+    "outcome",
+    "order_id",
+    "seq",
+    "error",
+    "body",
+    "fingerprint",
+)
+
+_templates: dict[str, InboxTemplate] = {}
+
+
+def inbox_template() -> InboxTemplate:
+    """The :class:`InboxTemplate` of the current database (an applied message's row)."""
+    template = _templates.get(connection.alias)
+    if template is None:
+        from idempotent_orders.models import InboxStatus, Outcome
+
+        sample = ProcessedMessage(
+            consumer="",
+            message_id="",
+            message_type="",
+            status=InboxStatus.DONE,
+            outcome=Outcome.APPLIED,
+            order_id=None,
+            seq=None,
+        )
+        fields, columns = _inbox_columns(sample)
+        base = _inbox_values(fields, sample)
+        attnames = [f.attname for f in fields]
+        positions = {name: attnames.index(name) for name in (*PER_MESSAGE, "updated_at")}
+        table, _, _ = _names()
+        head, tail = f"INSERT INTO {table} ({columns}) VALUES (", f") {_on_conflict()}"
+        sql = head + ", ".join(["%s"] * len(fields)) + tail
+        template = _templates[connection.alias] = InboxTemplate(
+            fields, sql, base, positions, head, tail
+        )
+    return template
+
+
+def _names() -> tuple[str, str, str]:
+    """Quoted table, primary key and message id column of the inbox."""
+    meta = ProcessedMessage._meta
+    qn = connection.ops.quote_name
+    pk = qn(str(meta.pk.column if meta.pk else "id"))
+    message_id = qn(str(meta.get_field("message_id").column))
+    return qn(meta.db_table), pk, message_id
+
+
+def _on_conflict() -> str:
+    qn = connection.ops.quote_name
+    unique = ", ".join(
+        qn(str(ProcessedMessage._meta.get_field(name).column))  # type: ignore[union-attr]
+        for name in ("consumer", "message_id")
+    )
+    return f"ON CONFLICT ({unique}) DO NOTHING"
+
+
+def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
+    """Insert inbox rows, skipping ids already there; ``{message_id: pk}`` of the new ones."""
+    fields = _inbox_fields(rows[0])
+    return insert_inbox_values(fields, [_inbox_values(fields, row) for row in rows])
+
+
+def insert_inbox_values(
+    fields: Sequence[Field[Any, Any]], rows: Sequence[Sequence[Any]]
+) -> dict[str, int]:
+    """:func:`insert_inbox_rows` for rows given as prepared values of ``fields``.
+
+    (:meth:`InboxTemplate.params` builds them without a model instance per row.)
+    """
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(str(f.column)) for f in fields)
+    table, pk, message_id = _names()
+    returning = f"RETURNING {pk}, {message_id}"
+    at = [f.attname for f in fields].index("message_id")
+    if connection.vendor == "postgresql":
+        # One array per column: the statement text is the same for any number of
+        # rows, so the driver parses it once, not a placeholder per value per call.
+        arrays: list[list[Any]] = [list(column) for column in zip(*rows, strict=True)]
+        unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+        sql = (
+            f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
+            f" {_on_conflict()} {returning}"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, arrays)
+            return {mid: pk_ for pk_, mid in cursor.fetchall()}
+    placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    params: list[Any] = [value for row in rows for value in row]
+    if connection.vendor == "mysql":
+        # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
+        # is ignored in practice: ids longer than the column never get here.
+        head, tail = f"INSERT IGNORE INTO {table}", returning
+    else:
+        head, tail = f"INSERT INTO {table}", f"{_on_conflict()} {returning}"
+    new: dict[str, int] = {}
+    with connection.cursor() as cursor:
+        if connection.features.can_return_rows_from_bulk_insert:
+            values = ", ".join([placeholder] * len(rows))
+            cursor.execute(f"{head} ({columns}) VALUES {values} {tail}", params)
+            new.update((mid, pk_) for pk_, mid in cursor.fetchall())
+        else:  # an old SQLite without RETURNING: one row at a time, same semantics
+            width = len(fields)
+            for n, row in enumerate(rows):
+                cursor.execute(
+                    f"{head} ({columns}) VALUES {placeholder} {tail}",
+                    params[n * width : (n + 1) * width],
+                )
+                found = cursor.fetchall()
+                if found:
+                    new[row[at]] = found[0][0]
+    return new
+
+
+def can_claim_and_apply() -> bool:
+    """Whether :func:`claim_and_apply` may run now: PostgreSQL, outside any transaction.
+
+    Inside a caller's transaction the single statement would not be the whole
+    transaction (and its deliberate error would abort the caller's).
+    """
+    return connection.vendor == "postgresql" and not connection.in_atomic_block
+
+
+#: SQLSTATE of the division by zero that undoes a claim whose UPDATE found no row.
+_UNDO = "22012"
+
+
+_ClaimPlan = tuple[str, list["Field[Any, Any]"], list["Field[Any, Any]"]]
+#: The claim-and-apply statement by database, model and the columns it writes and tests.
+_claim_plans: dict[tuple[Any, ...], _ClaimPlan] = {}
+
+
+def _claim_plan(
+    meta: Any,
+    fields: list[Field[Any, Any]],
+    state_column: str,
+    values: Mapping[str, Any],
+    conditions: Mapping[str, Any],
+) -> _ClaimPlan:
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(str(f.column)) for f in fields)
+    inbox, _, _ = _names()
+    table = qn(meta.db_table)
+    pk_column = qn(str(meta.pk.column if meta.pk else "id"))
+    sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
+    value_fields: list[Field[Any, Any]] = []
+    for name in values:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        sets.append(f"{qn(str(field.column))} = %s")
+        value_fields.append(field)
+    where = [f"{pk_column} = %s", f"{qn(state_column)} = ANY(%s)", f"{qn('version')} = %s"]
+    condition_fields: list[Field[Any, Any]] = []
+    for name in conditions:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        where.append(f"{qn(str(field.column))} = %s")
+        condition_fields.append(field)
+    placeholder = ", ".join(["%s"] * len(fields))
+    sql = (
+        f"WITH claim AS (INSERT INTO {inbox} ({columns}) VALUES ({placeholder})"
+        f" {_on_conflict()} RETURNING 1),"
+        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
+        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
+        " SELECT (SELECT count(*) FROM claim),"
+        " CASE WHEN (SELECT count(*) FROM claim) = 1"
+        " THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END"
+    )
+    return sql, value_fields, condition_fields
+
+
+def claim_and_apply(
+    row: ProcessedMessage,
+    order: Model,
+    *,
+    state_column: str,
+    sources: Sequence[str],
+    target: str,
+    version: int,
+    values: Mapping[str, Any],
+    conditions: Mapping[str, Any],
+) -> bool:
+    """Insert the inbox ``row`` and apply the transition in one statement; False for a duplicate.
+
+    ``UPDATE <order> SET <state>=:target, version=version+1, <values> WHERE
+    pk=:pk AND <state> IN :sources AND version=:v AND <conditions> AND the
+    inbox insert happened``. When the insert happened but the UPDATE matched
+    no row (another writer moved the order), the statement divides by zero on
+    purpose, so PostgreSQL rolls all of it back: nothing is written and
+    :class:`ClaimConflict` asks the caller to read the order and decide again.
+    A duplicate inserts nothing and updates nothing.
+    """
+    fields = _inbox_fields(row)
+    meta = order._meta
+    key = (
+        connection.alias,
+        type(order),
+        state_column,
+        tuple(f.attname for f in fields),
+        tuple(values),
+        tuple(conditions),
+    )
+    plan = _claim_plans.get(key)
+    if plan is None:
+        plan = _claim_plans[key] = _claim_plan(meta, fields, state_column, values, conditions)
+    sql, value_fields, condition_fields = plan
+    params = _inbox_values(fields, row)
+    params.append(target)
+    params.extend(
+        f.get_db_prep_save(v, connection)
+        for f, v in zip(value_fields, values.values(), strict=True)
+    )
+    params.extend((order.pk, list(sources), version))
+    params.extend(
+        f.get_db_prep_save(v, connection)
+        for f, v in zip(condition_fields, conditions.values(), strict=True)
+    )
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            claimed, _moved = cursor.fetchone()
+    except DataError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == _UNDO:
+            raise ClaimConflict from None
+        raise
+    return bool(claimed)
+
+
+def driver_cursor(conn: BaseDatabaseWrapper) -> Any:
+    """A cursor of the psycopg 3 connection under ``conn``, or None: use Django's cursor.
+
+    Going straight to the driver skips the cost of Django's cursor wrapper on
+    a hot statement, and keeps Django's checks and error mapping as long as
+    the caller runs it under ``conn.wrap_database_errors`` (``ensure_connection``
+    and ``validate_thread_sharing`` are done here). None whenever something
+    must see the query: execute wrappers, query logging (``DEBUG`` or a test
+    capturing queries), a health check not yet done in this request, or a
+    connection not in autocommit (the statement would run outside Django's
+    transaction bookkeeping).
+    """
+    if _DriverCursor is None:
+        return None
+    conn.ensure_connection()
+    raw = conn.connection
+    if (
+        not isinstance(raw, _Psycopg)
+        or conn.execute_wrappers
+        or conn.queries_logged
+        or not conn.autocommit
+        or (
+            getattr(conn, "health_check_enabled", False)
+            and not getattr(conn, "health_check_done", False)
+        )
+    ):
+        return None
+    conn.validate_thread_sharing()
+    return _DriverCursor(raw)
+
+
+def _named(args: Sequence[Any]) -> dict[str, Any]:
+    return {f"a{n}": value for n, value in enumerate(args)}
+
+
+def fetch_one(sql: str, args: Sequence[Any], conn: BaseDatabaseWrapper | None = None) -> Any:
+    """Run ``sql`` on ``conn`` (the default database's) and return its first row.
+
+    ``sql`` names its arguments ``%(a0)s``, ``%(a1)s``, ... by their position
+    in ``args`` (an argument may appear more than once). On psycopg 3 the
+    statement goes straight to the driver (see :func:`driver_cursor`) as a
+    prepared statement of the session (see :func:`_run_prepared`): the server
+    neither parses nor plans it again, which is most of its own work on a
+    short statement. Otherwise Django's cursor runs it, unprepared.
+    """
+    conn = conn if conn is not None else connections[DEFAULT_DB_ALIAS]
+    cursor = driver_cursor(conn)
+    if cursor is None:
+        with conn.cursor() as cursor:
+            cursor.execute(sql, _named(args))
+            return cursor.fetchone()
+    raw = conn.connection
+    with conn.wrap_database_errors, cursor:
+        return _run_prepared(raw, cursor, sql, args, _transformer(conn, raw))
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    name: str
+    prepare: str
+    #: ``EXECUTE <name>(``: the arguments and ``)`` follow.
+    execute: bytes
+
+
+_prepared_forms: dict[str, _Prepared | None] = {}
+#: Per psycopg connection: the statements prepared on it, the ones used on it, and how
+#: many times one went missing there.
+_prepared_on: weakref.WeakKeyDictionary[Any, tuple[set[str], set[str], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+#: A connection whose prepared statements went missing this often stops preparing
+#: (e.g. behind a transaction pooler that does not keep them).
+_MAX_MISSES = 3
+#: The pieces of a statement text: an argument, an escaped ``%``, or a stray ``%``.
+_PLACEHOLDER = re.compile(r"%\(a(\d+)\)s|%%|%")
+
+
+def _prepared_form(sql: str) -> _Prepared | None:
+    """``PREPARE`` of ``sql``, named after a hash of its text; None: run it plainly."""
+    try:
+        return _prepared_forms[sql]
+    except KeyError:
+        pass
+
+    def parameter(match: re.Match[str]) -> str:
+        if match.group(1) is not None:
+            return f"${int(match.group(1)) + 1}"
+        if match.group(0) == "%%":
+            return "%"
+        raise ValueError("a % that is neither an argument nor escaped")
+
+    form: _Prepared | None
+    try:
+        body = _PLACEHOLDER.sub(parameter, sql)
+    except ValueError:
+        form = None
+    else:
+        digest = hashlib.blake2b(sql.encode(), digest_size=12).hexdigest()
+        name = f"idempotent_orders_{digest}"
+        form = _Prepared(name, f"PREPARE {name} AS {body}", f"EXECUTE {name}(".encode())
+    _prepared_forms[sql] = form
+    return form
+
+
+#: Per Django connection: its psycopg connection and a Transformer of it (the dumpers it
+#: found are kept from one message to the next). Keyed by Django's wrapper, so the value
+#: holds no reference to its own key.
+_transformers: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _transformer(conn: Any, raw: Any) -> Any:
+    found = _transformers.get(conn)
+    if found is None or found[0] is not raw:
+        found = _transformers[conn] = (raw, _Transformer(raw))
+    return found[1]
+
+
+def _execute(form: _Prepared, args: Sequence[Any], transformer: Any) -> bytes:
+    """``EXECUTE`` of ``form`` with ``args`` as literals.
+
+    ``EXECUTE`` takes no bound parameters, so its arguments are composed into
+    the text as the driver's client-side binding composes them
+    (``Transformer.as_literal``; the server coerces each to the type it chose
+    for that parameter).
+    """
+    literal = transformer.as_literal
+    values = [b"NULL" if value is None else literal(value) for value in args]
+    return form.execute + b", ".join(values) + b")"
+
+
+def _run_prepared(raw: Any, cursor: Any, sql: str, args: Sequence[Any], transformer: Any) -> Any:
+    """Run ``sql`` as a prepared statement of ``raw``'s session (prepared on its second use).
+
+    The statement is named after a hash of its text, so a name can only ever
+    stand for this text, on any server session (a pooler's included). A
+    session that lost it (``DISCARD ALL``, a pooler's other server) or whose
+    plan no longer fits (a column type changed) runs this message's
+    statement unprepared, which is the same statement; the next message
+    prepares it again, up to a few misses per connection. Only in autocommit:
+    a failed ``EXECUTE`` did nothing.
+    """
+    form = _prepared_form(sql)
+    state = _prepared_on.get(raw)
+    if state is None:
+        state = _prepared_on[raw] = (set(), set(), [0])
+    prepared, used, misses = state
+    if form is None or misses[0] >= _MAX_MISSES or form.name not in used:
+        # The first use on a connection runs plainly: a connection that serves
+        # one message (CONN_MAX_AGE=0, closed after each task) never pays the
+        # PREPARE round trip.
+        if form is not None:
+            used.add(form.name)
+        cursor.execute(sql, _named(args))
+        return cursor.fetchone()
+    try:
+        if form.name not in prepared:
+            # A session that has it already has this very text under that name.
+            with contextlib.suppress(_errors.DuplicatePreparedStatement):
+                cursor.execute(form.prepare)
+            prepared.add(form.name)
+        cursor.execute(_execute(form, args, transformer))
+        return cursor.fetchone()
+    except (_errors.InvalidSqlStatementName, _errors.FeatureNotSupported):
+        prepared.discard(form.name)
+        misses[0] += 1
+        with contextlib.suppress(_errors.Error):
+            cursor.execute(f"DEALLOCATE {form.name}")
+    cursor.execute(sql, _named(args))
+    return cursor.fetchone()
