@@ -13,4 +13,5 @@ urlpatterns = [
     path("shop/", shop.shop, name="shop"),
     path("shop/checkout/", shop.checkout, name="shop-checkout"),
     path("shop/orders/<int:pk>/", shop.order_page, name="shop-order"),
+    path("shop/orders/<int:pk>/status.json", shop.order_status_json, name="shop-order-status"),
 ]
