@@ -22,7 +22,6 @@ arrived, not the time it was released.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -32,6 +31,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from idempotent_orders import leases
+from idempotent_orders.engine import REFUND
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.handlers import get_handler
 from idempotent_orders.models import (
@@ -163,9 +163,7 @@ def _inbox_event(row: ProcessedMessage, now: datetime) -> Event:
             text += f" ({row.error})"
     else:
         text = f"{handled}{row.error}" if row.error else handled.removesuffix("; ")
-        attention = row.outcome == Outcome.REJECTED and row.error.endswith(
-            "the payment is money to give back"
-        )
+        attention = row.outcome == Outcome.REJECTED and row.error.endswith(REFUND)
     if row.updated_at and row.created_at and (row.updated_at - row.created_at).total_seconds() >= 1:
         text += f" — last change {at(row.updated_at)}"
     return Event(
@@ -238,7 +236,9 @@ def _audit_event(entry: AuditEntry) -> Event:
 
 
 def _outbox_event(row: OutboxMessage) -> Event:
-    trace = " ".join(t for t in (row.traceparent, row.correlation_id) if t)
+    # The trace id (what tracing tools search by), and the correlation id where one is kept.
+    trace_id = row.traceparent.split("-")[1] if row.traceparent.count("-") == 3 else ""
+    trace = " ".join(t for t in (trace_id, row.correlation_id) if t)
     if row.status == OutboxStatus.SENT:
         text = f"sent at {at(row.sent_at)}"
     elif row.status == OutboxStatus.DEAD:
@@ -301,12 +301,3 @@ def timeline(order: Any, *, outbox: Any = None) -> list[Event]:
         )
     first = {"order": 0, "message": 1, "lease": 1, "parked": 2, "outbox": 3, "operator": 4}
     return sorted(events, key=lambda e: (e.at, first.get(e.kind, 9)))
-
-
-def envelope_of(row: ProcessedMessage) -> dict[str, Any] | None:
-    """The envelope a failed or rejected inbox row keeps, or None."""
-    try:
-        body = json.loads(row.body)
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
