@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('idempotent_orders', '0005_outcome_failed'),
+        ('idempotent_orders', '0007_inbox_fingerprint'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
