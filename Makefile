@@ -55,6 +55,7 @@ demo-web: venv
 		--concurrency 2 --loglevel warning & worker=$$!; \
 	trap 'kill -TERM $$worker 2>/dev/null; wait $$worker' EXIT INT TERM; \
 	echo "the shop: http://$(DEMO_WEB_ADDR)/shop/  (Ctrl-C stops the server and the worker)"; \
+	$(PY) manage.py demo_superuser --url http://$(DEMO_WEB_ADDR)/admin/; \
 	$(PY) manage.py runserver $(DEMO_WEB_ADDR)
 
 # The Django 6 leg needs Python >= 3.12; without one (and outside CI) it is

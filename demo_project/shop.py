@@ -8,14 +8,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
 from demo_project.tasks import award_points
 from idempotent_orders import get_order_model
-from idempotent_orders.consuming.graph import state_field
+from idempotent_orders.consuming.graph import edges, state_field
 from idempotent_orders.http.forms import idempotent_form
 from idempotent_orders.orders import create_order
 from idempotent_orders.outbox import publish_on_commit
@@ -29,25 +29,101 @@ PRODUCTS = {
 _SESSION_ORDERS = "shop_orders"
 
 
+#: Most of one item a single order takes.
+MAX_QUANTITY = 99
+
+
+def _catalogue(quantities: dict[str, str] | None = None) -> list[tuple[str, Any, str]]:
+    """``(sku, (name, price), quantity as typed)`` for the form, keeping what was typed."""
+    quantities = quantities or {}
+    return [(sku, product, quantities.get(sku, "0")) for sku, product in PRODUCTS.items()]
+
+
 def shop(request: HttpRequest) -> HttpResponse:
-    return render(request, "shop/index.html", {"products": PRODUCTS.items()})
+    return render(request, "shop/index.html", {"products": _catalogue()})
 
 
-@require_http_methods(["POST"])
-@idempotent_form
-def checkout(request: HttpRequest) -> HttpResponse:
+def read_basket(data: Any) -> tuple[list[dict[str, Any]], list[str], dict[str, str]]:
+    """The basket a form posted: ``(items, problems, quantities as typed)``.
+
+    Every quantity that is not a whole number from 0 to ``MAX_QUANTITY`` is a
+    problem said in words; none is dropped silently (a basket with a problem
+    places no order).
+    """
     items: list[dict[str, Any]] = []
-    for sku in PRODUCTS:
+    problems: list[str] = []
+    typed: dict[str, str] = {}
+    for sku, (name, _) in PRODUCTS.items():
+        raw = (data.get(f"qty-{sku}") or "").strip()
+        typed[sku] = raw or "0"
         try:
-            quantity = int(request.POST.get(f"qty-{sku}") or 0)
+            quantity = int(raw or 0)
         except ValueError:
-            quantity = 0
-        if 0 < quantity <= 99:
+            problems.append(f"{name}: “{raw}” is not a number of items.")
+            continue
+        if quantity < 0:
+            problems.append(f"{name}: {quantity} is below zero; choose 0 to leave it out.")
+        elif quantity > MAX_QUANTITY:
+            problems.append(
+                f"{name}: {quantity} is more than the {MAX_QUANTITY} one order can take; "
+                "place a second order for the rest, or write to us for a wholesale price."
+            )
+        elif quantity:
             items.append({"sku": sku, "quantity": quantity})
-    if not items:
-        # Re-render with an error: the token goes back, the page gets a fresh one.
-        context = {"products": PRODUCTS.items(), "error": "Choose at least one item."}
-        return render(request, "shop/index.html", context, status=400)
+    if not items and not problems:
+        problems.append("Choose at least one item.")
+    return items, problems, typed
+
+
+#: A token problem (the guard's problem+json), in words for a person at a form.
+TOKEN_PROBLEMS = {
+    400: "This form could not be checked (its one-time token was missing). Nothing was "
+    "ordered; please place your order again.",
+    403: "This form had expired or was not ours (its one-time token was unknown or too old). "
+    "Nothing was ordered; please check your basket and place your order again.",
+    409: "Your earlier click is still being placed. Wait a moment, then look at your orders "
+    "before trying again.",
+    422: "This form was already used for a different basket. Nothing new was ordered; "
+    "please check your basket and place your order again.",
+}
+
+
+def _wants_html(request: HttpRequest) -> bool:
+    """A browser's form post (it asks for HTML); an API client gets problem+json."""
+    return "text/html" in request.headers.get("Accept", "")
+
+
+def _form_again(request: HttpRequest, problems: list[str], status: int) -> HttpResponse:
+    """The form again with what went wrong, the quantities as typed and a fresh token."""
+    _, _, typed = read_basket(request.POST)
+    context = {"products": _catalogue(typed), "problems": problems}
+    return render(request, "shop/index.html", context, status=status)
+
+
+@require_http_methods(["GET", "POST"])
+def checkout(request: HttpRequest) -> HttpResponse:
+    """``POST``: place the order (token-protected); ``GET`` (a reload, a bookmark): the shop.
+
+    A token the guard refuses (missing, expired, forged, reused for another
+    basket) is answered to a browser with the form again, said in plain words
+    with a fresh token; an API client keeps the problem+json answer.
+    """
+    if request.method != "POST":
+        return HttpResponseRedirect(reverse("shop"), status=303)
+    response = _checkout(request)
+    refused = response.get("Content-Type", "").startswith("application/problem+json")
+    if refused and response.status_code in TOKEN_PROBLEMS and _wants_html(request):
+        code = response.status_code
+        return _form_again(request, [TOKEN_PROBLEMS[code]], code)
+    return response
+
+
+@idempotent_form
+def _checkout(request: HttpRequest) -> HttpResponse:
+    items, problems, _ = read_basket(request.POST)
+    if problems:
+        # Re-render with what is wrong: the token goes back, the page gets a fresh one.
+        return _form_again(request, problems, 400)
     # Lets a test hold the first submit open so the second arrives while it runs.
     time.sleep(float(getattr(settings, "DEMO_CHECKOUT_DELAY", 0)))
     amount = sum((PRODUCTS[i["sku"]][1] * i["quantity"] for i in items), Decimal("0"))
@@ -71,7 +147,7 @@ def checkout(request: HttpRequest) -> HttpResponse:
     return HttpResponseRedirect(reverse("shop-order", args=[order.pk]), status=303)
 
 
-def order_page(request: HttpRequest, pk: int) -> HttpResponse:
+def _my_order(request: HttpRequest, pk: int) -> Any:
     order: Any = get_order_model()._default_manager.filter(pk=pk).first()
     user = request.user
     mine = order is not None and (
@@ -80,9 +156,41 @@ def order_page(request: HttpRequest, pk: int) -> HttpResponse:
     )
     if not mine:
         raise Http404("No such order")
-    state = state_field(get_order_model())
-    label = dict(state.flatchoices).get(state.value_from_object(order), "")
-    return render(request, "shop/order.html", {"order": order, "state_label": label})
+    return order
+
+
+def order_status(order: Any) -> dict[str, Any]:
+    """What the order page shows and polls: the state, in words, and whether it can change."""
+    model = get_order_model()
+    state = state_field(model)
+    value = state.value_from_object(order)
+    final = not any(e.allows(value) and not e.targetless for e in edges(model))
+    return {
+        "id": order.pk,
+        "status": value,
+        "label": str(dict(state.flatchoices).get(value, value)),
+        "version": order.version,
+        "final": final,
+    }
+
+
+def order_page(request: HttpRequest, pk: int) -> HttpResponse:
+    """The order and its live status: the page polls :func:`order_status_json` (without
+    JavaScript it reloads itself until the status is final)."""
+    order = _my_order(request, pk)
+    status = order_status(order)
+    return render(
+        request,
+        "shop/order.html",
+        {"order": order, "state_label": status["label"], "status": status},
+    )
+
+
+def order_status_json(request: HttpRequest, pk: int) -> JsonResponse:
+    """The order's status as JSON, for the order page's polling (the customer's own orders)."""
+    response = JsonResponse(order_status(_my_order(request, pk)))
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 #: Loyalty points per whole unit of the order's amount.

@@ -13,6 +13,7 @@ urlpatterns = [
     path("shop/", shop.shop, name="shop"),
     path("shop/checkout/", shop.checkout, name="shop-checkout"),
     path("shop/orders/<int:pk>/", shop.order_page, name="shop-order"),
+    path("shop/orders/<int:pk>/status.json", shop.order_status_json, name="shop-order-status"),
     path("shop/orders/<int:pk>/pay/", payments.pay_page, name="shop-pay"),
     path("webhooks/", include("idempotent_orders.webhooks.urls")),
 ]

@@ -73,13 +73,15 @@ from django.db import transaction
 from django.db.models import F, Model, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import NoReverseMatch, reverse
+from django.urls import NoReverseMatch, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.timesince import timesince
 
 from idempotent_orders import fulfilment, get_order_model, leases, reconcile
 from idempotent_orders.conf import conf
+from idempotent_orders.consuming.decision import REFUND
 from idempotent_orders.consuming.graph import (
     Edge,
     TransitionStatus,
@@ -95,7 +97,7 @@ from idempotent_orders.consuming.registry import registered
 from idempotent_orders.consuming.running import apply_transition, written_values
 from idempotent_orders.consuming.single import parse_envelope, redeliver
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
-from idempotent_orders.idempotent import requeue_inbox
+from idempotent_orders.idempotent import load_step, requeue_inbox
 from idempotent_orders.leases import StepResult
 from idempotent_orders.models import (
     AuditEntry,
@@ -109,13 +111,25 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 from idempotent_orders.outbox import outbox_stats, requeue_outbox
+from idempotent_orders.timeline import at, held_reason, inbox_fix, timeline
+
+
+def _names(obj: Model) -> tuple[str, str]:
+    """The order (its pk as text) and the message id ``obj`` concerns, "" where none."""
+    if isinstance(obj, get_order_model()):
+        return str(obj.pk), ""
+    order_id = getattr(obj, "order_id", None)
+    if order_id is None and isinstance(obj, OutboxMessage):
+        order_id = obj.order_key
+    return ("" if order_id is None else str(order_id)), str(getattr(obj, "message_id", "") or "")
 
 
 def audit(
     request: HttpRequest, action: str, obj: Model, result: str, detail: str = ""
 ) -> AuditEntry:
-    """Record one operator action on ``obj``."""
+    """Record one operator action on ``obj``, naming its order and message (searchable)."""
     user = request.user if request.user.is_authenticated else None
+    order_pk, message_id = _names(obj)
     return AuditEntry.objects.create(
         user=user,
         username=user.get_username() if user is not None else "",
@@ -124,13 +138,21 @@ def audit(
         object_id=str(obj.pk),
         result=result,
         detail=detail[:2000],
+        order_pk=order_pk[:64],
+        message_id=message_id[:255],
     )
 
 
-def _report(request: HttpRequest, verb: str, results: Counter[str]) -> None:
-    summary = ", ".join(f"{n} {what}" for what, n in sorted(results.items()))
-    level = messages.SUCCESS if set(results) <= {"applied", "completed"} else messages.WARNING
-    messages.add_message(request, level, f"{verb}: {summary or 'nothing selected'}.")
+def left_to_do(user: Any) -> str:
+    """What still needs an operator, in one sentence (said after every action)."""
+    due = [f"{line.count} {line.short}" for line in attention(user) if line.count and line.short]
+    if not due:
+        return "Nothing else needs attention now."
+    return f"Still needing attention: {', '.join(due)}."
+
+
+def _tell_what_is_left(request: HttpRequest) -> None:
+    messages.add_message(request, messages.INFO, left_to_do(request.user))
 
 
 class AttentionFilter(admin.SimpleListFilter):
@@ -147,6 +169,7 @@ class AttentionFilter(admin.SimpleListFilter):
             ("rejected_today", "rejected today"),
             ("failed", "failed"),
             ("dead", "dead (@idempotent work that keeps failing)"),
+            ("refund", "money to give back (a payment that cannot apply)"),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -157,6 +180,8 @@ class AttentionFilter(admin.SimpleListFilter):
             )
         if value == "rejected_today":
             return queryset.filter(status=InboxStatus.REJECTED, created_at__gte=_start_of_today())
+        if value == "refund":
+            return queryset.filter(status=InboxStatus.REJECTED, error__endswith=REFUND)
         if value in {"processing", "rejected", "failed", "dead"}:
             return queryset.filter(status=value)
         return queryset
@@ -170,6 +195,17 @@ def _overdue_cutoff() -> datetime:
     return timezone.now() - timedelta(seconds=conf.PARKED_TIMEOUT)
 
 
+def _held_cutoff() -> datetime:
+    return timezone.now() - timedelta(seconds=conf.PARKED_ATTENTION_AFTER)
+
+
+def _minutes(seconds: int) -> str:
+    if seconds % 60:
+        return f"{seconds} seconds"
+    minutes = seconds // 60
+    return "1 minute" if minutes == 1 else f"{minutes} minutes"
+
+
 class ParkedAttentionFilter(admin.SimpleListFilter):
     """Parked messages waiting longer than ``PARKED_TIMEOUT``, marked overdue or not yet."""
 
@@ -177,9 +213,14 @@ class ParkedAttentionFilter(admin.SimpleListFilter):
     parameter_name = "attention"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("overdue", "overdue (waiting longer than PARKED_TIMEOUT)")]
+        return [
+            ("held", f"held longer than {_minutes(conf.PARKED_ATTENTION_AFTER)}"),
+            ("overdue", "overdue (waiting longer than PARKED_TIMEOUT)"),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "held":
+            return queryset.filter(parked_at__lte=_held_cutoff())
         if self.value() == "overdue":
             return queryset.filter(
                 Q(overdue_at__isnull=False) | Q(parked_at__lte=_overdue_cutoff())
@@ -187,25 +228,76 @@ class ParkedAttentionFilter(admin.SimpleListFilter):
         return queryset
 
 
-def _row_action(
-    verb: str, run: Callable[[ProcessedMessage], StepResult | str], description: str
-) -> Callable[..., None]:
-    def action(
-        modeladmin: admin.ModelAdmin[ProcessedMessage],
-        request: HttpRequest,
-        queryset: QuerySet[ProcessedMessage],
-    ) -> None:
-        results: Counter[str] = Counter()
-        for row in queryset:
-            result = run(row)
-            value = result.value if isinstance(result, StepResult) else result
-            results[value] += 1
-            row.refresh_from_db()
-            audit(request, verb, row, value, f"now {row.status}: {row.error}")
-        _report(request, description, results)
+@dataclass
+class RowPlan:
+    """What an inbox row action will do to one row, in words, before it runs."""
 
-    action.__name__ = verb
-    return admin.action(description=description, permissions=["operate"])(action)
+    row: ProcessedMessage
+    applies: bool
+    text: str
+
+
+def _consumed_message(row: ProcessedMessage) -> bool:
+    """A consumed message that keeps its envelope (a failed one is consumed again from it)."""
+    return bool(row.body) and load_step(row) is None and row.message_type != ""
+
+
+def _plan_retry(row: ProcessedMessage, now: datetime) -> RowPlan:
+    if row.status == InboxStatus.DEAD:
+        return RowPlan(row, False, "dead: requeue it instead (Requeue dead rows), once fixed")
+    if row.status not in (InboxStatus.PROCESSING, InboxStatus.FAILED):
+        return RowPlan(row, False, f"{row.outcome or row.status}: nothing to retry")
+    if row.lease_expires_at is not None and row.lease_expires_at > now:
+        return RowPlan(row, False, f"a worker holds it until {at(row.lease_expires_at)}")
+    if load_step(row) is not None:
+        return RowPlan(
+            row,
+            True,
+            f"asks {row.consumer} first whether it already happened: completes if so, "
+            "otherwise runs it again with the same idempotency key",
+        )
+    if _consumed_message(row) and (
+        row.status == InboxStatus.FAILED or row.lease_expires_at is None
+    ):
+        return RowPlan(
+            row,
+            True,
+            "consumes the message again from the envelope it keeps: it takes effect once, "
+            "or stays failed with the new reason",
+        )
+    return RowPlan(row, False, f"no step is registered for {row.consumer!r} to run it again")
+
+
+def _retry(row: ProcessedMessage) -> str:
+    if load_step(row) is not None:
+        return reconcile.retry(row.pk).value
+    result = redeliver([row.pk]).get(row.pk, StepResult.SKIPPED.value)
+    return result.value if isinstance(result, Outcome) else str(result).split(":", 1)[0]
+
+
+def _plan_complete(row: ProcessedMessage, now: datetime) -> RowPlan:
+    if row.status not in (InboxStatus.PROCESSING, InboxStatus.FAILED):
+        return RowPlan(row, False, f"{row.outcome or row.status}: nothing to complete")
+    if load_step(row) is None:
+        return RowPlan(row, False, f"no step is registered for {row.consumer!r} to verify it")
+    if row.status == InboxStatus.PROCESSING and (
+        row.lease_expires_at is not None and row.lease_expires_at > now
+    ):
+        return RowPlan(row, False, f"a worker holds it until {at(row.lease_expires_at)}")
+    return RowPlan(
+        row,
+        True,
+        f"asks {row.consumer} whether it happened: completes it only if so, "
+        "otherwise leaves it for a retry",
+    )
+
+
+def _plan_fail(row: ProcessedMessage, now: datetime) -> RowPlan:
+    if row.status != InboxStatus.PROCESSING:
+        return RowPlan(row, False, f"{row.outcome or row.status}: not in processing")
+    if row.lease_expires_at is not None and row.lease_expires_at > now:
+        return RowPlan(row, False, f"a worker holds it until {at(row.lease_expires_at)}")
+    return RowPlan(row, True, "marked failed: the reconciler leaves it for an operator")
 
 
 def _fail(row: ProcessedMessage) -> str:
@@ -217,21 +309,116 @@ def _fail(row: ProcessedMessage) -> str:
     return StepResult.FAILED.value if done else StepResult.SKIPPED.value
 
 
+#: Results after which the row needs nothing more.
+_SETTLED = {"completed", "applied", "duplicate", "stale", "requeued"}
+#: A row action's result as the operator reads it.
+_SAID = {
+    "retry": "not finished, it waits for the next attempt",
+    "skipped": "nothing done: a worker or another operator has it",
+    "busy": "nothing done: a worker holds its lease",
+    "failed": "failed",
+}
+
+
+def _row_now(row: ProcessedMessage) -> str:
+    """The row as it is after an action, in words."""
+    state = row.outcome or row.status if row.status == InboxStatus.DONE else row.status
+    return f"now {state}" + (f": {row.error}" if row.error else "")
+
+
+def _row_name(row: ProcessedMessage) -> str:
+    order = f" (order {row.order_id})" if row.order_id is not None else ""
+    return f"{row.consumer}:{row.message_id}{order}"
+
+
+def _row_action(
+    verb: str,
+    run: Callable[[ProcessedMessage], StepResult | str],
+    description: str,
+    planner: Callable[[ProcessedMessage, datetime], RowPlan],
+) -> Callable[..., TemplateResponse | None]:
+    """An inbox row action: a confirmation page first, then one audited run per row, and
+    a message per row saying what happened and what the row is now."""
+
+    def action(
+        modeladmin: admin.ModelAdmin[ProcessedMessage],
+        request: HttpRequest,
+        queryset: QuerySet[ProcessedMessage],
+    ) -> TemplateResponse | None:
+        now = timezone.now()
+        rows = list(queryset.order_by("id"))
+        plans = [planner(row, now) for row in rows]
+        if request.POST.get("post") != "yes":
+            opts = modeladmin.opts
+            return TemplateResponse(
+                request,
+                "admin/idempotent_orders/processedmessage/action_confirmation.html",
+                {
+                    **modeladmin.admin_site.each_context(request),
+                    "title": f"{description}: are you sure?",
+                    "subtitle": None,
+                    "opts": opts,
+                    "action": verb,
+                    "label": description,
+                    "plans": plans,
+                    "applicable": any(p.applies for p in plans),
+                    "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                    "next": _next_url(request),
+                },
+            )
+        for p in plans:
+            row = p.row
+            result = run(row) if p.applies else StepResult.SKIPPED.value
+            value = result.value if isinstance(result, StepResult) else result
+            row.refresh_from_db()
+            said = p.text if p.applies else f"nothing done: {p.text}"
+            audit(request, verb, row, value, f"{_row_name(row)}: {said}; {value}; {_row_now(row)}")
+            level = messages.SUCCESS if value in _SETTLED else messages.WARNING
+            if not p.applies:
+                level = messages.INFO
+            messages.add_message(
+                request,
+                level,
+                f"{description} {_row_name(row)}: "
+                f"{_SAID.get(value, value) if p.applies else said}; {_row_now(row)}.",
+            )
+        if not plans:
+            messages.add_message(request, messages.INFO, f"{description}: nothing selected.")
+        _tell_what_is_left(request)
+        return None
+
+    action.__name__ = verb
+    return admin.action(description=description, permissions=["operate"])(action)
+
+
+def _next_url(request: HttpRequest) -> str:
+    """Where to go once a one-row confirmation is done: the page the operator came from."""
+    wanted = request.POST.get("next") or request.GET.get("next") or ""
+    if wanted and url_has_allowed_host_and_scheme(
+        wanted, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        return wanted
+    return ""
+
+
 @dataclass(frozen=True)
 class Attention:
-    """One line of the attention dashboard on the app index: a count and where to see the rows."""
+    """One line of the attention dashboard: a count and where to see the rows."""
 
     key: str
     label: str
     count: int
     url: str
     note: str = ""
+    #: The line in a few words ("2 stuck"), for "what is left" after an action; "" to omit.
+    short: str = ""
 
 
 def attention(user: Any) -> list[Attention]:
     """What needs an operator now, for the models ``user`` may view.
 
     Each count is the size of the changelist its link opens (the same filter).
+    Shown on the admin index and on the app's index.
     """
     now = timezone.now()
     inbox = ProcessedMessage.objects.all()
@@ -254,18 +441,28 @@ def attention(user: Any) -> list[Attention]:
                 "Stuck in processing (lease expired)",
                 inbox.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=now).count(),
                 changelist(ProcessedMessage, "?attention=stuck"),
+                short="stuck",
             ),
             Attention(
                 "failed",
                 "Failed, waiting for an operator",
                 inbox.filter(status=InboxStatus.FAILED).count(),
                 changelist(ProcessedMessage, "?attention=failed"),
+                short="failed",
             ),
             Attention(
                 "inbox_dead",
-                "Inbox dead letters (requeue once the cause is fixed)",
+                "Dead (requeue once the cause is fixed)",
                 inbox.filter(status=InboxStatus.DEAD).count(),
                 changelist(ProcessedMessage, "?attention=dead"),
+                short="dead",
+            ),
+            Attention(
+                "refund",
+                "Money to give back (a payment that cannot apply)",
+                inbox.filter(status=InboxStatus.REJECTED, error__endswith=REFUND).count(),
+                changelist(ProcessedMessage, "?attention=refund"),
+                short="money to give back",
             ),
             Attention(
                 "rejected_today",
@@ -277,7 +474,17 @@ def attention(user: Any) -> list[Attention]:
             ),
         ]
     if may_view(ParkedMessage):
-        lines.append(
+        held = ParkedMessage.objects.filter(parked_at__lte=_held_cutoff())
+        oldest = held.order_by("parked_at").values_list("parked_at", flat=True).first()
+        lines += [
+            Attention(
+                "held",
+                f"Held longer than {_minutes(conf.PARKED_ATTENTION_AFTER)} (parked)",
+                held.count(),
+                changelist(ParkedMessage, "?attention=held"),
+                f"oldest held {timesince(oldest, now)}" if oldest else "",
+                short="held too long",
+            ),
             Attention(
                 "overdue",
                 "Parked longer than PARKED_TIMEOUT",
@@ -285,8 +492,8 @@ def attention(user: Any) -> list[Attention]:
                     Q(overdue_at__isnull=False) | Q(parked_at__lte=_overdue_cutoff())
                 ).count(),
                 changelist(ParkedMessage, "?attention=overdue"),
-            )
-        )
+            ),
+        ]
     if may_view(OutboxMessage):
         stats = outbox_stats()
         age = stats["oldest_pending_age"]
@@ -305,9 +512,34 @@ def attention(user: Any) -> list[Attention]:
                 "Outbox dead letters (requeue once the cause is fixed)",
                 stats["dead"],
                 changelist(OutboxMessage, f"?status__exact={OutboxStatus.DEAD}"),
+                short="outbox dead",
             )
         )
     return lines
+
+
+@admin.display(description="reason")
+def _reason(obj: ProcessedMessage) -> str:
+    """The whole reason, wrapped: read without scrolling sideways."""
+    if not obj.error:
+        return ""
+    return format_html('<div class="io-reason">{}</div>', obj.error)
+
+
+@admin.display(description="held because (now)")
+def _held_now(obj: ParkedMessage) -> str:
+    """Why it waits, judged against the order as it is now (not the stored text)."""
+    _, why = held_reason(obj)
+    return format_html('<div class="io-reason">{}</div>', why)
+
+
+def _timestamp(name: str, description: str) -> Any:
+    @admin.display(description=description, ordering=name)
+    def show(obj: Model) -> str:
+        return at(getattr(obj, name))
+
+    show.__name__ = f"{name}_s"
+    return show
 
 
 @admin.display(description="waiting")
@@ -624,6 +856,7 @@ def _transition_action(model: type[Model], e: Edge) -> Callable[..., Any]:
                     "plans": plans,
                     "applicable": any(p.applies for p in plans),
                     "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                    "next": _next_url(request),
                 },
             )
         for p in plans:
@@ -648,6 +881,7 @@ def _transition_action(model: type[Model], e: Edge) -> Callable[..., Any]:
                 detail += f"; from inbox message {p.evidence}"
             audit(request, f"transition:{name}", order, result, detail)
             messages.add_message(request, level, f"Order {order.pk}: {text}")
+        _tell_what_is_left(request)
         return None
 
     action.__name__ = f"transition_{name}"
@@ -694,6 +928,14 @@ class OrderAdminMixin(_ModelAdmin):
     #: Transitions that are the operator's own decision (no money moved, no
     #: effect outside the database). Those the model declares.
     operator_transitions: Sequence[str] = ("cancel", "expire")
+    #: The change form with the order's timeline under it (see :mod:`idempotent_orders.timeline`).
+    #: A project with its own change form template includes
+    #: ``admin/idempotent_orders/order/timeline.html`` in it.
+    change_form_template = "admin/idempotent_orders/order/change_form.html"
+
+    def get_timeline_outbox(self, obj: Any) -> QuerySet[OutboxMessage] | None:
+        """The outbox rows of ``obj`` for its timeline; None: ``order_key`` is its id or key."""
+        return None
 
     def __init__(self, model: type[Model], admin_site: admin.AdminSite) -> None:
         super().__init__(model, admin_site)
@@ -794,6 +1036,13 @@ class OrderAdminMixin(_ModelAdmin):
         form_url: str = "",
         extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
+        if object_id is not None:
+            obj = self.get_object(request, object_id)
+            if obj is not None:
+                extra_context = {
+                    **(extra_context or {}),
+                    "timeline": timeline(obj, outbox=self.get_timeline_outbox(obj)),
+                }
         try:
             return super().changeform_view(request, object_id, form_url, extra_context)
         except StaleOrder as exc:  # the admin's transaction was rolled back: nothing saved
@@ -859,6 +1108,11 @@ class OrderAdmin(OrderAdminMixin, admin.ModelAdmin):
         ]
 
 
+# The admin's own index shows the attention dashboard too, unless the project set
+# an index template of its own (it can add {% attention_dashboard %} to it).
+if admin.site.index_template is None:
+    admin.site.index_template = "admin/idempotent_orders/index.html"
+
 # Like UserAdmin for auth.User: only the default model gets this admin. A project
 # with its own order model registers it with OrderAdminMixin.
 if get_order_model() is Order:
@@ -884,6 +1138,17 @@ class ReadOnlyEvidenceAdmin(EvidenceAdmin):
         return False
 
 
+@admin.display(description="fix")
+def _fix(obj: ProcessedMessage) -> str:
+    """One link per row that needs an operator: its one-row confirmation page."""
+    verb = inbox_fix(obj)
+    if not verb:
+        return ""
+    url = reverse("admin:idempotent_orders_processedmessage_confirm", args=[obj.pk, verb])
+    label = "Requeue…" if verb == "requeue_dead" else "Retry…"
+    return format_html('<a class="button io-fix" href="{}">{}</a>', url, label)
+
+
 @admin.register(ProcessedMessage)
 class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
     list_display = [
@@ -894,25 +1159,58 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
         "status",
         _order,
         "seq",
-        "created_at",
+        _timestamp("created_at", "created at"),
         "attempts",
-        "lease_expires_at",
-        "dead_at",
-        "error",
+        _timestamp("lease_expires_at", "lease expires at"),
+        _timestamp("dead_at", "dead at"),
+        _reason,
+        _fix,
     ]
     list_filter = [AttentionFilter, "consumer", "outcome", "status", "message_type"]
-    search_fields = ["message_id", "error"]
+    search_fields = ["message_id", "error", "=order__pk"]
     raw_id_fields = ["order"]
     actions = [
-        _row_action("retry", lambda row: reconcile.retry(row.pk), "Retry (verifies first)"),
+        _row_action("retry", _retry, "Retry (verifies first)", _plan_retry),
         _row_action(
             "complete_verified",
             lambda row: reconcile.complete_if_verified(row.pk),
             "Complete after verification",
+            _plan_complete,
         ),
-        _row_action("fail", _fail, "Mark failed"),
+        _row_action("fail", _fail, "Mark failed", _plan_fail),
         "requeue_dead",
     ]
+
+    class Media:
+        css = {"all": ["idempotent_orders/admin.css"]}
+
+    def get_urls(self) -> list[Any]:
+        confirm = self.admin_site.admin_view(self.confirm_view)
+        opts = self.opts
+        return [
+            path(
+                "<path:object_id>/confirm/<str:verb>/",
+                confirm,
+                name=f"{opts.app_label}_{opts.model_name}_confirm",
+            ),
+            *super().get_urls(),
+        ]
+
+    def confirm_view(self, request: HttpRequest, object_id: str, verb: str) -> HttpResponse:
+        """One row's action from a link (the changelist's "fix" column, an order's timeline):
+        the same confirmation page as the action, and on "Yes" the same audited run."""
+        found = self.get_actions(request).get(verb)  # only those the user may run
+        if found is None:
+            return HttpResponseRedirect(reverse("admin:index"))
+        run: Any = found[0]
+        queryset = self.get_queryset(request).filter(pk=object_id)
+        response = run(self, request, queryset)
+        if response is not None:
+            return response
+        back = _next_url(request) or reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"
+        )
+        return HttpResponseRedirect(back)
 
     @admin.action(description="Requeue dead rows (after fixing the cause)", permissions=["operate"])
     def requeue_dead(
@@ -956,20 +1254,54 @@ class ParkedMessageAdmin(ReadOnlyEvidenceAdmin):
         "consumer",
         _order,
         "seq",
-        "reason",
-        "parked_at",
+        _held_now,
+        _timestamp("parked_at", "parked at"),
         _waiting,
-        "overdue_at",
+        _timestamp("overdue_at", "overdue at"),
     ]
     list_filter = [ParkedAttentionFilter, "consumer", ("overdue_at", admin.EmptyFieldListFilter)]
+    list_select_related = ["order"]
+    search_fields = ["message_id", "=order__pk"]
     raw_id_fields = ["order"]
+
+    class Media:
+        css = {"all": ["idempotent_orders/admin.css"]}
+
+
+@admin.display(description="order", ordering="order_pk")
+def _audit_order(obj: AuditEntry) -> str:
+    if not obj.order_pk:
+        return "-"
+    opts = get_order_model()._meta
+    try:
+        link = reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[obj.order_pk])
+    except NoReverseMatch:
+        return obj.order_pk
+    return format_html('<a href="{}">{}</a>', link, obj.order_pk)
+
+
+@admin.display(description="detail")
+def _detail(obj: AuditEntry) -> str:
+    return format_html('<div class="io-reason">{}</div>', obj.detail)
 
 
 @admin.register(AuditEntry)
 class AuditEntryAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "username", "action", "target", "object_id", "result"]
+    list_display = [
+        _timestamp("created_at", "at"),
+        "username",
+        "action",
+        _audit_order,
+        "message_id",
+        "result",
+        _detail,
+    ]
     list_filter = ["action", "result", "target"]
-    search_fields = ["username", "object_id", "detail"]
+    #: An order's id or a message id finds every action on it (exactly, not as a substring).
+    search_fields = ["=order_pk", "=message_id", "=object_id", "username", "detail"]
+
+    class Media:
+        css = {"all": ["idempotent_orders/admin.css"]}
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -1120,6 +1452,7 @@ def _requeue_dead(
                 "who_label": label,
                 "dead": [r for r in rows if r.status == dead],
                 "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                "next": _next_url(request),
             },
         )
     results: Counter[str] = Counter()
@@ -1133,8 +1466,23 @@ def _requeue_dead(
             if done
             else f"not dead ({row.status}); nothing done"
         )
+        if done:
+            before = error(row)
+            row.refresh_from_db()
+            detail += f"; now {row.status}"
+            if error(row) and error(row) != before:
+                detail += f": {error(row)}"
         audit(request, f"{what}:requeue", row, result, detail)
+        which = f"{row.message_id}" + (
+            f" (order {row.order_id})" if getattr(row, "order_id", None) is not None else ""
+        )
+        model_admin.message_user(
+            request,
+            f"Requeue {which}: {detail}.",
+            messages.SUCCESS if done else messages.WARNING,
+        )
     level = messages.SUCCESS if not results["skipped"] else messages.WARNING
     summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(results.items()))
     model_admin.message_user(request, f"Requeue: {summary or 'nothing selected'}.", level)
+    _tell_what_is_left(request)
     return None

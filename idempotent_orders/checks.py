@@ -266,6 +266,19 @@ def check_setting_values(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
                 id="idempotent_orders.W030",
             )
         )
+    if (
+        _well_typed("PARKED_ATTENTION_AFTER")
+        and _well_typed("PARKED_TIMEOUT")
+        and conf.PARKED_ATTENTION_AFTER > conf.PARKED_TIMEOUT
+    ):
+        errors.append(
+            Warning(
+                "PARKED_ATTENTION_AFTER is longer than PARKED_TIMEOUT: the admin's dashboard "
+                "shows a held message only after it was already marked overdue.",
+                hint="Make PARKED_ATTENTION_AFTER a few minutes, shorter than PARKED_TIMEOUT.",
+                id="idempotent_orders.W037",
+            )
+        )
     return errors
 
 

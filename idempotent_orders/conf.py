@@ -77,6 +77,9 @@ DEFAULTS: dict[str, Any] = {
     "STATS_FLUSH_INTERVAL": 1,
     # Seconds a parked message may wait for its predecessor before it is surfaced.
     "PARKED_TIMEOUT": 3600,
+    # Seconds a parked (held) message waits before the admin's dashboard shows it
+    # under "held too long", with why it still waits; minutes, well before PARKED_TIMEOUT.
+    "PARKED_ATTENTION_AFTER": 300,
     # Leased work with an effect outside the database (see leases.py).
     # A claim is valid this long (seconds) unless a heartbeat extends it.
     "LEASE_SECONDS": 30,
@@ -167,6 +170,7 @@ POSITIVE: frozenset[str] = frozenset(
         "DEDUP_BLOOM_CAPACITY",
         "DEDUP_BLOOM_BUCKET_SECONDS",
         "PARKED_TIMEOUT",
+        "PARKED_ATTENTION_AFTER",
         "KEY_MAX_LENGTH",
         "KEY_TTL",
         "KEY_LEASE",
@@ -320,6 +324,10 @@ class Settings:
     @property
     def PARKED_TIMEOUT(self) -> int:
         return int(self._get("PARKED_TIMEOUT"))
+
+    @property
+    def PARKED_ATTENTION_AFTER(self) -> int:
+        return int(self._get("PARKED_ATTENTION_AFTER"))
 
     @property
     def LEASE_SECONDS(self) -> float:

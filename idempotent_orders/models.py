@@ -303,12 +303,21 @@ class AuditEntry(models.Model):
     object_id = models.CharField(max_length=64)
     result = models.CharField(max_length=32)
     detail = models.TextField(blank=True, default="")
+    #: The order the action concerned (its primary key as text), "" when none: an
+    #: action on an inbox row names the row's order too, so an order's timeline finds it.
+    order_pk = models.CharField(max_length=64, blank=True, default="")
+    #: The message the action concerned (an inbox, parked or outbox message id), "" when none.
+    message_id = models.CharField(max_length=255, blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
 
     class Meta:
         ordering = ["-id"]
         verbose_name_plural = "audit entries"
-        indexes = [models.Index(fields=["target", "object_id"])]
+        indexes = [
+            models.Index(fields=["target", "object_id"]),
+            models.Index(fields=["order_pk"], name="io_audit_order_pk"),
+            models.Index(fields=["message_id"], name="io_audit_message_id"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.username} {self.action} {self.target} {self.object_id}: {self.result}"

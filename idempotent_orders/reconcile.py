@@ -49,8 +49,25 @@ def _announce(row: ProcessedMessage, action: str) -> None:
     )
 
 
+#: How a given-up row's reason starts; a row given up again reads one reason, not a nest.
+GAVE_UP = "gave up after "
+
+
+def give_up_reason(attempts: int, error: str) -> str:
+    """Why the reconciler stopped: the number of attempts and what the last one said.
+
+    An attempt that was refused or failed (its step released the lease with an
+    error) is named by that error; only a lease that ran out with no word from
+    its worker is a stall. The previous give-up's own wording is not repeated.
+    """
+    while error.startswith(GAVE_UP) and "; last: " in error:
+        error = error.split("; last: ", 1)[1]
+    last = error or "its lease ran out with no word from the worker (a stall)"
+    return f"{GAVE_UP}{attempts} attempts that did not finish; last: {last}"
+
+
 def _give_up(row: ProcessedMessage) -> StepResult:
-    reason = f"stalled {row.attempts} times; last error: {row.error or 'none'}"
+    reason = give_up_reason(row.attempts, row.error)
     if not leases.fail(row.pk, reason=reason, attempt=row.attempts):
         return StepResult.SKIPPED
     logger.error(

@@ -43,12 +43,15 @@ def changelist(model: str) -> str:
 
 
 def act(client: Client, model: str, action: str, *pks: Any, **query: str) -> Any:
+    """Run an action on rows ``pks``: its confirmation page first, then "Yes, I'm sure"."""
     url = changelist(model)
     if query:
         url += "?" + "&".join(f"{k}={v}" for k, v in query.items())
-    return client.post(
-        url, {"action": action, "_selected_action": [str(pk) for pk in pks]}, follow=True
-    )
+    data = {"action": action, "_selected_action": [str(pk) for pk in pks]}
+    page = client.post(url, data)
+    assert page.status_code == 200
+    assert "are you sure?" in page.content.decode()
+    return client.post(url, {**data, "post": "yes"}, follow=True)
 
 
 def transition(client: Client, action: str, order: Order) -> Any:
@@ -166,11 +169,14 @@ def test_retry_action_verifies_then_completes_once(staff, make_order) -> None:
     order = make_order()
     row = stuck_fulfilment(order, "lose_reply")
     response = act(staff, "processedmessage", "retry", row.pk)
-    assert "1 completed" in " ".join(shown(response))
+    assert shown(response) == [
+        f"Retry (verifies first) fulfilment:{row.message_id} (order {order.pk}): "
+        "completed; now applied."
+    ]
     assert Order.objects.get(pk=order.pk).status == S.PROCESSING
     assert warehouse.effects(order.pk) == 1
     response = act(staff, "processedmessage", "retry", row.pk)
-    assert "1 skipped" in " ".join(shown(response))
+    assert "nothing done: applied: nothing to retry" in " ".join(shown(response))
     assert warehouse.effects(order.pk) == 1
     assert list(AuditEntry.objects.order_by("id").values_list("action", "result")) == [
         ("retry", "completed"),
@@ -182,14 +188,18 @@ def test_complete_action_refuses_an_unverified_effect(staff, make_order) -> None
     order = make_order()
     row = stuck_fulfilment(order, "fail")
     response = act(staff, "processedmessage", "complete_verified", row.pk)
-    assert "1 retry" in " ".join(shown(response))
+    assert shown(response) == [
+        f"Complete after verification fulfilment:{row.message_id} (order {order.pk}): "
+        "not finished, it waits for the next attempt; now processing: "
+        "an operator asked to complete it; the effect is not verified."
+    ]
     assert Order.objects.get(pk=order.pk).status == S.PAID
     assert ProcessedMessage.objects.get(pk=row.pk).status == InboxStatus.PROCESSING
 
     verified = make_order()
     row = stuck_fulfilment(verified, "lose_reply")
     response = act(staff, "processedmessage", "complete_verified", row.pk)
-    assert "1 completed" in " ".join(shown(response))
+    assert ": completed; now applied." in " ".join(shown(response))
     assert Order.objects.get(pk=verified.pk).status == S.PROCESSING
     assert warehouse.effects(verified.pk) == 1
 

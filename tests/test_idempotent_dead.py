@@ -294,7 +294,7 @@ def test_admin_requeue_confirms_then_requeues_and_audits(staff: Client) -> None:
         ("inbox:requeue", str(other.pk), "skipped", "operator"),
     }
     detail = AuditEntry.objects.get(object_id=str(dead.pk)).detail
-    assert detail == "dead after 1 attempt(s): PermanentFailure: bad data"
+    assert detail == "dead after 1 attempt(s): PermanentFailure: bad data; now processing"
 
 
 @pytest.mark.django_db

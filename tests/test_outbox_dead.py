@@ -184,7 +184,7 @@ def test_admin_requeue_confirms_then_requeues_and_audits(staff: Client) -> None:
         ("outbox:requeue", str(sent.pk), "skipped", "operator"),
     }
     detail = AuditEntry.objects.get(object_id=str(dead.pk)).detail
-    assert detail == "dead after 20 attempt(s): ConnectionError: broker down"
+    assert detail == "dead after 20 attempt(s): ConnectionError: broker down; now pending"
 
 
 def test_admin_requeue_needs_the_change_permission() -> None:

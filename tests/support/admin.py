@@ -5,10 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+#: How the line every action ends with starts: what still needs an operator.
+LEFT = ("Still needing attention: ", "Nothing else needs attention now.")
+
 
 def shown(response: Any) -> list[str]:
-    """The admin messages a response carries, as the operator reads them."""
-    return [str(m) for m in response.context["messages"]]
+    """The admin messages a response carries, as the operator reads them, without the
+    closing "what is left" line (see :func:`left`)."""
+    return [str(m) for m in response.context["messages"] if not str(m).startswith(LEFT)]
+
+
+def left(response: Any) -> list[str]:
+    """The closing "what is left" line(s) of an action's answer."""
+    return [str(m) for m in response.context["messages"] if str(m).startswith(LEFT)]
 
 
 def form_data(page: Any) -> dict[str, Any]:

@@ -39,9 +39,10 @@ def require_chromium() -> Any:
     return sync_api
 
 
-#: Where the pages' static files are: the admin's and the demo shop's.
+#: Where the pages' static files are: the admin's, this app's admin stylesheet, the demo shop's.
 STATIC_DIRS = [
     Path(django.contrib.admin.__file__).parent / "static",
+    ROOT / "idempotent_orders" / "static",
     ROOT / "demo_project" / "static",
 ]
 
