@@ -379,21 +379,19 @@ def _write(
     with transaction.atomic():
         # The first statement claims the message: the inbox insert (the unique
         # index decides duplicates), or for a release, deleting the parked row.
+        row = {
+            "status": verdict.inbox_status,
+            "outcome": outcome,
+            "order_id": order.pk,
+            "seq": envelope.seq,
+            "error": verdict.reason,
+            "body": body,
+            "fingerprint": envelope.fingerprint,
+        }
         if retrying:
             claimed = ProcessedMessage.objects.filter(
                 RETRYABLE, consumer=consumer, message_id=envelope.message_id
-            ).update(
-                status=verdict.inbox_status,
-                outcome=outcome,
-                order_id=order.pk,
-                seq=envelope.seq,
-                error=verdict.reason,
-                body=body,
-                fingerprint=envelope.fingerprint,
-                attempts=F("attempts") + 1,
-                dead_at=None,
-                updated_at=timezone.now(),
-            )
+            ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
             if not claimed:
                 raise _Duplicate  # another delivery ran it meanwhile
         elif parked is None:
@@ -403,13 +401,7 @@ def _write(
                         consumer=consumer,
                         message_id=envelope.message_id,
                         message_type=envelope.message_type,
-                        status=verdict.inbox_status,
-                        outcome=outcome,
-                        order_id=order.pk,
-                        seq=envelope.seq,
-                        error=verdict.reason,
-                        body=body,
-                        fingerprint=envelope.fingerprint,
+                        **row,
                     )
             except IntegrityError:
                 raise _Duplicate from None
