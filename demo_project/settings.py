@@ -44,6 +44,8 @@ else:
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
 if CELERY_BROKER_URL.startswith("filesystem://"):
+    # kombu's filesystem transport with atomic message files (demo_project/broker.py).
+    CELERY_BROKER_TRANSPORT = "demo_project.broker:Transport"
     _broker_dir = STATE_DIR / "broker"
     for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
