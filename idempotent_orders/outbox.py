@@ -6,6 +6,7 @@ import atexit
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -29,12 +30,20 @@ from django.db import (
 from django.db.models import Count, Exists, Min, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from idempotent_orders import tracing
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import PermanentPublishError
 from idempotent_orders.models import OutboxMessage, OutboxStatus
 from idempotent_orders.signals import outbox_dead, outbox_relayed
+
+try:  # py-amqp (RabbitMQ): its connection errors are not all OSErrors
+    from amqp.exceptions import RecoverableConnectionError as _AmqpRecoverable
+
+    _AMQP_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (_AmqpRecoverable,)
+except ImportError:  # pragma: no cover
+    _AMQP_CONNECTION_ERRORS = ()
 
 __all__ = [
     "OutboxListener",
@@ -668,6 +677,8 @@ def relay_outbox(
     features = connections[db].features
     locking = features.has_select_for_update and features.has_select_for_update_skip_locked
     published = retried = dead = 0
+    if breaker.paused():
+        return _relayed(0, 0, 0)  # the broker is away: the rows wait, untouched
     while True:
         if locking:
             sent, failed, died, more = _relay_locked_batch(db, size, ids)
@@ -738,7 +749,12 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
     with _batch_producer(len(rows)) as producer:
         cache = getattr(_batch, "templates", None)
         fast = _FastSender(producer, cache) if producer is not None else None
-        for row in rows:
+        for position, row in enumerate(rows):
+            if breaker.paused():
+                # Tripped by an earlier row: the rest wait for the broker, unclaimed.
+                rest = [r.pk for r in rows[position:]]
+                OutboxMessage.objects.using(db).filter(pk__in=rest).update(claimed_until=None)
+                break
             try:
                 if fast is None or not fast.send(row):
                     _send(row)
@@ -750,6 +766,8 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
             else:
                 sent.append(row.pk)
                 keyed = keyed or row.order_key is not None
+    if sent:
+        breaker.close()
     if sent:  # one statement for the batch, in the transaction that holds its locks
         connection = connections[db]
         sql, params = _statements(db).mark(sent)
@@ -936,8 +954,89 @@ def _release_kept() -> None:
             logger.debug("outbox: releasing the publisher's producer failed", exc_info=True)
 
 
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the broker could not be reached (not that it refused the row)."""
+    if isinstance(exc, PermanentPublishError):
+        return False
+    if isinstance(exc, ConnectionError | TimeoutError | socket.gaierror | KombuOperationalError):
+        return True
+    recoverable = _AMQP_CONNECTION_ERRORS
+    return bool(recoverable) and isinstance(exc, recoverable)
+
+
+class Breaker:
+    """The relay's circuit breaker for broker outages (one per process).
+
+    A transport error opens it: publishing pauses (the rows stay pending, their
+    attempts untouched), an error is logged once per outage, and the pause
+    doubles up to :attr:`MAX_PAUSE` while the broker stays away (so the relay
+    probes it at least that often, and resumes within that time of its return). The
+    first publish after the pause is the probe: a success closes the breaker.
+    An outage therefore never spends a row's dead-letter budget.
+    """
+
+    #: The longest pause, in seconds (``OUTBOX_RETRY_BACKOFF_MAX`` when that is shorter).
+    MAX_PAUSE = 15
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.failures = 0
+        self.open_until = 0.0
+        self.opened_at: float | None = None
+
+    def paused(self) -> bool:
+        return time.monotonic() < self.open_until
+
+    def reset(self) -> None:
+        """Closed, with no history (tests; a process that knows the broker is back)."""
+        with self._lock:
+            self.failures, self.open_until, self.opened_at = 0, 0.0, None
+
+    def trip(self, exc: BaseException) -> float:
+        """Open (or keep open) the breaker; the pause, in seconds."""
+        with self._lock:
+            self.failures += 1
+            cap = min(conf.OUTBOX_RETRY_BACKOFF_MAX, self.MAX_PAUSE)
+            pause = float(min(cap, 2 ** min(self.failures, 20)))
+            self.open_until = time.monotonic() + pause
+            first = self.opened_at is None
+            if first:
+                self.opened_at = time.monotonic()
+        if first:
+            logger.error(
+                "outbox: the broker is unreachable (%r); publishing paused, rows kept pending",
+                exc,
+            )
+        return pause
+
+    def close(self) -> None:
+        if self.opened_at is None and not self.failures:
+            return
+        with self._lock:
+            down = time.monotonic() - (self.opened_at or time.monotonic())
+            self.failures, self.open_until, self.opened_at = 0, 0.0, None
+        logger.warning("outbox: the broker is back after %.0fs; publishing resumed", down)
+
+
+breaker = Breaker()
+
+
 def _failed(db: str, row: OutboxMessage, exc: Exception) -> bool:
-    """Record a failed publish of ``row``: back off, or dead-letter it; True if dead."""
+    """Record a failed publish of ``row``: back off, or dead-letter it; True if dead.
+
+    A transport error (the broker unreachable) trips the :data:`breaker` and keeps
+    the row pending with its attempts as they were: only errors of the row's own
+    count towards ``OUTBOX_MAX_ATTEMPTS``.
+    """
+    if is_transport_error(exc):
+        pause = breaker.trip(exc)
+        row.claimed_until = None
+        row.last_error = f"broker unreachable: {type(exc).__name__}: {exc}"[:2000]
+        row.available_at = timezone.now() + timedelta(seconds=pause)
+        OutboxMessage.objects.using(db).filter(pk=row.pk).update(
+            available_at=row.available_at, claimed_until=None, last_error=row.last_error
+        )
+        return False
     row.attempts += 1
     row.claimed_until = None
     row.last_error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -1048,5 +1147,7 @@ def outbox_stats(*, using: str | None = None) -> dict[str, Any]:
         "sent": counts.get(OutboxStatus.SENT, 0),
         "dead": counts.get(OutboxStatus.DEAD, 0),
         "retried": rows.filter(attempts__gt=0).count(),
+        # This process's relay paused on a broker outage (see Breaker).
+        "broker_paused": breaker.paused(),
         "oldest_pending_age": (timezone.now() - oldest).total_seconds() if oldest else None,
     }

@@ -133,6 +133,16 @@ _dedup_cache_ok = True
 
 
 @pytest.fixture(autouse=True)
+def _closed_outbox_breaker() -> Iterator[None]:
+    """Each test starts with the outbox relay's broker breaker closed."""
+    from idempotent_orders.outbox import breaker
+
+    breaker.reset()
+    yield
+    breaker.reset()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_fast_path() -> Iterator[None]:
     """Each test starts with empty Bloom filters and none of this namespace's Redis keys.
 

@@ -24,6 +24,7 @@ from demo_project.shop import place_order
 from demo_project.tasks import award_points
 from idempotent_orders.models import OutboxMessage, OutboxStatus, ProcessedMessage
 from idempotent_orders.outbox import (
+    breaker,
     flush_publisher,
     outbox_stats,
     publish_on_commit,
@@ -122,16 +123,21 @@ def test_a_failed_publish_is_retried_later(monkeypatch: pytest.MonkeyPatch) -> N
     result = relay_outbox()
     assert (result.published, result.retried, result.pending) == (0, 1, 1)
     row.refresh_from_db()
-    assert (row.status, row.attempts) == (OutboxStatus.PENDING, 1)
+    # The broker away is not the row's fault: its dead-letter budget is untouched.
+    assert (row.status, row.attempts) == (OutboxStatus.PENDING, 0)
+    assert row.last_error == "broker unreachable: ConnectionError: broker down"
     assert "broker down" in row.last_error
     assert row.available_at > timezone.now()
     assert relay_outbox().retried == 0  # backing off: not due yet
-    assert outbox_stats()["retried"] == 1
+    assert outbox_stats()["retried"] == 0  # no failure of its own
+    assert outbox_stats()["broker_paused"] is True
 
     monkeypatch.undo()
     calls: list[str | None] = []
     monkeypatch.setattr(award_points, "apply_async", lambda **kw: calls.append(kw["task_id"]))
     OutboxMessage.objects.filter(pk=row.pk).update(available_at=timezone.now())
+    assert relay_outbox().published == 0  # still paused
+    breaker.open_until = 0.0  # the pause is over
     assert relay_outbox().published == 1
     assert calls == [row.message_id]
 

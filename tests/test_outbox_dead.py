@@ -70,13 +70,13 @@ def test_a_row_failing_max_attempts_times_ends_dead_with_its_last_error(
     other = publish_on_commit(award_points, message())
     results = []
     for attempt in range(3):
-        broker["error"] = ConnectionError(f"broker down #{attempt + 1}")
+        broker["error"] = ValueError(f"refused #{attempt + 1}")
         make_due(row)
         results.append(relay_outbox(ids=[row.pk]))
     assert [(r.retried, r.dead) for r in results] == [(1, 0), (1, 0), (0, 1)]
     row.refresh_from_db()
     assert (row.status, row.attempts) == (OutboxStatus.DEAD, 3)
-    assert row.last_error == "ConnectionError: broker down #3"
+    assert row.last_error == "ValueError: refused #3"
     assert row.dead_at is not None
     assert dead_signals == [
         {
@@ -85,7 +85,7 @@ def test_a_row_failing_max_attempts_times_ends_dead_with_its_last_error(
             "message_id": row.message_id,
             "task_name": "demo_project.award_points",
             "attempts": 3,
-            "error": "ConnectionError: broker down #3",
+            "error": "ValueError: refused #3",
         }
     ]
     # Never tried again: the relay leaves it, even when the broker is back.
@@ -221,3 +221,38 @@ def test_dead_rows_in_stats_command_dashboard_and_metrics(staff: Client) -> None
 def test_max_attempts_below_one_is_an_error() -> None:
     with override_settings(IDEMPOTENT_ORDERS={"OUTBOX_MAX_ATTEMPTS": 0}):
         assert "idempotent_orders.E036" in [m.id for m in run_checks()]
+
+
+@override_settings(IDEMPOTENT_ORDERS={**NO_IMMEDIATE, "OUTBOX_MAX_ATTEMPTS": 2})
+def test_a_broker_outage_pauses_the_relay_and_spends_no_dead_letter_budget(
+    broker: dict[str, Any], dead_signals: list[dict[str, Any]], caplog: Any
+) -> None:
+    from idempotent_orders.outbox import breaker
+
+    rows = [publish_on_commit(award_points, message()) for _ in range(3)]
+    broker["error"] = ConnectionRefusedError(111, "Connection refused")
+    for _ in range(5):  # far past OUTBOX_MAX_ATTEMPTS
+        for row in rows:
+            make_due(row)
+        breaker.open_until = 0.0  # the pause is over: the next run probes the broker
+        result = relay_outbox()
+        assert (result.published, result.dead) == (0, 0)
+        assert result.retried == 1  # the first row tripped the breaker; the rest waited
+        assert breaker.paused()
+        assert relay_outbox().retried == 0  # paused: nothing is tried
+    for row in rows:
+        row.refresh_from_db()
+        assert (row.status, row.attempts) == (OutboxStatus.PENDING, 0)
+    assert dead_signals == []
+    assert rows[0].last_error.startswith("broker unreachable: ConnectionRefusedError")
+    said = [r.getMessage() for r in caplog.records if "broker is unreachable" in r.getMessage()]
+    assert len(said) == 1  # once per outage, not once per row or run
+
+    broker["error"] = None  # the broker is back
+    for row in rows:
+        make_due(row)
+    breaker.open_until = 0.0
+    assert relay_outbox().published == 3
+    assert not breaker.paused()
+    assert breaker.failures == 0
+    assert sorted(broker["sent"]) == sorted(r.message_id for r in rows)

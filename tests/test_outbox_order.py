@@ -31,7 +31,7 @@ def broker(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     def apply_async(args: Any = None, task_id: str | None = None, **options: Any) -> None:
         if task_id in state["down_for"]:
-            raise ConnectionError("broker down")
+            raise ValueError("the broker refused this message")
         state["sent"].append(task_id)
 
     monkeypatch.setattr(award_points, "apply_async", apply_async)

@@ -136,7 +136,7 @@ def test_the_threads_batch_is_locked_and_marked_by_one_statement_each(
 
     def apply_async(task_id: str | None = None, **options: Any) -> None:
         if task_id in failing:
-            raise ConnectionError("broker down")
+            raise ValueError("the broker refused this message")
         sent.append((task_id, options.get("headers", {})))
 
     monkeypatch.setattr(award_points, "apply_async", apply_async)

@@ -54,7 +54,7 @@ def test_pending_counts_the_rows_this_run_left_pending(monkeypatch: pytest.Monke
 
     def fail_the_first(task_id: str | None = None, **kwargs: Any) -> None:
         if task_id == rows[0].message_id:
-            raise ConnectionError("broker down")
+            raise ValueError("the broker refused this message")
 
     monkeypatch.setattr(award_points, "apply_async", fail_the_first)
     result = relay_outbox()
