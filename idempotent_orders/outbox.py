@@ -113,9 +113,10 @@ def publish_on_commit(
 
     A ``message_id`` already in the outbox (committed, or written earlier in
     this transaction) is not queued again: the existing row is returned as it
-    is (its task, payload and options unchanged) and published once. Inside a
-    transaction the insert runs in a savepoint, so the caller's transaction
-    goes on after the repeat, on PostgreSQL too.
+    is (its task, payload and options unchanged) and published once; the
+    caller's transaction goes on after the repeat (on PostgreSQL the insert is
+    ``ON CONFLICT DO NOTHING``; elsewhere, inside a transaction, it runs in a
+    savepoint).
 
     ``traceparent`` (W3C) and ``correlation_id`` default to the trace context in
     effect (:func:`idempotent_orders.tracing.current`: a ``tracing.use()``
@@ -144,10 +145,17 @@ def publish_on_commit(
         "traceparent": traceparent,
         "correlation_id": str(correlation_id)[:255],
     }
+    conn = connections[db]
     try:
-        if connections[db].in_atomic_block:
-            # A savepoint: a repeated message_id must not abort the caller's
-            # transaction (PostgreSQL refuses every later statement after an error).
+        if conn.vendor == "postgresql":
+            # One statement: a repeated message_id inserts nothing (and raises nothing,
+            # so the caller's transaction goes on).
+            found = _insert_unless_queued(db, fields)
+            if found is None:
+                raise IntegrityError(f"outbox message {message_id} exists")
+            row = found
+        elif conn.in_atomic_block:
+            # A savepoint: a repeated message_id must not abort the caller's transaction.
             with transaction.atomic(using=db):
                 row = OutboxMessage.objects.using(db).create(**fields)
         else:
@@ -164,6 +172,36 @@ def publish_on_commit(
         transaction.on_commit(
             partial(_publish_after_commit, row.pk, db, row.order_key is not None), using=db
         )
+    return row
+
+
+def _insert_unless_queued(db: str, fields: Mapping[str, Any]) -> OutboxMessage | None:
+    """``INSERT ... ON CONFLICT (message_id) DO NOTHING RETURNING``: the new row, or None."""
+    conn = connections[db]
+    row = OutboxMessage(**fields)
+    meta = OutboxMessage._meta
+    written = [f for f in meta.concrete_fields if not f.primary_key and not f.has_db_default()]
+    defaulted = [f for f in meta.concrete_fields if f.has_db_default()]
+    qn = conn.ops.quote_name
+    pk = meta.pk
+    assert pk is not None
+    returning = ", ".join(qn(str(f.column)) for f in [pk, *defaulted])
+    sql = (
+        f"INSERT INTO {qn(meta.db_table)} ({', '.join(qn(str(f.column)) for f in written)})"
+        f" VALUES ({', '.join(['%s'] * len(written))})"
+        f" ON CONFLICT ({qn(str(meta.get_field('message_id').column))}) DO NOTHING"
+        f" RETURNING {returning}"
+    )
+    params = [f.get_db_prep_save(f.pre_save(row, True), conn) for f in written]
+    with conn.cursor() as cursor:
+        cursor.execute(sql, params)
+        found = cursor.fetchone()
+    if found is None:
+        return None
+    for field, value in zip([pk, *defaulted], found, strict=True):
+        setattr(row, field.attname, value)
+    row._state.adding = False
+    row._state.db = db
     return row
 
 
