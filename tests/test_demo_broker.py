@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 from kombu import Connection
 
+# No database in it: one matrix leg per Django version is enough.
+pytestmark = pytest.mark.backends("sqlite")
+
 PRODUCERS = 3
 EACH = 200
 
