@@ -174,6 +174,12 @@ class FlowOrder(Order):
     def settle_up(self) -> None:
         self.note = "settled up"
 
+    @transition(field="flow", source="paid", target=None)
+    def acknowledge(self) -> None:
+        """Targetless, and its body calls another transition (a real shop's shape)."""
+        self.note = "acknowledged"
+        self.ship(tracking_number="auto")
+
 
 class ConcurrentFlowOrder(ConcurrentTransitionMixin, FlowOrder):
     """FlowOrder with django-fsm-2's ConcurrentTransitionMixin (receivers may save it)."""

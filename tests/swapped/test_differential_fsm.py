@@ -101,6 +101,8 @@ CASES = [
     Case("get-state-express", FlowOrder, "route", {"express": True}, (PAY,)),
     Case("get-state-standard", FlowOrder, "route", {}, (PAY,)),
     Case("condition-fails", FlowOrder, "settle_up", {}, (PART,)),
+    # Targetless, its body calling another transition: the state is the inner one's.
+    Case("targetless-calls-another", FlowOrder, "acknowledge", {}, (PAY,)),
     # ConcurrentTransitionMixin (a receiver saves the instance: see the fixture).
     Case("concurrent-mixin", ConcurrentFlowOrder, "pay", {"payment_id": "p-%", "amount": "10.00"}),
     # FSMIntegerField.
