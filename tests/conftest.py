@@ -13,6 +13,10 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from idempotent_orders import get_order_model
+
+# The testing kit's fixture, whether or not the app's pytest11 entry point is installed
+# (a conftest fixture overrides the plugin's own).
+from idempotent_orders.testing.plugin import exactly_once  # noqa: F401
 from tests.support.services import (
     BROKERS,
     ROOT,

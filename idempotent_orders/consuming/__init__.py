@@ -21,6 +21,8 @@ the ones above it (``tests/test_structure.py`` keeps it so):
    road for transitions with nothing of the project's to run.
 10. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
 11. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
+12. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
+    ``aconsume_batch``, the road from async code (a worker thread per message).
 
 The dedup layers in front of the database are :mod:`idempotent_orders.dedup`.
 """
@@ -38,6 +40,7 @@ LAYERS = (
     "one_statement",
     "single",
     "batch",
+    "aio",
 )
 
 #: The road's public names, importable from here: ``from idempotent_orders.consuming
@@ -48,6 +51,8 @@ _PUBLIC = {
     "release_parked": "single",
     "redeliver": "single",
     "consume_batch": "batch",
+    "aconsume_message": "aio",
+    "aconsume_batch": "aio",
     "register": "registry",
     "MessageFailed": "failures",
     "apply_transition": "running",
