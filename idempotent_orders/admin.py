@@ -1202,7 +1202,9 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
         found = self.get_actions(request).get(verb)  # only those the user may run
         if found is None:
             return HttpResponseRedirect(reverse("admin:index"))
-        run: Any = found[0]
+        # Django 6.1 hands out Action objects (func, name, ...), earlier Djangos tuples.
+        action: Any = found
+        run: Any = action.func if hasattr(action, "func") else action[0]
         queryset = self.get_queryset(request).filter(pk=object_id)
         response = run(self, request, queryset)
         if response is not None:

@@ -12,6 +12,7 @@ on the event loop, and the database steps before and after it run in a thread
 from __future__ import annotations
 
 import functools
+import random
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -20,11 +21,12 @@ from typing import Any, Literal, TypeVar
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.http import HttpRequest, HttpResponseBase
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
+from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.exceptions import (
     IdempotencyError,
     KeyInFlight,
@@ -308,20 +310,7 @@ def _execute(
     try:
         with heartbeat(held):
             try:
-                with _atomic_requests(aliases):
-                    response = _rendered(view())
-                    # In a transaction the response commits with the view's writes.
-                    stored = _store_if_kept(held, response, policy, on_failure)
-                    if stored is False and aliases:
-                        # The lease lapsed and another request took the key over: its
-                        # execution is the one the key answers, so this one must not
-                        # commit a second.
-                        raise _LostClaim
-                    if stored is None and response.status_code >= 500 and aliases:
-                        # A failure whose key is released: its writes must not stay,
-                        # or the retry would make them again.
-                        for alias in aliases:
-                            transaction.set_rollback(True, using=alias)
+                response, stored = _run_in_transaction(view, held, policy, on_failure, aliases)
             except _LostClaim:
                 return _answer_lost(request, key, held, policy)
     except BaseException as exc:
@@ -329,6 +318,57 @@ def _execute(
         raise
     _settle(request, key, held, stored)
     return response
+
+
+#: Times a view whose transaction the database chose as a deadlock victim runs again.
+DEADLOCK_RETRIES = 3
+
+
+def _run_in_transaction(
+    view: Callable[[], HttpResponseBase],
+    held: Claim,
+    policy: Policy,
+    on_failure: OnFailure,
+    aliases: list[str],
+) -> tuple[HttpResponseBase, bool | None]:
+    """Run the view (in its transaction when ``aliases``) and store its response.
+
+    A deadlock or serialization failure rolled the whole transaction back (the
+    key's claim, committed before, stays): the view simply runs again, as a
+    client's retry would, at most :data:`DEADLOCK_RETRIES` times.
+    """
+    for attempt in range(DEADLOCK_RETRIES + 1):
+        try:
+            return _run_once(view, held, policy, on_failure, aliases)
+        except OperationalError as exc:
+            if not aliases or attempt == DEADLOCK_RETRIES or not is_retryable(exc):
+                raise
+            time.sleep(random.uniform(0.005, 0.03) * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(
+    view: Callable[[], HttpResponseBase],
+    held: Claim,
+    policy: Policy,
+    on_failure: OnFailure,
+    aliases: list[str],
+) -> tuple[HttpResponseBase, bool | None]:
+    with _atomic_requests(aliases):
+        response = _rendered(view())
+        # In a transaction the response commits with the view's writes.
+        stored = _store_if_kept(held, response, policy, on_failure)
+        if stored is False and aliases:
+            # The lease lapsed and another request took the key over: its
+            # execution is the one the key answers, so this one must not
+            # commit a second.
+            raise _LostClaim
+        if stored is None and response.status_code >= 500 and aliases:
+            # A failure whose key is released: its writes must not stay,
+            # or the retry would make them again.
+            for alias in aliases:
+                transaction.set_rollback(True, using=alias)
+    return response, stored
 
 
 async def _aexecute(

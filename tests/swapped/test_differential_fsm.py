@@ -452,3 +452,34 @@ def test_a_payment_sent_again_to_a_partly_paid_order_is_a_duplicate(path: str) -
     fresh = FlowOrder.objects.get(pk=order.pk)
     assert (fresh.flow, fresh.paid_total) == ("part_paid", Decimal("4.00"))
     assert Payment.objects.filter(order_id=order.pk).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.backends("postgresql", "mysql")
+def test_racing_partial_payments_lose_no_update(message_types: None) -> None:
+    """Threads deliver partial payments (and copies) of one order at once: every body
+    reads the total another body may just have written, so only the conditional
+    UPDATE on ``version`` keeps each payment in the total, once.
+    """
+    from tests.support.threads import run_threads
+
+    order = new_order(Case("race", FlowOrder, "pay", amount="100.00"))
+    tag = order.business_key
+    payments = [
+        {
+            "message_id": f"{tag}-pay-{i}",
+            "type": "diff.pay",
+            "order_id": order.pk,
+            "payload": {"payment_id": f"{tag}-{i}", "amount": "1.00"},
+        }
+        for i in range(24)
+    ]
+    deliveries = [(CONSUMER, m) for m in payments for _ in range(2)]
+    random.Random(7).shuffle(deliveries)
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+        outcomes = run_threads(deliveries, 4)
+    assert outcomes[Outcome.APPLIED.value] == 24
+    fresh = FlowOrder.objects.get(pk=order.pk)
+    assert (fresh.flow, fresh.paid_total) == ("part_paid", Decimal("24.00"))
+    assert fresh.version == 24
+    assert Payment.objects.filter(order_id=order.pk).count() == 24
