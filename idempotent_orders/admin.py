@@ -1171,12 +1171,13 @@ class AuditTargetFilter(admin.SimpleListFilter):
 
 class KeySearchMixin(admin.ModelAdmin):
     """Search a big table the way its indexes answer: each term equals (``=``, no
-    ``LIKE``, no ``UPPER()``) one of the text keys ``key_search_text``, or, when it is
-    a whole number, one of the integer keys ``key_search_int`` (compared as numbers,
-    not cast to text). ``search_fields`` only shows the search box and its help."""
+    ``LIKE``, no ``UPPER()``) one of the text keys ``key_search_text``, or the primary
+    key of the row a foreign key of ``key_search_related`` points at, when the term is
+    one (a whole number for an integer key: compared as a number, not cast to text).
+    ``search_fields`` only shows the search box."""
 
     key_search_text: tuple[str, ...] = ("message_id",)
-    key_search_int: tuple[str, ...] = ()
+    key_search_related: tuple[str, ...] = ()
     search_help_text = "An exact message id or order id."
     #: No COUNT(*) over the whole table on each page.
     show_full_result_count = False
@@ -1190,10 +1191,28 @@ class KeySearchMixin(admin.ModelAdmin):
             if bit.startswith(('"', "'")) and bit[0] == bit[-1]:
                 bit = unescape_string_literal(bit)
             match = Q.create([(name, bit) for name in self.key_search_text], connector=Q.OR)
-            if bit.isascii() and bit.isdigit() and len(bit) < 19:
-                match |= Q.create([(name, int(bit)) for name in self.key_search_int], Q.OR)
+            for name in self.key_search_related:
+                relation: Any = self.opts.get_field(name)
+                value = _as_key(relation.target_field, bit)
+                if value is not None:
+                    match |= Q(**{relation.attname: value})
             queryset = queryset.filter(match)
         return queryset, False
+
+
+def _as_key(field: Any, term: str) -> Any:
+    """``term`` as a value of the key ``field``; None when it cannot be one."""
+    from django.core.exceptions import ValidationError
+    from django.db.models import IntegerField
+
+    if isinstance(field, IntegerField) and not (term.isascii() and term.isdigit()):
+        return None
+    if isinstance(field, IntegerField) and len(term) > 18:
+        return None  # past a bigint
+    try:
+        return field.to_python(term)
+    except (ValidationError, ValueError, TypeError):
+        return None
 
 
 class EvidenceAdmin(admin.ModelAdmin):
@@ -1245,7 +1264,7 @@ class ProcessedMessageAdmin(KeySearchMixin, ReadOnlyEvidenceAdmin):
     ]
     list_filter = [AttentionFilter, ConsumerFilter, "outcome", "status", MessageTypeFilter]
     search_fields = ["message_id__exact", "order__pk__exact"]
-    key_search_int = ("order_id",)
+    key_search_related = ("order",)
     raw_id_fields = ["order"]
     actions = [
         _row_action("retry", _retry, "Retry (verifies first)", _plan_retry),
@@ -1344,7 +1363,7 @@ class ParkedMessageAdmin(KeySearchMixin, ReadOnlyEvidenceAdmin):
     ]
     list_select_related = ["order"]
     search_fields = ["message_id__exact", "order__pk__exact"]
-    key_search_int = ("order_id",)
+    key_search_related = ("order",)
     raw_id_fields = ["order"]
 
     class Media:
