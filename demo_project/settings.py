@@ -136,7 +136,7 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     "PAYMENT_TIMEOUT": int(os.environ.get("DEMO_PAYMENT_TIMEOUT", 15 * 60)),
 }
 
-# The reconciler and the retention purge run on Celery beat (`celery -A demo_project beat`).
+# The periodic tasks run on Celery beat (`celery -A demo_project beat`).
 CELERY_BEAT_SCHEDULE = {
     "idempotent-orders-reconcile": {"task": "idempotent_orders.reconcile", "schedule": 30.0},
     "idempotent-orders-purge": {"task": "idempotent_orders.purge", "schedule": 3600.0},
@@ -144,6 +144,12 @@ CELERY_BEAT_SCHEDULE = {
     # for consumption whose on-commit publish did not get through).
     "idempotent-orders-timers": {"task": "idempotent_orders.fire_due_timers", "schedule": 10.0},
     "idempotent-orders-relay": {"task": "idempotent_orders.relay_outbox", "schedule": 5.0},
+    # Parked messages still waiting PARKED_TIMEOUT after they arrived (their predecessor
+    # lost, e.g. to a failover) are marked overdue and logged within a minute of it.
+    "idempotent-orders-surface-parked": {
+        "task": "idempotent_orders.surface_overdue_parked",
+        "schedule": 60.0,
+    },
 }
 
 LOGGING = {

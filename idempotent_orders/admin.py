@@ -1119,6 +1119,102 @@ if get_order_model() is Order:
     admin.site.register(Order, OrderAdmin)
 
 
+class MessageTypeFilter(admin.SimpleListFilter):
+    """The registered message types (from the code, not a ``SELECT DISTINCT`` over the table)."""
+
+    title = "message type"
+    parameter_name = "message_type"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(h.message_type, h.message_type) for h in registered()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(message_type=value) if value else queryset
+
+
+class ConsumerFilter(admin.SimpleListFilter):
+    """The consumers the registered message types name (``register(consumers=...)``);
+    hidden when none does. Any consumer is still one ``?consumer=<name>`` away."""
+
+    title = "consumer"
+    parameter_name = "consumer"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = sorted({c for h in registered() for c in h.consumers})
+        return [(name, name) for name in names]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(consumer=value) if value else queryset
+
+
+class AuditTargetFilter(admin.SimpleListFilter):
+    """The kinds of row operators act on (this app's models), not a ``SELECT DISTINCT``."""
+
+    title = "target"
+    parameter_name = "target"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        models: list[type[Model]] = [
+            get_order_model(),
+            ProcessedMessage,
+            ParkedMessage,
+            OutboxMessage,
+        ]
+        return [(m._meta.label_lower, str(m._meta.verbose_name_plural)) for m in models]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(target=value) if value else queryset
+
+
+class KeySearchMixin(admin.ModelAdmin):
+    """Search a big table the way its indexes answer: each term equals (``=``, no
+    ``LIKE``, no ``UPPER()``) one of the text keys ``key_search_text``, or the primary
+    key of the row a foreign key of ``key_search_related`` points at, when the term is
+    one (a whole number for an integer key: compared as a number, not cast to text).
+    ``search_fields`` only shows the search box."""
+
+    key_search_text: tuple[str, ...] = ("message_id",)
+    key_search_related: tuple[str, ...] = ()
+    search_help_text = "An exact message id or order id."
+    #: No COUNT(*) over the whole table on each page.
+    show_full_result_count = False
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        from django.utils.text import smart_split, unescape_string_literal
+
+        for bit in smart_split(search_term):
+            if bit.startswith(('"', "'")) and bit[0] == bit[-1]:
+                bit = unescape_string_literal(bit)
+            match = Q.create([(name, bit) for name in self.key_search_text], connector=Q.OR)
+            for name in self.key_search_related:
+                relation: Any = self.opts.get_field(name)
+                value = _as_key(relation.target_field, bit)
+                if value is not None:
+                    match |= Q(**{relation.attname: value})
+            queryset = queryset.filter(match)
+        return queryset, False
+
+
+def _as_key(field: Any, term: str) -> Any:
+    """``term`` as a value of the key ``field``; None when it cannot be one."""
+    from django.core.exceptions import ValidationError
+    from django.db.models import IntegerField
+
+    if isinstance(field, IntegerField) and not (term.isascii() and term.isdigit()):
+        return None
+    if isinstance(field, IntegerField) and len(term) > 18:
+        return None  # past a bigint
+    try:
+        return field.to_python(term)
+    except (ValidationError, ValueError, TypeError):
+        return None
+
+
 class EvidenceAdmin(admin.ModelAdmin):
     """Rows that are the record of what happened: never added or deleted from the admin."""
 
@@ -1150,7 +1246,7 @@ def _fix(obj: ProcessedMessage) -> str:
 
 
 @admin.register(ProcessedMessage)
-class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
+class ProcessedMessageAdmin(KeySearchMixin, ReadOnlyEvidenceAdmin):
     list_display = [
         "message_id",
         "consumer",
@@ -1166,8 +1262,9 @@ class ProcessedMessageAdmin(ReadOnlyEvidenceAdmin):
         _reason,
         _fix,
     ]
-    list_filter = [AttentionFilter, "consumer", "outcome", "status", "message_type"]
-    search_fields = ["message_id", "error", "=order__pk"]
+    list_filter = [AttentionFilter, ConsumerFilter, "outcome", "status", MessageTypeFilter]
+    search_fields = ["message_id__exact", "order__pk__exact"]
+    key_search_related = ("order",)
     raw_id_fields = ["order"]
     actions = [
         _row_action("retry", _retry, "Retry (verifies first)", _plan_retry),
@@ -1250,7 +1347,7 @@ def _requeue_and_redeliver(*, ids: list[int], using: str | None = None) -> int:
 
 
 @admin.register(ParkedMessage)
-class ParkedMessageAdmin(ReadOnlyEvidenceAdmin):
+class ParkedMessageAdmin(KeySearchMixin, ReadOnlyEvidenceAdmin):
     list_display = [
         "message_id",
         "consumer",
@@ -1261,9 +1358,14 @@ class ParkedMessageAdmin(ReadOnlyEvidenceAdmin):
         _waiting,
         _timestamp("overdue_at", "overdue at"),
     ]
-    list_filter = [ParkedAttentionFilter, "consumer", ("overdue_at", admin.EmptyFieldListFilter)]
+    list_filter = [
+        ParkedAttentionFilter,
+        ConsumerFilter,
+        ("overdue_at", admin.EmptyFieldListFilter),
+    ]
     list_select_related = ["order"]
-    search_fields = ["message_id", "=order__pk"]
+    search_fields = ["message_id__exact", "order__pk__exact"]
+    key_search_related = ("order",)
     raw_id_fields = ["order"]
 
     class Media:
@@ -1288,7 +1390,7 @@ def _detail(obj: AuditEntry) -> str:
 
 
 @admin.register(AuditEntry)
-class AuditEntryAdmin(admin.ModelAdmin):
+class AuditEntryAdmin(KeySearchMixin, admin.ModelAdmin):
     list_display = [
         _timestamp("created_at", "at"),
         "username",
@@ -1298,9 +1400,13 @@ class AuditEntryAdmin(admin.ModelAdmin):
         "result",
         _detail,
     ]
-    list_filter = ["action", "result", "target"]
-    #: An order's id or a message id finds every action on it (exactly, not as a substring).
-    search_fields = ["=order_pk", "=message_id", "=object_id", "username", "detail"]
+    #: Not "action" or "result": their values are found with SELECT DISTINCT over the
+    #: whole table (a bulk requeue audits every row); ?action=<name> still filters.
+    list_filter = [AuditTargetFilter]
+    #: An order's id or a message id finds every action on it (exactly, not as a substring;
+    #: each has an index of its own).
+    search_fields = ["order_pk__exact", "message_id__exact"]
+    key_search_text = ("order_pk", "message_id")
 
     class Media:
         css = {"all": ["idempotent_orders/admin.css"]}
@@ -1316,7 +1422,7 @@ class AuditEntryAdmin(admin.ModelAdmin):
 
 
 @admin.register(OutboxMessage)
-class OutboxMessageAdmin(EvidenceAdmin):
+class OutboxMessageAdmin(KeySearchMixin, EvidenceAdmin):
     list_display = [
         "message_id",
         "task_name",
@@ -1327,8 +1433,10 @@ class OutboxMessageAdmin(EvidenceAdmin):
         "available_at",
         "dead_at",
     ]
-    list_filter = ["status", "task_name"]
-    search_fields = ["message_id", "order_key", "last_error"]
+    list_filter = ["status"]
+    search_fields = ["message_id__exact", "order_key__exact"]
+    key_search_text = ("message_id", "order_key")
+    search_help_text = "An exact message id or order key."
     readonly_fields = [
         "message_id",
         "task_name",

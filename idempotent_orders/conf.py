@@ -63,6 +63,9 @@ DEFAULTS: dict[str, Any] = {
     "DEDUP_REDIS_TTL_MARGIN": 3600,
     # After a Redis error, go straight to the database for this many seconds.
     "DEDUP_REDIS_RETRY_AFTER": 5,
+    # Longest wait (seconds) for Redis on one fast-path call (connect, lookup, batch write);
+    # past it the database answers and Redis is skipped as after an error.
+    "DEDUP_REDIS_TIMEOUT": 0.05,
     # Process-local Bloom filter: one per bucket, each sized for CAPACITY ids.
     "DEDUP_BLOOM": True,
     "DEDUP_BLOOM_CAPACITY": 1_000_000,
@@ -160,6 +163,7 @@ DEFAULTS: dict[str, Any] = {
 POSITIVE: frozenset[str] = frozenset(
     {
         "LEASE_SECONDS",
+        "DEDUP_REDIS_TIMEOUT",
         "HEARTBEAT_SECONDS",
         "RECONCILE_MAX_STALLS",
         "RECONCILE_BATCH_SIZE",
@@ -292,6 +296,10 @@ class Settings:
     @property
     def DEDUP_REDIS_RETRY_AFTER(self) -> int:
         return int(self._get("DEDUP_REDIS_RETRY_AFTER"))
+
+    @property
+    def DEDUP_REDIS_TIMEOUT(self) -> float:
+        return float(self._get("DEDUP_REDIS_TIMEOUT"))
 
     @property
     def DEDUP_BLOOM(self) -> bool:

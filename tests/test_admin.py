@@ -275,3 +275,68 @@ def test_a_transition_without_a_target_state_is_not_offered(undrawable: str) -> 
         site.register(Ticket, TicketAdmin)
         actions = [getattr(a, "__name__", a) for a in site.get_model_admin(Ticket).actions or ()]
     assert actions == ["transition_close"]
+
+
+# -- lists at size --------------------------------------------------------------------
+
+
+LISTS = ["processedmessage", "parkedmessage", "outboxmessage", "auditentry"]
+
+
+@pytest.mark.parametrize("model", LISTS)
+def test_a_big_list_runs_no_distinct_and_no_second_count(staff, make_order, model) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    order = make_order()
+    consume_message(payment(order), consumer="payments")
+    consume_message(payment(order, seq=5), consumer="payments")  # parked
+    with CaptureQueriesContext(connection) as queries:
+        response = staff.get(changelist(model))
+    assert response.status_code == 200
+    sql = [q["sql"].upper() for q in queries]
+    assert not [s for s in sql if "DISTINCT" in s]
+    # The page's own count only, never the unfiltered total beside it.
+    table = f"IDEMPOTENT_ORDERS_{model.upper()}"
+    assert len([s for s in sql if "COUNT(" in s and table in s]) <= 1
+    assert response.context["cl"].model_admin.show_full_result_count is False
+
+
+def test_list_filters_offer_fixed_values(staff, make_order) -> None:
+    order = make_order()
+    consume_message(payment(order), consumer="payments")
+    response = staff.get(changelist("processedmessage"))
+    specs = {spec.title: spec for spec in response.context["cl"].filter_specs}
+    assert "payment.succeeded" in [v for v, _ in specs["message type"].lookup_choices]
+    found = staff.get(changelist("processedmessage"), {"message_type": "payment.succeeded"})
+    assert [r.message_id for r in found.context["cl"].result_list]
+    # Any consumer is still one parameter away.
+    found = staff.get(changelist("processedmessage"), {"consumer": "payments"})
+    assert found.context["cl"].result_list.count() == 1
+    audit = staff.get(changelist("auditentry"))
+    targets = [v for v, _ in audit.context["cl"].filter_specs[0].lookup_choices]
+    assert "idempotent_orders.processedmessage" in targets
+
+
+def test_searches_are_exact_on_keys(staff, make_order) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    order = make_order()
+    msg = payment(order)
+    consume_message(msg, consumer="payments")
+    url = changelist("processedmessage")
+
+    def found(q: str) -> list[str]:
+        with CaptureQueriesContext(connection) as queries:
+            response = staff.get(url, {"q": q})
+        sql = " ".join(q["sql"].upper() for q in queries)
+        assert " LIKE " not in sql
+        assert "ILIKE" not in sql
+        assert "UPPER(" not in sql
+        return [r.message_id for r in response.context["cl"].result_list]
+
+    assert found(msg["message_id"]) == [msg["message_id"]]
+    assert found(msg["message_id"][:-1]) == []  # no substring match
+    assert msg["message_id"] in found(str(order.pk))  # the order's rows
+    assert found("not-a-number") == []

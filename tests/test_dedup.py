@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,6 +25,7 @@ from idempotent_orders.checks import check_dedup, check_redis_layer, check_setti
 from idempotent_orders.consuming.single import consume_message, surface_overdue_parked
 from idempotent_orders.dedup import Layer
 from idempotent_orders.dedup.bloom import BloomLayer, stable_hash
+from idempotent_orders.dedup.redis import RedisUnavailable
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, ProcessedMessage
 from idempotent_orders.signals import dedup_answered, parked_overdue
 from tests.support.messages import payment, shipment
@@ -441,6 +444,56 @@ def test_redis_flushed_or_down_falls_back_to_the_database(make_order, redis_serv
     assert "redis-down" in layers
     assert layers[-1] == "bloom-negative"
     assert ProcessedMessage.objects.filter(message_id=msg["message_id"]).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_frozen_redis_costs_each_call_one_bounded_wait(make_order, redis_server, layers) -> None:
+    """A Redis that stopped answering (SIGSTOP: connections accepted, nothing read) is
+    one ``DEDUP_REDIS_TIMEOUT`` per call; the database decides, each message applies once."""
+    assert redis_server.proc is not None
+    pid = redis_server.proc.pid
+    with settings_with(DEDUP_REDIS_TIMEOUT=0.05, DEDUP_REDIS_RETRY_AFTER=1):
+        dedup.reset()
+        seen = payment(make_order())
+        assert consume_message(seen, consumer="payments") is Outcome.APPLIED
+        assert dedup.flush()
+        orders = [make_order() for _ in range(5)]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            msgs = [payment(o) for o in orders]
+            outcomes = [consume_message(m, consumer="payments") for m in msgs]
+            again = consume_message(seen, consumer="payments")
+            # Each kind of call, each past the back-off, gives up on its own.
+            for n in range(3):
+                dedup.redis._down_until = 0.0
+                with pytest.raises(RedisUnavailable):
+                    dedup.redis.contains("payments", f"frozen-{n}")
+                dedup.redis._down_until = 0.0
+                with pytest.raises(RedisUnavailable):
+                    dedup.redis.contains_many("payments", [f"frozen-{n}", "other"])
+                dedup.redis._down_until = 0.0
+                dedup.remember("payments", f"frozen-{n}")
+                assert dedup.flush(timeout=5)  # the writer's batch gave up too
+                assert dedup.redis._down_until > time.monotonic()
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert outcomes == [Outcome.APPLIED] * 5
+        assert again is Outcome.DUPLICATE
+        assert "redis-down" in layers
+        assert elapsed < 2.0  # ~13 bounded waits; an unbounded one would hang here
+        ids = [m["message_id"] for m in msgs] + [seen["message_id"]]
+        for message_id in ids:
+            assert ProcessedMessage.objects.filter(message_id=message_id).count() == 1
+        # Once the back-off is over, Redis answers again.
+        time.sleep(1.1)
+        fresh = payment(make_order())
+        assert consume_message(fresh, consumer="payments") is Outcome.APPLIED
+        assert dedup.flush()
+        assert consume_message(fresh, consumer="payments") is Outcome.DUPLICATE
+        assert layers[-1] == "redis-hit"
+        assert redis_server.keys(f"*processed:payments:{fresh['message_id']}")
 
 
 @pytest.mark.django_db

@@ -48,3 +48,23 @@ def test_demo_reports_no_double_applied_and_no_lost(tmp_path) -> None:
     # Each order's loyalty follow-up went through the outbox and was applied once.
     assert re.search(r"outbox follow-ups\s+20 \(0 unsent\)", demo.stdout), demo.stdout
     assert re.search(r"wrong loyalty points\s+0\n", demo.stdout), demo.stdout
+
+
+def test_demo_beat_runs_the_periodic_tasks(tmp_path) -> None:
+    env = {**os.environ, "DEMO_STATE_DIR": str(tmp_path)}
+    code = (
+        "import demo_project.settings as s; "
+        "print(*sorted(e['task'] for e in s.CELERY_BEAT_SCHEDULE.values()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    scheduled = set(out.stdout.split())
+    assert {
+        "idempotent_orders.reconcile",
+        "idempotent_orders.purge",
+        "idempotent_orders.fire_due_timers",
+        "idempotent_orders.relay_outbox",
+        "idempotent_orders.surface_overdue_parked",
+    } <= scheduled

@@ -48,6 +48,10 @@ KNOWN_NAMES = {
     "DJANGO_SETTINGS_MODULE",
     "INSTALLED_APPS",
     "SILENCED_SYSTEM_CHECKS",
+    # A cache's keys in CACHES (Django's, and django-redis's OPTIONS).
+    "KEY_PREFIX",
+    "SOCKET_CONNECT_TIMEOUT",
+    "SOCKET_TIMEOUT",
     # Celery settings, as a Django project spells them (namespace "CELERY").
     "CELERY_BEAT_SCHEDULE",
     "CELERY_BROKER_URL",

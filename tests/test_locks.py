@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import uuid
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.conf import settings
 from django.core.cache import caches
 from django.test import override_settings
 from django_redis import get_redis_connection
+from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 
 from demo_project.models import LoyaltyAccount
 from idempotent_orders.exceptions import LockLost, LockNotAcquired, LockUnavailable
@@ -24,7 +26,7 @@ def name() -> str:
 
 
 def lock_key(name: str) -> str:
-    return caches["default"].make_key(f"lock:{name}")
+    return caches["default"].make_key(f"lock:{{{name}}}")
 
 
 def test_tokens_grow_with_every_holder(name: str) -> None:
@@ -139,6 +141,71 @@ def test_redis_unreachable_raises_never_passes() -> None:
         with pytest.raises(LockUnavailable):
             guarded()
     assert ran == []
+
+
+def test_the_keys_share_one_cluster_slot(name: str) -> None:
+    from redis.crc import key_slot
+
+    _, key, fence_key = FencedLock(name)._client()
+    assert key == caches["default"].make_key(f"lock:{{{name}}}")
+    assert fence_key == caches["default"].make_key(f"fence:{{{name}}}")
+    assert key_slot(key.encode()) == key_slot(fence_key.encode())
+
+
+def test_the_fencing_counter_carries_on_from_the_key_before_the_hash_tag(name: str) -> None:
+    client = get_redis_connection("default")
+    old = caches["default"].make_key(f"fence:{name}")
+    client.set(old, 41, ex=60)
+    try:
+        with FencedLock(name, ttl=5) as lock:
+            assert lock.token == 42
+        with FencedLock(name, ttl=5) as lock:
+            assert lock.token == 43
+        assert int(client.get(old)) == 41  # read, never written
+    finally:
+        client.delete(old, caches["default"].make_key(f"fence:{{{name}}}"))
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        ResponseError("OOM command not allowed when used memory > maxmemory"),
+        RedisClusterException("no slot covered"),
+        NoScriptError("NOSCRIPT No matching script"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_any_redis_error_is_lock_unavailable(name: str, raised: Exception) -> None:
+    lock = FencedLock(name, ttl=5, timeout=0)
+    with (
+        mock.patch("redis.Redis.eval", side_effect=raised),
+        pytest.raises(LockUnavailable, match=type(raised).__name__),
+    ):
+        lock.acquire()
+    assert lock.token == 0
+
+
+def test_a_proxy_refusing_the_old_counter_s_slot_still_locks(name: str, monkeypatch) -> None:
+    from redis import Redis
+
+    from idempotent_orders import locks
+
+    monkeypatch.setattr(locks, "_legacy_refused", False)
+    real = Redis.eval
+    calls: list[int] = []
+
+    def like_a_cluster_proxy(self: Any, script: str, numkeys: int, *args: Any) -> Any:
+        calls.append(numkeys)
+        if numkeys == 3:
+            raise ResponseError("CROSSSLOT Keys in request don't hash to the same slot")
+        return real(self, script, numkeys, *args)
+
+    with mock.patch.object(Redis, "eval", like_a_cluster_proxy):
+        with FencedLock(name, ttl=5) as lock:
+            assert lock.token >= 1
+        with FencedLock(name, ttl=5):
+            pass
+    assert calls == [3, 2, 2, 2, 2]  # asked once with the old key, then never again
 
 
 def test_a_cache_that_is_not_redis_is_refused() -> None:

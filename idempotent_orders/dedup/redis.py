@@ -14,7 +14,15 @@ takes that command; a batch ends with one ``PING`` whose reply says Redis
 has applied it. Each thread keeps one connection of its own to that server
 for these keys, opened with the pool's settings (no pool checkout per
 batch, and the commands are packed by hand). A server that refuses
-``CLIENT REPLY`` gets the usual ``SET`` and its reply, through the cache.
+``CLIENT REPLY`` gets the usual ``SET`` and its reply, on that connection.
+
+Every call on that connection (connect, lookup, batch write, the probe) is
+bounded by ``DEDUP_REDIS_TIMEOUT`` (its socket timeouts, whatever the
+cache's own): a Redis that stopped answering (a frozen process, a network
+partition) costs one timeout, then the database answers and Redis is
+skipped for ``DEDUP_REDIS_RETRY_AFTER`` seconds, as after an error. A cache
+that is not django-redis's default client is reached through the cache,
+bounded only by the cache's own ``SOCKET_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 
 from django.core.cache import caches
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from idempotent_orders.conf import conf
 
@@ -109,7 +118,7 @@ class RedisLayer:
         self.flush()
         cache = self._cache()
         key = _key(consumer, message_id)
-        if self._call("get", self._direct, cache) is None:
+        if self._call("get", self._pool, cache) is None:
             return bool(self._call("get", cache.get, key))
         return bool(self._call("get", self._get, cache, key))
 
@@ -118,7 +127,7 @@ class RedisLayer:
         self.flush()
         cache = self._cache()
         keys = {_key(consumer, m): m for m in message_ids}
-        if self._call("get", self._direct, cache) is None:
+        if self._call("get", self._pool, cache) is None:
             found = self._call("get", cache.get_many, list(keys))
             return {keys[key] for key, value in found.items() if value}
         values = self._call("get", self._get_many, cache, list(keys))
@@ -209,7 +218,7 @@ class RedisLayer:
         self.flush(self.exit_timeout)
 
     def _set_many(self, cache: Any, keys: list[str], ttl: int) -> None:
-        pool = self._direct(cache)
+        pool = self._pool(cache)
         if pool is None:
             if len(keys) == 1:
                 cache.set(keys[0], 1, timeout=ttl)
@@ -221,38 +230,45 @@ class RedisLayer:
         encode = connection.encoder.encode
         expiry = b"%d" % int(ttl)
         make_key = cache.client.make_key
-        packed = b"".join(
-            _SKIP + _pack(b"SET", encode(make_key(key)), b"1", b"EX", expiry) for key in keys
-        )
+        sets = [_pack(b"SET", encode(make_key(key)), b"1", b"EX", expiry) for key in keys]
+        if not self._takes_no_reply(pool):
+            # One reply per SET, all read: nothing left unread on the connection.
+            self._send(pool, b"".join(sets), read=True, replies=len(sets))
+            return
         # The PING's reply comes once Redis applied every SET before it.
-        self._send(pool, packed + _PING, read=True)
+        self._send(pool, b"".join(_SKIP + packed for packed in sets) + _PING, read=True)
 
     def _get(self, cache: Any, key: str) -> bool:
-        pool = self._direct(cache)
+        pool = self._pool(cache)
         connection = self._connection(pool)
         packed = _pack(b"GET", connection.encoder.encode(cache.client.make_key(key)))
         return self._send(pool, packed, read=True) is not None
 
     def _get_many(self, cache: Any, keys: list[str]) -> list[Any]:
-        pool = self._direct(cache)
+        pool = self._pool(cache)
         connection = self._connection(pool)
         encode = connection.encoder.encode
         packed = _pack(b"MGET", *(encode(cache.client.make_key(key)) for key in keys))
         return list(self._send(pool, packed, read=True))
 
-    def _send(self, pool: Any, packed: bytes, *, read: bool) -> Any:
-        """Send ``packed`` on this thread's connection (and read one reply when ``read``).
+    def _send(self, pool: Any, packed: bytes, *, read: bool, replies: int = 1) -> Any:
+        """Send ``packed`` on this thread's connection (and read ``replies`` replies when
+        ``read``, returning the last).
 
         A connection the server closed since its last use (a Redis restart, an
         idle timeout) fails on use: it is dropped and the command sent once
-        more on a new one. Any failure drops the connection, so nothing
-        half-sent or unread stays on it.
+        more on a new one. A timeout (Redis did not answer within
+        ``DEDUP_REDIS_TIMEOUT``) is not retried. Any failure drops the
+        connection, so nothing half-sent or unread stays on it.
         """
         for attempt in (1, 2):
             connection = self._connection(pool)
             try:
                 connection.send_packed_command([packed], check_health=False)
-                return connection.read_response() if read else None
+                reply = None
+                for _ in range(replies if read else 0):
+                    reply = connection.read_response()
+                return reply
             except (ConnectionError, OSError, RedisConnectionError):
                 self._drop()
                 if attempt == 2:
@@ -262,26 +278,26 @@ class RedisLayer:
                 raise
         return None  # pragma: no cover - the loop returns or raises
 
-    def _direct(self, cache: Any) -> Any:
-        """The pool whose server this thread may talk to directly; None: go through the cache."""
-        pool = self._pool(cache)
-        if pool is None or not self._takes_no_reply(pool):
-            return None
-        return pool
-
     def _connection(self, pool: Any) -> Any:
         """This thread's own connection to ``pool``'s server, opened with the pool's settings.
 
         Kept per thread (a connection serves one command stream at a time) and
-        per process (a forked child opens its own).
+        per process (a forked child opens its own). Its socket timeouts are at
+        most ``DEDUP_REDIS_TIMEOUT``, so no call on it waits longer for Redis.
         """
         own = self._own
         current = getattr(own, "current", None)
         pid = os.getpid()
-        if current is not None and current[0] is pool and current[2] == pid:
+        bound = conf.DEDUP_REDIS_TIMEOUT
+        if current is not None and current[0] is pool and current[2:] == (pid, bound):
             return current[1]
-        connection = pool.connection_class(**pool.connection_kwargs)
-        own.current = (pool, connection, pid)
+        self._drop()
+        kwargs = dict(pool.connection_kwargs)
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            value = kwargs.get(name)
+            kwargs[name] = bound if value is None else min(value, bound)
+        connection = pool.connection_class(**kwargs)
+        own.current = (pool, connection, pid, bound)
         return connection
 
     def _drop(self) -> None:
@@ -308,15 +324,17 @@ class RedisLayer:
             known = self._no_reply[pool] = self._probe(pool)
         return known
 
-    @staticmethod
-    def _probe(pool: Any) -> bool:
+    def _probe(self, pool: Any) -> bool:
         """Whether the server skips the reply of the command after ``CLIENT REPLY SKIP``.
 
-        Sends SKIP, ECHO a, ECHO b: a server that honours SKIP answers only "b".
-        Any other answer (an error for a refused or renamed CLIENT command) and
-        the connection is dropped, replies unread, so none is left for its next user.
+        Sends SKIP, ECHO a, ECHO b on this thread's (bounded) connection: a
+        server that honours SKIP answers only "b". An error reply (a refused or
+        renamed CLIENT command) or another answer is a no, and the connection
+        is dropped, replies unread, so none is left for its next command. No
+        answer at all (a timeout, a refused connection) is not an answer: it
+        raises, nothing is remembered, and the next batch probes again.
         """
-        connection = pool.get_connection()
+        connection = self._connection(pool)
         ok = False
         try:
             connection.send_packed_command(
@@ -326,12 +344,11 @@ class RedisLayer:
             )
             reply = connection.read_response()
             ok = reply in (b"answered", "answered")
-        except Exception:
+        except ResponseError:
             ok = False
         finally:
             if not ok:
-                connection.disconnect()
-            pool.release(connection)
+                self._drop()
         return ok
 
     def reset(self) -> None:
