@@ -349,6 +349,9 @@ def test_reset_drops_the_queued_keys(redis_server, monkeypatch) -> None:
     dedup.remember("payments", "warm")
     assert dedup.flush()
     monkeypatch.setattr(dedup.redis, "linger", 5.0)
+    # A writer cycle woken by "warm" may still be lingering the old few milliseconds;
+    # let it end, so the next cycle lingers the new five seconds.
+    time.sleep(0.3)
     dedup.remember("payments", "dropped")
     dedup.reset()
     assert dedup.flush()
