@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import json
 import uuid
 from collections.abc import Callable, Iterator
@@ -218,6 +220,8 @@ def test_sigterm_finishes_the_batch_at_hand_and_stops(batch_consumers, make_orde
     for o in orders:
         publish(payment(o, message_id=f"t-{o.pk}"), consumer="payments")
     assert wait_until(lambda: _queue_depth(consumers.queue) == 0, timeout=30)  # all prefetched
+    # Sent to the consumer is not yet taken into its batch: give a busy machine a moment.
+    time.sleep(1.0)
     consumers.procs[0].send_signal(signal.SIGTERM)
     assert consumers.procs[0].wait(30) == 0, consumers.log_tail()
     ids = [o.pk for o in orders]
