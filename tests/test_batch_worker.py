@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
