@@ -62,7 +62,7 @@ def _produce(folder: str, transport: str, n: int, start: int) -> None:
 def _consume(folder: str, transport: str, total: int, out: str) -> None:
     got: list[int] = []
     errors: list[str] = []
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 10
     with Connection(
         "filesystem://", transport=transport, transport_options=_options(Path(folder))
     ) as conn:
