@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DataError, connections
+from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
 from django.db.models import (
     AutoField,
     BigAutoField,
@@ -428,8 +428,9 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     # The order as written is built only for someone to hand it to. Nobody to hand
     # it to means no work inside the transaction either (the common case: one look).
     announced = transition_heard(model, shape.target)
-    if announced and in_transaction_work(model, shape.target):
-        return None
+    # A follow-up (the fulfilment outbox row) is written in the statement's own
+    # transaction: the statement, the follow-up and COMMIT, three round trips.
+    follow_up = announced and in_transaction_work(model, shape.target)
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
@@ -484,6 +485,34 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     for field_name, value, _ in tests:
         values[f"test:{field_name}"] = value
     args = [prepare(values[source], conn) for source, prepare in statement.sources]
+    if not follow_up:
+        return _apply(statement, args, conn, model, alias, plan, shape, name, announced)
+    try:
+        with transaction.atomic(using=alias):
+            applied = _apply(statement, args, conn, model, alias, plan, shape, name, announced)
+            if applied is None:
+                raise _Declined  # nothing written; the transaction may be aborted: undo it
+            return applied
+    except _Declined:
+        return None
+
+
+class _Declined(Exception):
+    """The statement wrote nothing: leave the transaction that held it."""
+
+
+def _apply(
+    statement: _Statement,
+    args: list[Any],
+    conn: Any,
+    model: type[Model],
+    alias: str,
+    plan: Any,
+    shape: _Shape,
+    name: str,
+    announced: bool,
+) -> Outcome | None:
+    """Run the statement; on APPLIED announce the transition (follow-ups write here)."""
     try:
         row = fetch_one(statement.sql, args, conn)
     except DataError:
