@@ -222,3 +222,55 @@ def test_a_raising_receiver_under_a_real_worker_retries_then_dead_letters(
     assert (applied.status, applied.outcome) == (InboxStatus.DONE, Outcome.APPLIED)
     fresh = get_order_model()._default_manager.get(pk=order.pk)
     assert fresh.version == 1
+
+
+@pytest.mark.backends("postgresql", "mysql")
+def test_a_payment_racing_a_cancel_ends_in_exactly_one_outcome(make_order: Any) -> None:
+    """Paid (the cancel refused), or cancelled with the payment kept as money to give back:
+    never both, never neither, never silent."""
+    import threading
+
+    from django.db import connection
+
+    seen = {"paid": 0, "cancelled": 0}
+    for round_no in range(12):
+        order = make_order()
+        pay = payment(order)
+        cancel = {
+            "message_id": f"cancel-{order.pk}-{round_no}",
+            "type": "order.cancelled",
+            "order_id": order.pk,
+        }
+        outcomes: dict[str, Outcome] = {}
+        barrier = threading.Barrier(2)
+
+        def run(
+            name: str,
+            message: dict[str, Any],
+            barrier: threading.Barrier,
+            outcomes: dict[str, Outcome],
+        ) -> None:
+            try:
+                barrier.wait()
+                outcomes[name] = consume_message(message, consumer="payments")
+            finally:
+                connection.close()
+
+        threads = [
+            threading.Thread(target=run, args=("pay", pay, barrier, outcomes)),
+            threading.Thread(target=run, args=("cancel", cancel, barrier, outcomes)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        fresh = get_order_model()._default_manager.get(pk=order.pk)
+        assert fresh.version == 1  # one transition, never two
+        seen[fresh.status] += 1
+        if fresh.status == "paid":
+            assert outcomes == {"pay": Outcome.APPLIED, "cancel": Outcome.REJECTED}
+        else:
+            assert outcomes == {"pay": Outcome.REJECTED, "cancel": Outcome.APPLIED}
+            assert inbox(pay).error.endswith("the payment is money to give back")
+    print("payment racing a cancel:", seen)
+    assert sum(seen.values()) == 12
