@@ -79,7 +79,7 @@ from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.timesince import timesince
 
-from idempotent_orders import fulfilment, get_order_model, leases, reconcile
+from idempotent_orders import fulfilment, get_order_model, leases, liveness, reconcile
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.decision import REFUND
 from idempotent_orders.consuming.graph import (
@@ -414,6 +414,38 @@ class Attention:
     short: str = ""
 
 
+def _liveness_lines(stuck_url: str) -> list[Attention]:
+    """Workers gone quiet and the reconciler's last pass, from their heartbeats."""
+    workers = liveness.ages("worker:")
+    gone = sorted(
+        name.removeprefix("worker:") for name, age in workers.items() if age > liveness.SILENT_AFTER
+    )
+    alive = len(workers) - len(gone)
+    reconciler = liveness.ages("reconciler").get("reconciler")
+    late = reconciler is None or reconciler > 5 * 60
+    return [
+        Attention(
+            "workers_gone",
+            f"Workers not heard from for {liveness.SILENT_AFTER} s",
+            len(gone),
+            stuck_url,
+            (f"gone: {', '.join(gone)}; " if gone else "")
+            + f"{alive} heard from in the last minute",
+            short="",
+        ),
+        Attention(
+            "reconciler",
+            "Reconciler not run in the last 5 minutes",
+            int(late),
+            stuck_url,
+            "never heard from (is Celery beat running?)"
+            if reconciler is None
+            else f"last pass {int(reconciler)} s ago",
+            short="",
+        ),
+    ]
+
+
 def attention(user: Any) -> list[Attention]:
     """What needs an operator now, for the models ``user`` may view.
 
@@ -473,6 +505,7 @@ def attention(user: Any) -> list[Attention]:
                 changelist(ProcessedMessage, "?attention=rejected_today"),
             ),
         ]
+        lines += _liveness_lines(changelist(ProcessedMessage, "?attention=stuck"))
     if may_view(ParkedMessage):
         held = ParkedMessage.objects.filter(parked_at__lte=_held_cutoff())
         oldest = held.order_by("parked_at").values_list("parked_at", flat=True).first()

@@ -6,7 +6,9 @@ import logging
 from typing import Any
 
 from celery import Task, shared_task
+from celery.signals import worker_ready
 
+from idempotent_orders import liveness
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, dead_letter
 from idempotent_orders.consuming.single import consume_message
@@ -105,7 +107,15 @@ def reconcile() -> dict[str, int]:
     """One reconciler pass over expired leases (run it on Celery beat)."""
     from idempotent_orders.reconcile import reconcile as run
 
-    return dict(run().actions)
+    actions = dict(run().actions)
+    liveness.beat("reconciler")
+    return actions
+
+
+# Each worker process beats for the dashboard (idempotent_orders.liveness).
+worker_ready.connect(
+    liveness._on_worker_ready, weak=False, dispatch_uid="idempotent_orders.liveness"
+)
 
 
 @shared_task(name="idempotent_orders.purge", acks_late=True, reject_on_worker_lost=True)

@@ -1,0 +1,78 @@
+"""Workers and the reconciler leave heartbeats; the dashboard says who went quiet."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from idempotent_orders import liveness
+from idempotent_orders.admin import attention
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _no_beats() -> Any:
+    from django.core.cache import caches
+
+    from idempotent_orders.conf import conf
+
+    caches[conf.LOCK_CACHE].delete(liveness.KEY)
+    yield
+    caches[conf.LOCK_CACHE].delete(liveness.KEY)
+
+
+def lines(user: Any) -> dict[str, Any]:
+    return {line.key: line for line in attention(user)}
+
+
+def test_the_dashboard_names_a_worker_gone_quiet_and_a_late_reconciler(staff: Client) -> None:
+    from django.contrib.auth import get_user_model
+
+    user = get_user_model().objects.get(username="operator")
+    shown = lines(user)
+    assert shown["workers_gone"].count == 0
+    assert shown["reconciler"].count == 1  # never heard from
+    assert "Celery beat" in shown["reconciler"].note
+
+    now = time.time()
+    liveness.beat("worker:w1@host", at=now)
+    liveness.beat("worker:w2@host", at=now - 3 * liveness.SILENT_AFTER)
+    liveness.beat("reconciler", at=now - 30)
+    shown = lines(user)
+    assert shown["workers_gone"].count == 1
+    assert shown["workers_gone"].note == "gone: w2@host; 1 heard from in the last minute"
+    assert shown["reconciler"].count == 0
+    assert shown["reconciler"].note.startswith("last pass ")
+
+    page = staff.get("/admin/").content.decode()
+    assert "Workers not heard from" in page
+    assert "gone: w2@host" in page
+
+
+def test_beats_older_than_an_hour_are_forgotten() -> None:
+    now = time.time()
+    liveness.beat("worker:old", at=now - liveness.FORGET - 5)
+    liveness.beat("worker:new", at=now)
+    assert set(liveness.ages("worker:")) == {"worker:new"}
+
+
+def test_a_reconciler_pass_beats() -> None:
+    from idempotent_orders.tasks import reconcile
+
+    reconcile.run()
+    assert liveness.ages("reconciler")["reconciler"] < 60
+
+
+@pytest.mark.workers
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_a_real_worker_beats(celery_workers: Any) -> None:
+    from tests.support.services import wait_until
+
+    workers = celery_workers("redis", processes=1)
+    assert wait_until(lambda: bool(liveness.ages("worker:")), timeout=60), workers.log_tail()
+    assert min(liveness.ages("worker:").values()) < liveness.SILENT_AFTER
