@@ -416,6 +416,13 @@ class Attention:
 
 def _liveness_lines(stuck_url: str) -> list[Attention]:
     """Workers gone quiet and the reconciler's last pass, from their heartbeats."""
+    if not liveness.shared():
+        # Another process's beats cannot reach this one: say so, claim nothing.
+        local = "LOCK_CACHE is local to each process: no heartbeat can be seen here"
+        return [
+            Attention("workers_gone", "Workers not heard from", 0, stuck_url, local),
+            Attention("reconciler", "Reconciler last pass", 0, stuck_url, local),
+        ]
     workers = liveness.ages("worker:")
     gone = sorted(
         name.removeprefix("worker:") for name, age in workers.items() if age > liveness.SILENT_AFTER

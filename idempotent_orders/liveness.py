@@ -56,6 +56,17 @@ def ages(prefix: str = "") -> dict[str, float]:
     return {k: max(0.0, now - v) for k, v in seen.items() if k.startswith(prefix)}
 
 
+def shared() -> bool:
+    """Whether the ``LOCK_CACHE`` is shared between processes (not local memory or dummy)."""
+    from django.core.cache.backends.dummy import DummyCache
+    from django.core.cache.backends.locmem import LocMemCache
+
+    try:
+        return not isinstance(caches[conf.LOCK_CACHE], LocMemCache | DummyCache)
+    except Exception:
+        return False
+
+
 def start_worker_heartbeat(hostname: str) -> threading.Thread:
     """Beat for this worker every :data:`EVERY` seconds, in a daemon thread."""
 

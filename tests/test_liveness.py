@@ -76,3 +76,17 @@ def test_a_real_worker_beats(celery_workers: Any) -> None:
     workers = celery_workers("redis", processes=1)
     assert wait_until(lambda: bool(liveness.ages("worker:")), timeout=60), workers.log_tail()
     assert min(liveness.ages("worker:").values()) < liveness.SILENT_AFTER
+
+
+def test_a_process_local_cache_is_said_not_guessed(settings: Any) -> None:
+    from django.contrib.auth import get_user_model
+
+    settings.CACHES = {
+        **settings.CACHES,
+        "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    }
+    settings.IDEMPOTENT_ORDERS = {**settings.IDEMPOTENT_ORDERS, "LOCK_CACHE": "local"}
+    user = get_user_model().objects.create_superuser("op2", "op2@example.com", "pw")
+    shown = lines(user)
+    assert shown["reconciler"].count == 0
+    assert "local to each process" in shown["reconciler"].note
