@@ -376,14 +376,22 @@ def commit(
     model = type(instance)
     field = state_field(model)
     states = [ran.source]
-    if ran.saved and ran.target != ran.source:
-        # Saved by a receiver in this very transaction: the row holds the target already.
-        states.append(ran.target)
+    conditions: dict[str, Any] = dict(extra_filters or {})
+    if ran.saved:
+        # Saved by a receiver in this very transaction: the row holds what the instance
+        # holds already (the target, and columns such as last_seq set before the call).
+        if ran.target != ran.source:
+            states.append(ran.target)
+        for name, expected in list(conditions.items()):
+            held = getattr(instance, name, expected)
+            if held != expected:
+                del conditions[name]
+                conditions[f"{name}__in"] = [expected, held]
     rows = model._default_manager.filter(
         pk=instance.pk,
         **{f"{field.attname}__in": states},
         version=version,
-        **dict(extra_filters or {}),
+        **conditions,
     ).update(**{field.attname: ran.target, "version": F("version") + 1}, **ran.values)
     if rows != 1:
         return False

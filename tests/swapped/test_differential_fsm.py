@@ -483,3 +483,23 @@ def test_racing_partial_payments_lose_no_update(message_types: None) -> None:
     assert (fresh.flow, fresh.paid_total) == ("part_paid", Decimal("24.00"))
     assert fresh.version == 24
     assert Payment.objects.filter(order_id=order.pk).count() == 24
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_receiver_that_saves_the_order_under_a_sequenced_message(
+    message_types: None, signals: Signals
+) -> None:
+    """The receiver's save() wrote last_seq and the state already, in this transaction."""
+    order = new_order(Case("saves", ConcurrentFlowOrder, "pay"))
+    message = {
+        "message_id": f"m-{uuid.uuid4().hex}",
+        "type": "diff.pay",
+        "order_id": order.pk,
+        "seq": 1,
+        "payload": {"payment_id": f"p-{order.business_key}", "amount": "10.00"},
+    }
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.ConcurrentFlowOrder"):
+        assert consume_message(message, consumer=CONSUMER) is Outcome.APPLIED
+    fresh = ConcurrentFlowOrder.objects.get(pk=order.pk)
+    assert (fresh.flow, fresh.last_seq, fresh.version) == ("paid", 1, 1)
+    assert fresh.note == "receipt for paid"
