@@ -274,3 +274,33 @@ def test_a_payment_racing_a_cancel_ends_in_exactly_one_outcome(make_order: Any) 
             assert inbox(pay).error.endswith("the payment is money to give back")
     print("payment racing a cancel:", seen)
     assert sum(seen.values()) == 12
+
+
+def test_a_parked_message_that_raises_on_release_is_kept_as_failed(make_order: Any) -> None:
+    """Released by its predecessor, its own receiver raises: the predecessor still applies,
+    the parked message leaves the park as failed, and its redelivery applies it once."""
+    from idempotent_orders.models import ParkedMessage
+    from tests.support.messages import shipment
+
+    order = make_order()
+    ship = shipment(order)
+    assert consume_message(ship, consumer="shipping") is Outcome.PARKED
+
+    def broken_ship(sender: Any, instance: Any, name: str, **kwargs: Any) -> None:
+        if name == "ship":
+            raise ZeroDivisionError("a bug in the ship receiver")
+
+    post_transition.connect(broken_ship, sender=get_order_model(), weak=False)
+    try:
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    finally:
+        post_transition.disconnect(broken_ship, sender=get_order_model())
+    row = ProcessedMessage.objects.get(consumer="shipping", message_id=ship["message_id"])
+    assert row.status == InboxStatus.FAILED
+    assert "ZeroDivisionError('a bug in the ship receiver')" in row.error
+    assert json.loads(row.body)["payload"] == ship["payload"]
+    assert not ParkedMessage.objects.filter(order_id=order.pk).exists()
+    assert get_order_model()._default_manager.get(pk=order.pk).status == "paid"
+    # Fixed, delivered again: applied once.
+    assert consume_message(ship, consumer="shipping") is Outcome.APPLIED
+    assert get_order_model()._default_manager.get(pk=order.pk).status == "shipped"

@@ -148,15 +148,15 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
         return Outcome.DUPLICATE
 
-    if can_claim_and_apply():
-        applied = presume(envelope, consumer, get_order_model())
-        if applied is not None:
-            announce(consumer, envelope, applied, "")
-            dedup.remember_on_commit(consumer, envelope.message_id)
-            return applied
     waiting: list[bool] = []
     dead: list[bool] = []
     try:
+        if can_claim_and_apply():
+            applied = presume(envelope, consumer, get_order_model())
+            if applied is not None:
+                announce(consumer, envelope, applied, "")
+                dedup.remember_on_commit(consumer, envelope.message_id)
+                return applied
         outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
     except TRANSIENT:
         raise  # the delivery is retried as it is; nothing was written
@@ -619,12 +619,54 @@ def release_parked(order_id: int) -> list[Outcome]:
                             error=reason,
                         )
                 continue
-            outcome = _consume(envelope, parked.consumer, parked=parked)
+            try:
+                outcome = _consume(envelope, parked.consumer, parked=parked)
+            except TRANSIENT:
+                raise
+            except Exception as exc:
+                # The parked message's own code raised: it leaves the park as failed
+                # (kept, with why and its envelope), and the others go on.
+                _release_failed(parked, envelope, exc)
+                progressed = True
+                break
             if outcome is not Outcome.PARKED:
                 outcomes.append(outcome)
                 progressed = True
                 break  # the order changed: read the waiting list again, in order
     return outcomes
+
+
+def _release_failed(parked: ParkedMessage, envelope: Envelope, exc: Exception) -> None:
+    """A parked message whose release raised: out of the park, its inbox row ``failed``."""
+    reason = describe(exc)
+    with transaction.atomic():
+        if ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
+            ProcessedMessage.objects.filter(
+                consumer=parked.consumer, message_id=parked.message_id
+            ).update(
+                status=InboxStatus.FAILED,
+                outcome="",
+                error=reason,
+                body=json.dumps(envelope.as_dict(), ensure_ascii=True, default=repr),
+                updated_at=timezone.now(),
+            )
+    dedup.forget(parked.consumer, parked.message_id)  # its redelivery must reach us
+    logger.error(
+        "parked message %s (%s) failed on release: %s",
+        parked.message_id,
+        parked.consumer,
+        reason,
+        extra={"message_id": parked.message_id, "order_id": parked.order_id},
+        exc_info=exc,
+    )
+    consumed(
+        parked.consumer,
+        parked.message_id,
+        Outcome.FAILED,
+        message_type=envelope.message_type,
+        order_id=envelope.order_id,
+        reason=reason,
+    )
 
 
 def surface_overdue_parked(*, timeout: int | None = None) -> list[ParkedMessage]:

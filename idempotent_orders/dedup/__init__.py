@@ -169,6 +169,15 @@ def remember_on_commit(consumer: str, message_id: str) -> None:
     transaction.on_commit(lambda: remember(consumer, message_id))
 
 
+def forget(consumer: str, message_id: str) -> None:
+    """Take back what :func:`remember` said of ``message_id`` (its Redis key): a message
+    recorded as handled (parked) whose release failed is delivered to the database again.
+    The Bloom filter keeps it (a "maybe" only sends the lookup on to Redis and the database).
+    """
+    if redis.enabled:
+        redis.discard(consumer, message_id)
+
+
 def flush(timeout: float = 10.0) -> bool:
     """Wait until Redis has the fast-path keys this process remembered so far; False on
     timeout. They are written by a background thread, a few milliseconds after

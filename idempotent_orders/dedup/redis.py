@@ -152,6 +152,17 @@ class RedisLayer:
         if not self._wake.is_set():
             self._wake.set()
 
+    def discard(self, consumer: str, message_id: str) -> None:
+        """Take ``message_id`` back: out of the queue, and its key deleted (a message
+        recorded as handled that turned out to fail must reach the database again)."""
+        key = _key(consumer, message_id)
+        with self._writing, self._queue_lock:
+            self._queued = [q for q in self._queued if q[1] != key]
+        try:
+            caches[conf.DEDUP_CACHE_ALIAS].delete(key)
+        except Exception:  # advisory: the inbox row says failed, whatever Redis says
+            logger.warning("dedup keys: could not delete %s", key, exc_info=True)
+
     def flush(self, timeout: float = -1) -> bool:
         """Write the queued keys now, in this thread, after a batch being written;
         False when that batch was not done within ``timeout`` seconds (-1: no limit).
