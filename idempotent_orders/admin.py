@@ -414,6 +414,13 @@ class Attention:
     short: str = ""
 
 
+def _some(names: list[str], shown: int = 3) -> str:
+    """A few names, each cut short, and how many more (the dashboard's note stays short)."""
+    cut = [n if len(n) <= 32 else f"{n[:31]}…" for n in names[:shown]]
+    more = len(names) - shown
+    return ", ".join(cut) + (f" and {more} more" if more > 0 else "")
+
+
 def _liveness_lines(stuck_url: str) -> list[Attention]:
     """Workers gone quiet and the reconciler's last pass, from their heartbeats."""
     if not liveness.shared():
@@ -436,8 +443,7 @@ def _liveness_lines(stuck_url: str) -> list[Attention]:
             f"Workers not heard from for {liveness.SILENT_AFTER} s",
             len(gone),
             stuck_url,
-            (f"gone: {', '.join(gone)}; " if gone else "")
-            + f"{alive} heard from in the last minute",
+            (f"gone: {_some(gone)}; " if gone else "") + f"{alive} heard from in the last minute",
             short="",
         ),
         Attention(

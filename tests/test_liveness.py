@@ -90,3 +90,15 @@ def test_a_process_local_cache_is_said_not_guessed(settings: Any) -> None:
     shown = lines(user)
     assert shown["reconciler"].count == 0
     assert "local to each process" in shown["reconciler"].note
+
+
+def test_many_gone_workers_keep_the_note_short(staff: Client) -> None:
+    from django.contrib.auth import get_user_model
+
+    old = time.time() - 3 * liveness.SILENT_AFTER
+    for n in range(6):
+        liveness.beat(f"worker:celery-{n}-" + "x" * 60 + "@host", at=old)
+    user = get_user_model().objects.get(username="operator")
+    note = lines(user)["workers_gone"].note
+    assert note.endswith("and 3 more; 0 heard from in the last minute")
+    assert len(note) < 200
