@@ -73,6 +73,28 @@ def stuck_fulfilment(order: Order, *modes: str) -> ProcessedMessage:
     return ProcessedMessage.objects.get(message_id=fulfilment_message_id(order.pk))
 
 
+def test_the_admin_package_registers_each_model_admin_and_keeps_its_names() -> None:
+    from django.contrib import admin
+
+    from idempotent_orders.admin import evidence, inbox, keys, orders, outbox
+    from idempotent_orders.models import IdempotencyKey, OutboxMessage, ParkedMessage
+
+    expected = {
+        Order: orders.OrderAdmin,
+        ProcessedMessage: inbox.ProcessedMessageAdmin,
+        ParkedMessage: evidence.ParkedMessageAdmin,
+        AuditEntry: evidence.AuditEntryAdmin,
+        OutboxMessage: outbox.OutboxMessageAdmin,
+        IdempotencyKey: keys.IdempotencyKeyAdmin,
+    }
+    assert {model: type(admin.site.get_model_admin(model)) for model in expected} == expected
+    # What projects and the docs import from idempotent_orders.admin is still there.
+    documented = {"OrderAdminMixin", "OrderAdmin", "OrderChangeForm", "attention", "audit"}
+    assert documented <= set(io_admin.__all__)
+    assert [name for name in io_admin.__all__ if not hasattr(io_admin, name)] == []
+    assert io_admin.OrderAdminMixin is orders.OrderAdminMixin
+
+
 @pytest.mark.parametrize("model", ["order", "processedmessage", "parkedmessage", "auditentry"])
 def test_changelists_open_for_staff_and_refuse_others(staff, customer, model) -> None:
     assert staff.get(changelist(model)).status_code == 200

@@ -49,9 +49,6 @@ if TYPE_CHECKING:
     from idempotent_orders.admin.orders import OrderAdminMixin
 
 
-# -- transition actions: confirm, check the rules, report per order -------------------------
-
-
 class Rule(enum.Enum):
     """How the admin may drive a declared transition."""
 
