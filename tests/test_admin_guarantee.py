@@ -17,8 +17,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from demo_project import warehouse
-from idempotent_orders import admin as io_admin
 from idempotent_orders import tasks
+from idempotent_orders.admin.orders import OrderChangeForm
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfilment_message_id
 from idempotent_orders.idempotent import idempotent
@@ -99,14 +99,14 @@ def test_order_form_save_is_conditional_on_the_version(staff, make_order, monkey
     change = url("order", "change", order.pk)
     data = form_data(staff.get(change))
     data["amount"] = "13.00"
-    checked = io_admin.OrderChangeForm.clean
+    checked = OrderChangeForm.clean
 
     def racing(form: Any) -> Any:
         cleaned = checked(form)
         Order.objects.filter(pk=order.pk).update(version=F("version") + 1, payment_id="pay-x")
         return cleaned
 
-    monkeypatch.setattr(io_admin.OrderChangeForm, "clean", racing)
+    monkeypatch.setattr(OrderChangeForm, "clean", racing)
     response = staff.post(change, data, follow=True)
     assert any("changed" in m and "Nothing was saved" in m for m in shown(response))
     assert Order.objects.get(pk=order.pk).amount == Decimal("12.50")
@@ -136,7 +136,7 @@ def test_a_message_arriving_during_a_save_waits_and_both_land(staff, make_order,
     change = url("order", "change", order.pk)
     data = form_data(staff.get(change))
     data["customer"] = str(buyer.pk)
-    checked = io_admin.OrderChangeForm.clean
+    checked = OrderChangeForm.clean
     locked, release = threading.Event(), threading.Event()
 
     def holding(form: Any) -> Any:
@@ -145,7 +145,7 @@ def test_a_message_arriving_during_a_save_waits_and_both_land(staff, make_order,
         release.wait(30)
         return cleaned
 
-    monkeypatch.setattr(io_admin.OrderChangeForm, "clean", holding)
+    monkeypatch.setattr(OrderChangeForm, "clean", holding)
     results: dict[str, Any] = {}
 
     def in_thread(name: str, call: Any) -> threading.Thread:

@@ -15,7 +15,7 @@ import pytest
 from django_fsm.signals import post_transition
 
 from idempotent_orders import dedup, get_order_model
-from idempotent_orders.admin import _requeue_and_redeliver
+from idempotent_orders.admin.inbox import _requeue_and_redeliver
 from idempotent_orders.consuming import registry as handlers
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed, dead_letter

@@ -268,3 +268,38 @@ def test_the_old_module_paths_answer_with_a_deprecation_warning() -> None:
             assert getattr(module, name) is new
         assert [w.category for w in caught] == [DeprecationWarning]
         assert "removed in 0.4.0" in str(caught[0].message)
+
+
+ADMIN = "idempotent_orders.admin"
+#: The admin package's modules and those of its siblings each may import: the dashboard
+#: at the bottom (what needs attention, said after every action), what the lists share
+#: on it, each list's module on those; the order admin on its actions, never the other
+#: way (``order_actions`` names the mixin for typing only). The package imports them all.
+ADMIN_IMPORTS: dict[str, set[str]] = {
+    "dashboard": set(),
+    "common": {"dashboard"},
+    "order_actions": {"common", "dashboard"},
+    "orders": {"common", "order_actions"},
+    "inbox": {"common", "dashboard"},
+    "evidence": {"common", "dashboard"},
+    "outbox": {"common"},
+    "keys": {"common"},
+}
+
+
+def test_the_admin_package_goes_down_its_layers() -> None:
+    graph = import_graph(ROOT, "idempotent_orders")
+    modules = {m for m in graph if m.startswith(f"{ADMIN}.")}
+    assert modules == {f"{ADMIN}.{name}" for name in ADMIN_IMPORTS}, "the table names every module"
+    wrong = {}
+    for name, allowed in ADMIN_IMPORTS.items():
+        inside = {
+            d.removeprefix(f"{ADMIN}.")
+            for d in graph[f"{ADMIN}.{name}"]
+            if d == ADMIN or d.startswith(f"{ADMIN}.")
+        }
+        if inside - allowed:
+            wrong[name] = sorted(inside - allowed)
+    assert wrong == {}
+    # Django's autodiscovery imports the package: it must import every module (registration).
+    assert graph[ADMIN] == modules
