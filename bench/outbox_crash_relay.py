@@ -38,10 +38,10 @@ def main() -> None:
             time.sleep(3600)  # the benchmark kills the relay here
 
     if kind == "ours":
-        from idempotent_orders import outbox
+        from idempotent_orders.outbox import relay, sender
 
         current_app.conf.broker_url = url
-        fast_send, send = outbox._FastSender.send, outbox._send
+        fast_send, send = sender._FastSender.send, sender._send
 
         def counted_fast(self: Any, row: Any) -> bool:
             done = fast_send(self, row)
@@ -53,9 +53,9 @@ def main() -> None:
             send(row)
             tick(row.message_id)
 
-        outbox._FastSender.send = counted_fast  # type: ignore[method-assign]
-        outbox._send = counted  # type: ignore[assignment]
-        outbox.relay_outbox(batch_size=100)
+        sender._FastSender.send = counted_fast  # type: ignore[method-assign]
+        sender._send = counted  # type: ignore[assignment]
+        relay.relay_outbox(batch_size=100)
         return
     if kind == "reliable":  # django-reliable-outbox, in its own venv (bench.outbox_reliable)
         from reliable_outbox.worker import Worker

@@ -14,7 +14,8 @@ from django.test import override_settings
 from demo_project.models import LoyaltyAccount
 from demo_project.tasks import award_points
 from idempotent_orders.models import OutboxMessage, OutboxStatus
-from idempotent_orders.outbox import _FastSender, publish_on_commit, relay_outbox
+from idempotent_orders.outbox import publish_on_commit, relay_outbox
+from idempotent_orders.outbox.sender import _FastSender
 from tests.support.services import wait_until
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -160,16 +161,16 @@ def test_publish_signal_receivers_or_a_patched_task_take_apply_async(
 @override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE)
 def test_the_relay_mixes_both_paths_in_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-memory broker: fast rows and a countdown row (apply_async) in one batch."""
-    from idempotent_orders import outbox
+    from idempotent_orders.outbox import sender
 
     general: list[str] = []
-    send = outbox._send
+    send = sender._send
 
     def counting(message: OutboxMessage) -> None:
         general.append(message.message_id)
         send(message)
 
-    monkeypatch.setattr(outbox, "_send", counting)
+    monkeypatch.setattr(sender, "_send", counting)
     fast = [
         publish_on_commit(
             award_points, {"message_id": uuid.uuid4().hex, "customer": "a", "points": 1}

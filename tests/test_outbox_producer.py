@@ -22,13 +22,8 @@ from django.utils import timezone
 from demo_project.tasks import award_points
 from idempotent_orders import tracing
 from idempotent_orders.models import OutboxMessage, OutboxStatus
-from idempotent_orders.outbox import (
-    Publisher,
-    _publish_unkeyed,
-    flush_publisher,
-    publish_on_commit,
-    relay_outbox,
-)
+from idempotent_orders.outbox import Publisher, flush_publisher, publish_on_commit, relay_outbox
+from idempotent_orders.outbox.relay import _publish_unkeyed
 from tests.support.services import ROOT, stop_processes, wait_until, worker_env
 
 
@@ -85,7 +80,7 @@ def test_a_full_queue_leaves_the_row_to_the_relay(monkeypatch: pytest.MonkeyPatc
         linger = 0.0  # publish the first row alone
 
     small = Small()
-    monkeypatch.setattr("idempotent_orders.outbox.publisher", small)
+    monkeypatch.setattr("idempotent_orders.outbox.thread.publisher", small)
     release = threading.Event()
     sent: list[str | None] = []
 
@@ -112,7 +107,7 @@ def test_a_lone_id_is_published_at_once_not_after_the_batching_wait(
         linger = 3600.0  # were the idle thread to wait for company, it would wait an hour
 
     patient = Patient()
-    monkeypatch.setattr("idempotent_orders.outbox.publisher", patient)
+    monkeypatch.setattr("idempotent_orders.outbox.thread.publisher", patient)
     sent: list[str | None] = []
     monkeypatch.setattr(award_points, "apply_async", lambda **kw: sent.append(kw["task_id"]))
     with transaction.atomic():
@@ -191,7 +186,7 @@ def test_the_thread_keeps_a_keys_order_and_batches_what_comes_together(
         batches.append(len(ids))
         return unkeyed(db, ids)
 
-    monkeypatch.setattr("idempotent_orders.outbox._publish_unkeyed", counted)
+    monkeypatch.setattr("idempotent_orders.outbox.relay._publish_unkeyed", counted)
     with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE):
         first = publish_on_commit(award_points, message(), order_key="k")
     second = publish_on_commit(award_points, message(), order_key="k")  # handed to the thread

@@ -224,6 +224,53 @@ def test_the_consume_road_goes_down_its_layers_and_never_out() -> None:
     assert wrong == {}
 
 
+OUTBOX = "idempotent_orders.outbox"
+
+
+def test_the_outbox_goes_down_its_layers_and_never_out() -> None:
+    # Each module imports only the ones before it in LAYERS (sibling names are looked up
+    # on the sibling module: ``sender._send``), never the package itself (its __init__
+    # imports them all), the consume road or the rooms built on the outbox.
+    from idempotent_orders.outbox import LAYERS
+
+    graph = import_graph(ROOT, "idempotent_orders")
+    modules = {m for m in graph if m.startswith(f"{OUTBOX}.")}
+    assert modules == {f"{OUTBOX}.{name}" for name in LAYERS}, "LAYERS names every module"
+    outer = (OUTER - {OUTBOX}) | {CONSUMING}
+    wrong = {}
+    for position, name in enumerate(LAYERS):
+        module = f"{OUTBOX}.{name}"
+        above = {OUTBOX} | {f"{OUTBOX}.{later}" for later in LAYERS[position:]}
+        out = {d for d in graph[module] if any(d == o or d.startswith(f"{o}.") for o in outer)}
+        if graph[module] & above or out:
+            wrong[module] = sorted((graph[module] & above) | out)
+    assert wrong == {}
+
+
+def test_the_outbox_package_names_its_modules_own_objects() -> None:
+    # A module-level object exists once: the package's name is the module's object, so
+    # ``outbox.breaker.reset()`` resets the breaker the relay trips.
+    import importlib
+
+    from idempotent_orders import exceptions, outbox
+
+    defined = {}
+    for name in outbox.LAYERS:
+        module = importlib.import_module(f"{OUTBOX}.{name}")
+        defined.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
+    defined["PermanentPublishError"] = exceptions.PermanentPublishError
+    assert [name for name in outbox.__all__ if getattr(outbox, name) is not defined.get(name)] == []
+    assert outbox.breaker is importlib.import_module(f"{OUTBOX}.failures").breaker
+    assert outbox.publisher is importlib.import_module(f"{OUTBOX}.thread").publisher
+
+
+def test_no_outbox_module_is_over_600_lines() -> None:
+    lengths = {
+        path.name: len(path.read_text().splitlines()) for path in (PACKAGE / "outbox").glob("*.py")
+    }
+    assert {name: n for name, n in lengths.items() if n > 600} == {}
+
+
 def _package(module: str) -> str:
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 2 else parts[0]

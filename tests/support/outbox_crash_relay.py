@@ -14,9 +14,10 @@ def main() -> None:
     stop_after, marker = int(sys.argv[1]), Path(sys.argv[2])
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
-    from idempotent_orders import outbox
+    from idempotent_orders.models import OutboxMessage
+    from idempotent_orders.outbox import relay, sender
 
-    real_send, real_fast_send = outbox._send, outbox._FastSender.send
+    real_send, real_fast_send = sender._send, sender._FastSender.send
     sent = 0
 
     def counted() -> None:
@@ -26,20 +27,20 @@ def main() -> None:
             marker.write_text(str(sent))
             time.sleep(3600)  # published, not marked: the window a crash can hit
 
-    def send_then_stall(row: outbox.OutboxMessage) -> None:
+    def send_then_stall(row: OutboxMessage) -> None:
         real_send(row)
         counted()
 
-    def fast_send_then_stall(self: outbox._FastSender, row: outbox.OutboxMessage) -> bool:
+    def fast_send_then_stall(self: sender._FastSender, row: OutboxMessage) -> bool:
         # The batch's fast publish path; False means the row takes _send instead.
         if not real_fast_send(self, row):
             return False
         counted()
         return True
 
-    outbox._send = send_then_stall  # type: ignore[assignment]
-    outbox._FastSender.send = fast_send_then_stall  # type: ignore[method-assign]
-    outbox.relay_outbox()
+    sender._send = send_then_stall  # type: ignore[assignment]
+    sender._FastSender.send = fast_send_then_stall  # type: ignore[method-assign]
+    relay.relay_outbox()
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ def main() -> None:
     marker = Path(sys.argv[5]) if len(sys.argv) > 5 else None
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
-    from idempotent_orders import outbox
+    from idempotent_orders.models import OutboxMessage
+    from idempotent_orders.outbox import relay, sender
 
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     published = 0
 
-    def record(row: outbox.OutboxMessage) -> None:
+    def record(row: OutboxMessage) -> None:
         nonlocal published
         time.sleep(0.005)  # a broker round trip
         os.write(fd, f"{os.getpid()} {row.message_id}\n".encode())
@@ -40,15 +41,15 @@ def main() -> None:
             marker.write_text(str(published))
             time.sleep(3600)  # published, not marked: the window a crash can hit
 
-    def record_fast(self: outbox._FastSender, row: outbox.OutboxMessage) -> bool:
+    def record_fast(self: sender._FastSender, row: OutboxMessage) -> bool:
         record(row)  # recorded, not sent, as the general path
         return True
 
-    outbox._send = record  # type: ignore[assignment]
-    outbox._FastSender.send = record_fast  # type: ignore[method-assign]
+    sender._send = record  # type: ignore[assignment]
+    sender._FastSender.send = record_fast  # type: ignore[method-assign]
     while not go.exists():
         time.sleep(0.01)
-    outbox.relay_outbox(batch_size=batch)
+    relay.relay_outbox(batch_size=batch)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
-    from idempotent_orders import outbox
+    from idempotent_orders.outbox import relay, thread
 
     parent = os.getpid()
     gate = threading.Event()
@@ -40,11 +40,12 @@ def main() -> None:
         if mode == "exit":
             time.sleep(0.2)  # a slow broker: the exit hook has to wait for it
         os.write(fd, f"{os.getpid()} {' '.join(map(str, ids))}\n".encode())
-        return outbox.RelayResult(published=len(ids))
+        return relay.RelayResult(published=len(ids))
 
-    outbox.relay_outbox = record  # type: ignore[assignment]
-    outbox._publish_unkeyed = lambda db, ids: record(ids=ids, using=db)  # type: ignore[assignment]
-    publisher = outbox.publisher
+    # Replaced where the thread looks them up: in the relay module.
+    relay.relay_outbox = record  # type: ignore[assignment]
+    relay._publish_unkeyed = lambda db, ids: record(ids=ids, using=db)  # type: ignore[assignment]
+    publisher = thread.publisher
     if mode == "exit":
         for pk in range(1, 6):
             publisher.submit("default", pk)
