@@ -150,6 +150,8 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     # (the frozen-Redis test sets the default bound itself).
     "DEDUP_REDIS_TIMEOUT": 0.5,
     "FULFILMENT_CLIENT": "demo_project.warehouse.FakeWarehouse",
+    # The test client's address (the access-control tests override it).
+    "METRICS_ALLOW_IPS": ["127.0.0.1"],
 }
 if "dedup" in CACHES:
     IDEMPOTENT_ORDERS["DEDUP_CACHE_ALIAS"] = "dedup"
