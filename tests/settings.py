@@ -161,6 +161,14 @@ if os.environ.get("IO_TEST_LEASE_SECONDS"):
     IDEMPOTENT_ORDERS["HEARTBEAT_SECONDS"] = 1
 
 
+# The quorum-queue worker test: the default queue is a quorum queue on a topic exchange,
+# which Celery's native delayed delivery needs for the retries' countdown (docs/operations.md).
+if os.environ.get("IO_TEST_QUORUM") == "1":
+    CELERY_TASK_DEFAULT_QUEUE_TYPE = "quorum"
+    CELERY_TASK_DEFAULT_EXCHANGE_TYPE = "topic"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
+
+
 # The failure-path worker test retries a failed message quickly, a few times.
 if os.environ.get("IO_TEST_TASK_MAX_RETRIES"):
     IDEMPOTENT_ORDERS["TASK_MAX_RETRIES"] = int(os.environ["IO_TEST_TASK_MAX_RETRIES"])
