@@ -156,6 +156,13 @@ DEFAULTS: dict[str, Any] = {
     # holds a timer it claimed before another process may fire it too.
     "TIMER_BATCH_SIZE": 100,
     "TIMER_CLAIM_SECONDS": 60,
+    # Who may read /metrics (observability.metrics_view): a request carrying
+    # "Authorization: Bearer <METRICS_TOKEN>", or one from an address in METRICS_ALLOW_IPS
+    # (addresses or networks, matched against REMOTE_ADDR). With neither set the view
+    # answers 403, except under DEBUG; METRICS_PUBLIC opens it to everyone.
+    "METRICS_TOKEN": "",
+    "METRICS_ALLOW_IPS": [],
+    "METRICS_PUBLIC": False,
 }
 
 
@@ -456,6 +463,18 @@ class Settings:
     @property
     def TIMER_CLAIM_SECONDS(self) -> int:
         return int(self._get("TIMER_CLAIM_SECONDS"))
+
+    @property
+    def METRICS_TOKEN(self) -> str:
+        return str(self._get("METRICS_TOKEN"))
+
+    @property
+    def METRICS_ALLOW_IPS(self) -> list[str]:
+        return [str(a) for a in self._get("METRICS_ALLOW_IPS")]
+
+    @property
+    def METRICS_PUBLIC(self) -> bool:
+        return bool(self._get("METRICS_PUBLIC"))
 
 
 conf = Settings()

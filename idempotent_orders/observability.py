@@ -23,22 +23,48 @@ Metrics, when ``prometheus-client`` is installed (connected in ``AppConfig.ready
 - ``idempotent_orders_inbox_dead_lettered_total{consumer}``: ``@idempotent``
   rows that went dead.
 
-Counters live in the process that counts them: scrape the workers too, or use
-prometheus-client's multiprocess mode.
+Counters live in the process that counts them. Under gunicorn or Celery's
+prefork pool, set ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory, emptied at
+each start) in every process's environment before it starts: each process then
+writes its counters to its own file there, and :func:`metrics_view` adds up the
+files of all of them (a ``MultiProcessCollector``), the dead ones included, as
+counters must be. The database gauges are read once per scrape by the process
+that serves it, so they are never added up. Call :func:`mark_process_dead` from
+gunicorn's ``child_exit`` hook (:func:`gunicorn_child_exit` is one); the Celery
+hook is connected here (``worker_process_shutdown``).
+
+``/metrics`` is refused unless ``METRICS_TOKEN``, ``METRICS_ALLOW_IPS`` or
+``METRICS_PUBLIC`` say who may read it; with none of them it is open only under
+``DEBUG``.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Min
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
-__all__ = ["JsonFormatter", "connect", "metrics_view", "record_layer_hit"]
+from idempotent_orders import metrics_checks  # noqa: F401  (registers its system check)
+from idempotent_orders.conf import conf
+
+__all__ = [
+    "JsonFormatter",
+    "connect",
+    "gunicorn_child_exit",
+    "mark_process_dead",
+    "metrics_view",
+    "multiprocess_dir",
+    "record_layer_hit",
+]
 
 try:
     import prometheus_client
@@ -226,20 +252,124 @@ def connect() -> bool:
     signals.message_reconciled.connect(_on_reconciled, dispatch_uid="io_metrics_reconciled")
     signals.outbox_relayed.connect(_on_relayed, dispatch_uid="io_metrics_outbox_relayed")
     signals.message_dead.connect(_on_dead, dispatch_uid="io_metrics_inbox_dead")
+    _connect_celery_shutdown()
     return True
 
 
-def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Prometheus text exposition of the default registry (include it in your URLconf).
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when set (prometheus-client's multiprocess mode), else None."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
-    It is not protected: serve it on an internal address or wrap it in your own check.
+
+def mark_process_dead(pid: int) -> None:
+    """Tell prometheus-client that process ``pid`` exited (no-op outside multiprocess mode).
+
+    Its counters stay in the sum (a counter never goes down); only the files of
+    live gauges are removed. Call it from the parent (gunicorn's ``child_exit``)
+    or from the exiting process itself (Celery's ``worker_process_shutdown``).
     """
+    if prometheus_client is None or multiprocess_dir() is None:
+        return
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, multiprocess_dir())
+
+
+def gunicorn_child_exit(server: Any, worker: Any) -> None:
+    """gunicorn's ``child_exit`` hook: ``child_exit = gunicorn_child_exit`` in its config file."""
+    mark_process_dead(worker.pid)
+
+
+def _on_worker_process_shutdown(
+    sender: Any = None, pid: int | None = None, exitcode: Any = None, **kwargs: Any
+) -> None:
+    mark_process_dead(pid if pid is not None else os.getpid())
+
+
+def _connect_celery_shutdown() -> None:
+    try:
+        from celery.signals import worker_process_shutdown
+    except ImportError:  # pragma: no cover - Celery is optional here
+        return
+    worker_process_shutdown.connect(
+        _on_worker_process_shutdown, weak=False, dispatch_uid="io_metrics_process_shutdown"
+    )
+
+
+def _client_address_allowed(address: str, allowed: list[str]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    for entry in allowed:
+        try:
+            if ip in ipaddress.ip_network(entry, strict=False):
+                return True
+        except ValueError:  # reported by the system check
+            continue
+    return False
+
+
+def _refusal(request: HttpRequest) -> HttpResponse | None:
+    """None if ``request`` may read the metrics, else the answer that refuses it."""
+    if conf.METRICS_PUBLIC:
+        return None
+    token = conf.METRICS_TOKEN
+    allowed = conf.METRICS_ALLOW_IPS
+    if not token and not allowed:
+        if settings.DEBUG:
+            return None
+        return HttpResponse(
+            "metrics are closed: set METRICS_TOKEN or METRICS_ALLOW_IPS in IDEMPOTENT_ORDERS\n",
+            status=403,
+            content_type="text/plain",
+        )
+    if allowed and _client_address_allowed(request.META.get("REMOTE_ADDR", ""), allowed):
+        return None
+    if token:
+        scheme, _, given = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        ):
+            return None
+        refused = HttpResponse(
+            "a valid bearer token is required\n", status=401, content_type="text/plain"
+        )
+        refused["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return refused
+    return HttpResponse(
+        "this address may not read the metrics\n", status=403, content_type="text/plain"
+    )
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text exposition (include it in your URLconf).
+
+    The default registry, or in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``)
+    the sum of every process's counters plus the database gauges read once.
+    Only for requests the ``METRICS_*`` settings let in (see :func:`_refusal`).
+    """
+    refused = _refusal(request)
+    if refused is not None:
+        return refused
     if prometheus_client is None:
         return HttpResponse(
             "prometheus-client is not installed (pip install idempotent-orders[prometheus])\n",
             status=501,
             content_type="text/plain",
         )
-    return HttpResponse(
-        prometheus_client.generate_latest(), content_type=prometheus_client.CONTENT_TYPE_LATEST
+    directory = multiprocess_dir()
+    if directory is None:
+        registry = prometheus_client.REGISTRY
+    else:
+        from prometheus_client import multiprocess
+
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        registry.register(DatabaseCollector())
+    response = HttpResponse(
+        prometheus_client.generate_latest(registry),
+        content_type=prometheus_client.CONTENT_TYPE_LATEST,
     )
+    response["Cache-Control"] = "no-store"
+    return response

@@ -150,6 +150,8 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     # (the frozen-Redis test sets the default bound itself).
     "DEDUP_REDIS_TIMEOUT": 0.5,
     "FULFILMENT_CLIENT": "demo_project.warehouse.FakeWarehouse",
+    # The test client's address (the access-control tests override it).
+    "METRICS_ALLOW_IPS": ["127.0.0.1"],
 }
 if "dedup" in CACHES:
     IDEMPOTENT_ORDERS["DEDUP_CACHE_ALIAS"] = "dedup"
@@ -157,6 +159,14 @@ if "dedup" in CACHES:
 if os.environ.get("IO_TEST_LEASE_SECONDS"):
     IDEMPOTENT_ORDERS["LEASE_SECONDS"] = int(os.environ["IO_TEST_LEASE_SECONDS"])
     IDEMPOTENT_ORDERS["HEARTBEAT_SECONDS"] = 1
+
+
+# The quorum-queue worker test: the default queue is a quorum queue on a topic exchange,
+# which Celery's native delayed delivery needs for the retries' countdown (docs/operations.md).
+if os.environ.get("IO_TEST_QUORUM") == "1":
+    CELERY_TASK_DEFAULT_QUEUE_TYPE = "quorum"
+    CELERY_TASK_DEFAULT_EXCHANGE_TYPE = "topic"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
 
 
 # The failure-path worker test retries a failed message quickly, a few times.

@@ -620,8 +620,15 @@ _CLAIM_STATEMENTS = (
     "idempotent_orders_claim_lock",
     "idempotent_orders_claim_insert",
 )
-#: Raw connections that hold the claim's prepared statements.
+#: Raw connections whose session holds the claim's prepared statements.
 _prepared_on: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Per raw connection: how many times its session turned out not to hold them.
+_misses: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+#: Misses after which a connection sends the claim as text for good (a transaction
+#: pooler such as PgBouncer's changes the server session under its clients).
+_MAX_MISSES = 3
+#: Raw connections that reached ``_MAX_MISSES``.
+_shared_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -635,6 +642,11 @@ class _PreparedClaim:
     #: One simple query ``EXECUTE``-ing them all, and the names of its parameters in order.
     execute: str
     order: tuple[str, ...]
+
+    @property
+    def prepare_and_execute(self) -> str:
+        """The ``PREPARE``s and the ``EXECUTE``s as one simple query (one transaction)."""
+        return "; ".join((*self.prepares, self.execute))
 
 
 #: Per database alias.
@@ -717,31 +729,55 @@ def _execute_claim(
     """Run the claim's statements as one simple query, through prepared statements
     where the connection allows them (parsed and planned once per connection).
 
-    The statements' text is sent instead when the connection does not outlive
-    the request (``CONN_MAX_AGE`` 0, Django's default: preparing would cost a
-    round trip per request), and under ``DISABLE_SERVER_SIDE_CURSORS`` (set for
-    PgBouncer's transaction pooling, whose server connections change under the
-    client). A connection that lost its prepared statements (a pooler's
-    ``DISCARD ALL``) prepares them again; the failed query was rolled back whole.
+    The statements are prepared by the query that first runs them (the
+    ``PREPARE``s, then the ``EXECUTE``s: one implicit transaction, which a
+    transaction pooler such as PgBouncer's runs on one server connection), so
+    preparing costs no round trip of its own; later queries send the
+    ``EXECUTE``s alone. A session that is not the one the statements were
+    prepared on (an ``EXECUTE`` of a missing statement: a transaction pooler
+    changed the server connection, or ``DISCARD ALL`` ran) rolls that query
+    back whole; it is sent again as text, and the next claim prepares again,
+    up to :data:`_MAX_MISSES` misses: the connection then sends text for good.
+    A session that has them already (a pooler's server that another client
+    prepared them on, or an earlier query of this one that failed after its
+    ``PREPARE``s, which are not rolled back) runs the ``EXECUTE``s alone.
+
+    Text too when the connection does not outlive the request (``CONN_MAX_AGE``
+    0 without Django's pool: the prepared statements would die with it), and
+    under ``DISABLE_SERVER_SIDE_CURSORS`` (a sign of transaction pooling).
     """
     settings = conn.settings_dict
-    if settings.get("DISABLE_SERVER_SIDE_CURSORS") or settings.get("CONN_MAX_AGE") == 0:
+    raw = conn.connection
+    if (
+        settings.get("DISABLE_SERVER_SIDE_CURSORS")
+        or (settings.get("CONN_MAX_AGE") == 0 and not settings["OPTIONS"].get("pool"))
+        or raw in _shared_sessions
+    ):
         cursor.execute(*_joined(statements, values))
         return
     prepared = _prepared_claim(conn, statements)
     params = [values[name] for name in prepared.order]
-    raw = conn.connection
-    for attempt in (1, 2):
-        if raw not in _prepared_on:
-            _prepare(cursor, prepared)
-            _prepared_on.add(raw)
+    if raw not in _prepared_on:
         try:
-            cursor.execute(prepared.execute, params)
+            cursor.execute(prepared.prepare_and_execute, params)
+            _prepared_on.add(raw)
+            for _ in prepared.prepares:
+                cursor.nextset()  # to the first EXECUTE's rows
             return
         except _DB_ERRORS as exc:
-            if attempt == 2 or _sqlstate(exc) != "26000":  # no such prepared statement
+            if _sqlstate(exc) != "42P05":  # already prepared in this server session
                 raise
-            _prepared_on.discard(raw)
+            _prepared_on.add(raw)
+    try:
+        cursor.execute(prepared.execute, params)
+    except _DB_ERRORS as exc:
+        if _sqlstate(exc) != "26000":  # no such prepared statement
+            raise
+        _prepared_on.discard(raw)
+        _misses[raw] = _misses.get(raw, 0) + 1
+        if _misses[raw] >= _MAX_MISSES:
+            _shared_sessions.add(raw)
+        cursor.execute(*_joined(statements, values))
 
 
 #: What a failed statement raises: Django's error, or the driver's own on its cursor.
@@ -752,21 +788,6 @@ _DB_ERRORS: tuple[type[Exception], ...] = (
 
 def _sqlstate(exc: BaseException) -> str | None:
     return getattr(exc, "sqlstate", None) or getattr(exc.__cause__, "sqlstate", None)
-
-
-def _prepare(cursor: Any, prepared: _PreparedClaim) -> None:
-    try:
-        cursor.execute("; ".join(prepared.prepares))
-    except _DB_ERRORS as exc:
-        if _sqlstate(exc) != "42P05":  # already prepared (by an earlier client of a pooler)
-            raise
-        cursor.execute(
-            "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)",
-            [list(prepared.names)],
-        )
-        for (name,) in cursor.fetchall():
-            cursor.execute(f"DEALLOCATE {name}")
-        cursor.execute("; ".join(prepared.prepares))
 
 
 def _insert_portable(fields: dict[str, Any], now: Any) -> int | None:
