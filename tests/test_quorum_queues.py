@@ -50,6 +50,7 @@ def _row(message: dict[str, Any]) -> ProcessedMessage | None:
 
 
 @pytest.mark.workers
+@pytest.mark.heavy
 @pytest.mark.backends("postgresql")  # the broker is under test, not the database
 def test_a_retry_on_a_quorum_queue_waits_in_the_broker_and_applies_once(
     celery_workers: Any, quorum_publisher: None, make_order: Any, tmp_path: Any

@@ -26,7 +26,7 @@ from tests.support.services import (
 pytestmark = [
     pytest.mark.backends("postgresql"),
     pytest.mark.workers,
-    pytest.mark.chaos,
+    pytest.mark.heavy,
     pytest.mark.services,
 ]
 

@@ -23,10 +23,10 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # admin, checks, migrations and views, all of which run in-process on every database.
 # What starts real Celery worker processes (marker ``workers``), whose behaviour does
 # not depend on Django's version, runs in full on the Django 5.2 legs of every
-# database, and once more on Django 6's PostgreSQL leg, but for the chaos runs
-# (marker ``chaos``, PostgreSQL only: the longest tests of the suite).
+# database, and once more on Django 6's PostgreSQL leg, but for the long runs (marker
+# ``heavy``: the chaos runs and a retry held by the broker, the longest tests).
 REPEAT = {
-    "postgres": "not chaos",
+    "postgres": "not heavy",
     "mariadb": "not workers",
     "sqlite": "not workers",
 }
