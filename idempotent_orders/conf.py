@@ -76,6 +76,10 @@ DEFAULTS: dict[str, Any] = {
     # back OVERLAP seconds before the previous such read, for rows that committed late.
     "DEDUP_BLOOM_REFRESH": 5,
     "DEDUP_BLOOM_REFRESH_OVERLAP": 30,
+    # Load the window of the inbox into a new process's filter in a background thread,
+    # the filter answering "maybe" (ask Redis, then the database) until it is loaded.
+    # False: the first lookup loads it before answering (its time grows with the window).
+    "DEDUP_BLOOM_WARM_UP_IN_BACKGROUND": True,
     # Counters are kept per process and added to a Redis hash at most this often.
     "STATS_FLUSH_INTERVAL": 1,
     # Seconds a parked message may wait for its predecessor before it is surfaced.
@@ -311,6 +315,10 @@ class Settings:
     @property
     def DEDUP_BLOOM(self) -> bool:
         return bool(self._get("DEDUP_BLOOM"))
+
+    @property
+    def DEDUP_BLOOM_WARM_UP_IN_BACKGROUND(self) -> bool:
+        return bool(self._get("DEDUP_BLOOM_WARM_UP_IN_BACKGROUND"))
 
     @property
     def DEDUP_BLOOM_CAPACITY(self) -> int:

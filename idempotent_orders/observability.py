@@ -53,7 +53,6 @@ from django.db.models import Min
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
-from idempotent_orders import metrics_checks  # noqa: F401  (registers its system check)
 from idempotent_orders.conf import conf
 
 __all__ = [

@@ -327,8 +327,33 @@ def test_a_big_list_runs_no_distinct_and_no_second_count(staff, make_order, mode
     assert not [s for s in sql if "DISTINCT" in s]
     # The page's own count only, never the unfiltered total beside it.
     table = f"IDEMPOTENT_ORDERS_{model.upper()}"
-    assert len([s for s in sql if "COUNT(" in s and table in s]) <= 1
+    counts = [s for s in sql if "COUNT(" in s and table in s]
+    assert len(counts) <= 1
+    # ... and that count stops reading at the paginator's cap (a LIMIT inside it).
+    assert all(" LIMIT " in s for s in counts), counts
     assert response.context["cl"].model_admin.show_full_result_count is False
+
+
+def test_the_order_list_counts_capped_and_searches_the_business_key_exactly(
+    staff, make_order
+) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    order = make_order()
+    make_order()
+    url = reverse("admin:idempotent_orders_order_changelist")
+    with CaptureQueriesContext(connection) as queries:
+        response = staff.get(url, {"q": order.business_key})
+    assert [o.pk for o in response.context["cl"].result_list] == [order.pk]
+    sql = [q["sql"].upper() for q in queries if "IDEMPOTENT_ORDERS_ORDER" in q["sql"].upper()]
+    assert not [s for s in sql if " LIKE " in s or "UPPER(" in s], sql
+    counts = [s for s in sql if "COUNT(" in s]
+    assert counts
+    assert all(" LIMIT " in s for s in counts), counts
+    # A part of the key finds nothing: the search is exact, on the unique index.
+    response = staff.get(url, {"q": order.business_key[:-2]})
+    assert list(response.context["cl"].result_list) == []
 
 
 def test_list_filters_offer_fixed_values(staff, make_order) -> None:

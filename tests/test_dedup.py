@@ -127,6 +127,97 @@ def test_bloom_rebuilds_from_the_inbox_window(make_order) -> None:
     assert not bloom.might_contain("payments", "ancient")
 
 
+# -- loading the window at process start, in the background ------------------------
+
+
+def _blocked_load(bloom: BloomLayer, gate: threading.Event, readers: list[Any]) -> Any:
+    """A stand-in for the inbox read: waits for ``gate``, then finds one row, "seen"."""
+
+    def read(since: datetime, generation: int | None = None) -> int:
+        readers.append(threading.current_thread())
+        gate.wait(30)
+        bucket = bloom._bucket_of(time.time())
+        return bloom._add_keys(bucket, ["payments\x1fseen"], generation)
+
+    return mock.patch.object(bloom, "_read", side_effect=read)
+
+
+def test_process_start_does_not_wait_for_the_window_and_answers_maybe_meanwhile() -> None:
+    bloom = BloomLayer()
+    gate = threading.Event()
+    readers: list[Any] = []
+    with (
+        settings_with(DEDUP_BLOOM_WARM_UP_IN_BACKGROUND=True, DEDUP_CACHE_ALIAS=""),
+        _blocked_load(bloom, gate, readers),
+        mock.patch.object(dedup, "bloom", bloom),
+    ):
+        # The first lookup starts the load and answers before it is done: had it
+        # waited, the gate (set only below) would have held it until the timeout.
+        assert dedup.lookup("payments", "seen") is Layer.DISABLED  # "maybe", not "not seen"
+        assert not gate.is_set()
+        assert bloom.warming
+        assert bloom.might_contain("payments", "seen")
+        assert bloom.might_contain("payments", "anything")  # loading: nothing is "not seen"
+        assert dedup.lookup("payments", "anything") is Layer.DISABLED
+        bloom.add("payments", "mine")  # remembered while loading
+        bloom.refresh()  # a second refresh starts no second load
+        gate.set()
+        assert bloom.wait_warm(30)
+        assert len(readers) == 1
+        assert readers[0] is not threading.main_thread()
+        assert not bloom.warming
+        assert bloom.might_contain("payments", "seen")
+        assert bloom.might_contain("payments", "mine")
+        assert not bloom.might_contain("payments", "never-seen")
+        assert dedup.lookup("payments", "never-seen") is Layer.BLOOM_NEGATIVE
+
+
+def test_a_failed_load_keeps_answering_maybe_and_the_next_refresh_loads_again() -> None:
+    from django.db import OperationalError
+
+    bloom = BloomLayer()
+    with (
+        settings_with(DEDUP_BLOOM_WARM_UP_IN_BACKGROUND=True),
+        mock.patch.object(bloom, "_read", side_effect=OperationalError("gone")),
+    ):
+        thread = bloom.warm_up()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert bloom.warming
+        assert bloom.might_contain("payments", "anything")
+    gate = threading.Event()
+    gate.set()
+    with settings_with(DEDUP_BLOOM_WARM_UP_IN_BACKGROUND=True), _blocked_load(bloom, gate, []):
+        bloom.refresh()
+        assert bloom.wait_warm(30)
+    assert not bloom.might_contain("payments", "anything")
+    assert bloom.might_contain("payments", "seen")
+
+
+def test_a_load_begun_before_clear_leaves_nothing_behind() -> None:
+    bloom = BloomLayer()
+    gate = threading.Event()
+    with settings_with(DEDUP_BLOOM_WARM_UP_IN_BACKGROUND=True), _blocked_load(bloom, gate, []):
+        thread = bloom.warm_up()
+        bloom.clear()
+        gate.set()
+        thread.join(30)
+    assert not bloom.warming
+    assert not bloom.might_contain("payments", "seen")  # its key was not kept
+    assert bloom._watermark is None  # the next refresh loads the window again
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_background_load_reads_the_inbox_window() -> None:
+    ProcessedMessage.objects.create(consumer="payments", message_id="in-window")
+    bloom = BloomLayer()
+    with settings_with(DEDUP_BLOOM_WARM_UP_IN_BACKGROUND=True, DEDUP_WINDOW=3600):
+        assert bloom.refresh() == 0  # started, not waited for
+        assert bloom.wait_warm(30)
+        assert bloom.might_contain("payments", "in-window")
+        assert not bloom.might_contain("payments", "elsewhere")
+
+
 class _Clock:
     """Stands in for the ``time`` and ``timezone`` modules inside the Bloom layer."""
 

@@ -27,6 +27,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.paginators import EstimatedCountPaginator
 from idempotent_orders.timeline import at
 
 
@@ -123,8 +124,9 @@ class KeySearchMixin(admin.ModelAdmin):
     key_search_text: tuple[str, ...] = ("message_id",)
     key_search_related: tuple[str, ...] = ()
     search_help_text = "An exact message id or order id."
-    #: No COUNT(*) over the whole table on each page.
+    #: No COUNT(*) over the whole table on each page, nor over a large filtered set.
     show_full_result_count = False
+    paginator = EstimatedCountPaginator
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str

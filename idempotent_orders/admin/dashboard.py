@@ -255,7 +255,7 @@ def attention(user: Any) -> list[Attention]:
             ),
         ]
     if may_view(OutboxMessage):
-        stats = outbox_stats()
+        stats = outbox_stats(sent=False)
         age = stats["oldest_pending_age"]
         lines.append(
             Attention(

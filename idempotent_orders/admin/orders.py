@@ -39,6 +39,7 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.paginators import EstimatedCountPaginator
 from idempotent_orders.timeline import timeline
 
 # -- the order form: optimistic concurrency, message-owned fields read-only ------------------
@@ -170,6 +171,10 @@ class OrderAdminMixin(_ModelAdmin):
     #: A project with its own change form template includes
     #: ``admin/idempotent_orders/order/timeline.html`` in it.
     change_form_template = "admin/idempotent_orders/order/change_form.html"
+    #: An order table grows without bound: no unfiltered total beside each page, and a
+    #: count that stops at 10,000 rows (an estimate past them on PostgreSQL).
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
 
     def get_timeline_outbox(self, obj: Any) -> QuerySet[OutboxMessage] | None:
         """The outbox rows of ``obj`` for its timeline; None: ``order_key`` is its id or key."""
@@ -327,7 +332,9 @@ class OrderAdmin(OrderAdminMixin, admin.ModelAdmin):
 
     list_display = ["id", "status", "version", "last_seq", "amount", "currency", "updated_at"]
     list_filter = ["status", "currency"]
-    search_fields = ["business_key", "payment_id", "tracking_number"]
+    # Exact, on the unique index: a LIKE over the order table is a scan (2.2 s at 2M orders).
+    search_fields = ["business_key__exact"]
+    search_help_text = "An exact business key."
     readonly_fields = ["created_at", "updated_at"]
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:

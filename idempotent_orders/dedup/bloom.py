@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
+from django.db import connections
 from django.db.models import CharField, Value
 from django.db.models.functions import Concat
 from django.utils import timezone
@@ -21,6 +23,8 @@ __all__ = ["BloomLayer", "stable_hash"]
 _SEP = "\x1f"
 #: Inbox rows fetched and added to a filter at a time by :meth:`BloomLayer.refresh`.
 _CHUNK = 5000
+
+logger = logging.getLogger("idempotent_orders")
 
 
 def stable_hash(item: str) -> int:
@@ -43,6 +47,12 @@ class BloomLayer:
     Only ever answers "certainly not seen here" or "maybe seen"; never the authority.
     A filter that was never loaded from the inbox still answers correctly in
     that sense for what this process remembered: a miss only costs a database query.
+
+    The first :meth:`refresh` of a process loads the window (``DEDUP_WINDOW``, a
+    day's messages by default) in a background thread when
+    ``DEDUP_BLOOM_WARM_UP_IN_BACKGROUND`` is on; until that load is done the filter
+    answers "maybe" to everything, so no message recorded by another process is
+    called "not seen" while it loads: it costs a Redis lookup, as without a filter.
     """
 
     def __init__(self) -> None:
@@ -57,6 +67,13 @@ class BloomLayer:
         self._next_overlap_read = 0.0
         #: The live buckets at the last rotation (none is dropped until they change).
         self._live: range | None = None
+        #: True from the start of a window load until it is done: answer "maybe".
+        self._warming = False
+        #: True while a load thread runs (set before it starts: one load at a time).
+        self._loading = False
+        self._warm_thread: threading.Thread | None = None
+        #: Bumped by :meth:`clear`: a load begun before it leaves no trace after it.
+        self._generation = 0
 
     # -- buckets ---------------------------------------------------------------
     def _bucket_of(self, when: float) -> int:
@@ -90,6 +107,8 @@ class BloomLayer:
         key = _key(consumer, message_id)
         now = time.time()
         with self._lock:
+            if self._warming:
+                return True  # not loaded yet: only "maybe" is safe
             self._rotate(now)
             return any(key in bloom for bloom in self._buckets.values())
 
@@ -110,6 +129,10 @@ class BloomLayer:
 
     def clear(self) -> None:
         with self._lock:
+            self._generation += 1
+            self._warming = False
+            self._loading = False
+            self._warm_thread = None
             self._buckets.clear()
             self._live = None
             self._watermark = None
@@ -137,11 +160,17 @@ class BloomLayer:
         else.
         """
         mono = time.monotonic()
+        if not force and self._warming:
+            self.warm_up()  # nothing while a load runs; after a failed one, a new one
+            return 0
         if not force and mono < self._next_refresh:
+            return 0
+        first = self._watermark is None or self._overlap_watermark is None
+        if first and not force and conf.DEDUP_BLOOM_WARM_UP_IN_BACKGROUND:
+            self.warm_up()
             return 0
         self._next_refresh = mono + conf.DEDUP_BLOOM_REFRESH
         started = timezone.now()
-        overlap = timedelta(seconds=conf.DEDUP_BLOOM_REFRESH_OVERLAP)
         if self._watermark is None or self._overlap_watermark is None:  # first read: the window
             since = started - timedelta(seconds=conf.DEDUP_WINDOW)
             full = True
@@ -152,14 +181,69 @@ class BloomLayer:
             since = self._watermark
             full = False
         count = self._read(since)
+        self._mark_read(started, mono, full=full)
+        return count
+
+    def _mark_read(self, started: datetime, mono: float, *, full: bool) -> None:
+        """Rows created before ``started`` (less the margins) are in the filter."""
         margin = min(conf.DEDUP_BLOOM_REFRESH, conf.DEDUP_BLOOM_REFRESH_OVERLAP)
         self._watermark = started - timedelta(seconds=margin)
         if full:
+            overlap = timedelta(seconds=conf.DEDUP_BLOOM_REFRESH_OVERLAP)
             self._overlap_watermark = started - overlap
             self._next_overlap_read = mono + conf.DEDUP_BLOOM_REFRESH_OVERLAP
-        return count
 
-    def _read(self, since: datetime) -> int:
+    # -- loading the window in the background ------------------------------------------
+    def warm_up(self) -> threading.Thread:
+        """Start loading the window in a background thread (once); answer "maybe" until
+        it is loaded. A load that fails is started again by the next :meth:`refresh`."""
+        with self._lock:
+            if self._loading and self._warm_thread is not None:
+                return self._warm_thread
+            self._warming = self._loading = True
+            thread = threading.Thread(
+                target=self._warm_up,
+                args=(self._generation,),
+                name="idempotent-orders-bloom-warm-up",
+                daemon=True,
+            )
+            self._warm_thread = thread
+            thread.start()  # under the lock: wait_warm() never sees it unstarted
+        return thread
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for a background load; True once the filter answers from the window."""
+        thread = self._warm_thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self._warming
+
+    @property
+    def warming(self) -> bool:
+        return self._warming
+
+    def _warm_up(self, generation: int) -> None:
+        mono = time.monotonic()
+        started = timezone.now()
+        try:
+            count = self._read(started - timedelta(seconds=conf.DEDUP_WINDOW), generation)
+        except Exception:  # the filter keeps answering "maybe"; the next refresh retries
+            logger.warning("could not load the dedup Bloom filter", exc_info=True)
+            with self._lock:
+                if generation == self._generation:
+                    self._loading = False
+            return
+        finally:
+            connections.close_all()  # this thread's own connections
+        with self._lock:
+            if generation != self._generation:
+                return  # cleared meanwhile
+            self._mark_read(started, mono, full=True)
+            self._next_refresh = mono + conf.DEDUP_BLOOM_REFRESH
+            self._warming = self._loading = False
+        logger.debug("dedup Bloom filter loaded: %d inbox rows", count)
+
+    def _read(self, since: datetime, generation: int | None = None) -> int:
         """Add the inbox rows created at or after ``since``; returns how many.
 
         One query per live bucket the range touches, so rows need no time of
@@ -186,13 +270,15 @@ class BloomLayer:
             for key in keys.iterator(chunk_size=_CHUNK):
                 chunk.append(key)
                 if len(chunk) == _CHUNK:
-                    count += self._add_keys(bucket, chunk)
+                    count += self._add_keys(bucket, chunk, generation)
                     chunk = []
-            count += self._add_keys(bucket, chunk)
+            count += self._add_keys(bucket, chunk, generation)
         return count
 
-    def _add_keys(self, bucket: int, keys: list[str]) -> int:
+    def _add_keys(self, bucket: int, keys: list[str], generation: int | None = None) -> int:
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return len(keys)  # a load from before clear(): its keys are not wanted
             if keys and bucket in self._live_buckets(time.time()):
                 self._filter(bucket).update(keys)
         return len(keys)
