@@ -48,6 +48,14 @@ def main(argv: list[str]) -> None:
         f"{os.environ.get('BENCH_RUNS', '3')} runs; {elapsed:.0f}s"
     )
     print(f"\n{title}\n")
+    from django.conf import settings
+
+    from bench.consumer import default_configuration, differences
+
+    loaded = ", ".join(differences(settings.IDEMPOTENT_ORDERS)) or "none"
+    print(f"settings not at the app's defaults, as the bench loads them: {loaded}")
+    reset = ", ".join(differences(default_configuration())) or "none"
+    print(f"section 1's default-configuration rows put every other back; left: {reset}\n")
     print_table(rows)
     meta = {
         "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -66,12 +66,14 @@ def setup(fresh: bool = True) -> None:
     setup.done = True  # type: ignore[attr-defined]
 
 
-def make_orders(n: int, amount: str = "12.50") -> list[Any]:
+def make_orders(n: int, amount: str = "12.50", model: Any = None) -> list[Any]:
+    """``n`` new orders of ``model`` (the app's Order unless given)."""
     from idempotent_orders.models import Order
 
+    model = Order if model is None else model
     tag = uuid.uuid4().hex[:8]
-    return Order.objects.bulk_create(
-        Order(business_key=f"bench-{tag}-{i}", amount=Decimal(amount), currency="CNY")
+    return model._default_manager.bulk_create(
+        model(business_key=f"bench-{tag}-{i}", amount=Decimal(amount), currency="CNY")
         for i in range(n)
     )
 

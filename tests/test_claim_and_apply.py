@@ -13,6 +13,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
+from idempotent_orders.consuming import prepared, writing
 from idempotent_orders.consuming import single as services
 from idempotent_orders.consuming import sql as statements
 from idempotent_orders.consuming.single import consume_message
@@ -140,8 +141,8 @@ def test_a_copy_of_a_claimed_message_is_a_duplicate_and_writes_nothing(make_orde
     fresh = Order.objects.get(pk=order.pk)
     # A copy decided against a stale read still loses to the unique index.
     verdict = services.decide(order, services.parse_envelope(message))
-    with pytest.raises(services._Duplicate):
-        services._write(services.parse_envelope(message), "payments", order, verdict, None)
+    with pytest.raises(writing.Duplicate):
+        writing.write(services.parse_envelope(message), "payments", order, verdict, None)
     assert Order.objects.get(pk=order.pk).version == fresh.version
     assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
 
@@ -160,7 +161,7 @@ def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
             Order.objects.filter(pk=order_.pk).update(version=F("version") + 1)
         return real(row, order_, **kwargs)
 
-    monkeypatch.setattr(services, "claim_and_apply", racing)
+    monkeypatch.setattr(writing, "claim_and_apply", racing)
     monkeypatch.setattr(services, "presume", lambda *args: None)  # the read-first path
     # (A cancellation: a payment, which carries money, records its payment id as
     # spent, and takes the general path once presume() has declined it.)
@@ -191,7 +192,7 @@ def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:
     assert not any(s.startswith("WITH claim") for s in sql)
 
 
-class _Recording(statements._DriverCursor):  # type: ignore[misc,name-defined]
+class _Recording(prepared._DriverCursor):  # type: ignore[misc,name-defined]
     """The driver's own cursor, recording what it ran."""
 
     ran: list[str] = []
@@ -204,7 +205,7 @@ class _Recording(statements._DriverCursor):  # type: ignore[misc,name-defined]
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     _Recording.ran = []
-    monkeypatch.setattr(statements, "_DriverCursor", _Recording)
+    monkeypatch.setattr(prepared, "_DriverCursor", _Recording)
     return _Recording.ran
 
 
@@ -305,8 +306,8 @@ def test_execute_wrappers_still_see_the_statement(make_order, driver: list[str])
 
 
 def test_the_prepared_form_numbers_the_arguments_and_unescapes_percent_signs() -> None:
-    form = statements._prepared_form("SELECT %(a0)s, '100%%', %(a1)s, %(a0)s")
+    form = prepared._prepared_form("SELECT %(a0)s, '100%%', %(a1)s, %(a0)s")
     assert form is not None
     assert form.prepare.endswith(" AS SELECT $1, '100%', $2, $1")
     assert form.execute == f"EXECUTE {form.name}(".encode()
-    assert statements._prepared_form("SELECT '5%'") is None  # run plainly, never prepared
+    assert prepared._prepared_form("SELECT '5%'") is None  # run plainly, never prepared

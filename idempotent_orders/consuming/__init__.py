@@ -12,16 +12,22 @@ the ones above it (``tests/test_structure.py`` keeps it so):
    transition and committing it with one conditional UPDATE.
 5. :mod:`~idempotent_orders.consuming.decision`: what the message does to the
    order as read.
-6. :mod:`~idempotent_orders.consuming.sql`: the per-vendor statements (the
+6. :mod:`~idempotent_orders.consuming.prepared`: hot statements straight to the
+   driver, prepared once per database session.
+7. :mod:`~idempotent_orders.consuming.sql`: the per-vendor statements (the
    order read, the inbox insert, the claim-and-apply statement).
-7. :mod:`~idempotent_orders.consuming.payments`: a payment pays one order, once.
-8. :mod:`~idempotent_orders.consuming.failures`: what raised is kept, retried,
+8. :mod:`~idempotent_orders.consuming.payments`: a payment pays one order, once.
+9. :mod:`~idempotent_orders.consuming.failures`: what raised is kept, retried,
    dead-lettered.
-9. :mod:`~idempotent_orders.consuming.one_statement`: PostgreSQL's one-statement
-   road for transitions with nothing of the project's to run.
-10. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
-11. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
-12. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
+10. :mod:`~idempotent_orders.consuming.one_statement`: PostgreSQL's one-statement
+    road for transitions with nothing of the project's to run.
+11. :mod:`~idempotent_orders.consuming.writing`: the read-decide-write road's
+    transaction (claim, run the transition, the conditional UPDATE, park).
+12. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
+13. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
+    and one UPDATE.
+14. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
+15. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
     ``aconsume_batch``, the road from async code (a worker thread per message).
 
 The dedup layers in front of the database are :mod:`idempotent_orders.dedup`.
@@ -34,11 +40,14 @@ LAYERS = (
     "envelope",
     "running",
     "decision",
+    "prepared",
     "sql",
     "payments",
     "failures",
     "one_statement",
+    "writing",
     "single",
+    "chunk",
     "batch",
     "aio",
 )

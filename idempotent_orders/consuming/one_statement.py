@@ -9,7 +9,7 @@ validator's comparisons with the order, such as the amount and currency of a
 payment). Those tests go into the claim-and-apply statement's WHERE clause
 instead of a version read beforehand, so the message costs one statement,
 committed on its own (prepared once per database session, see
-:func:`~idempotent_orders.consuming.sql.fetch_one`):
+:func:`~idempotent_orders.consuming.prepared.fetch_one`):
 
 ``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
 moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
@@ -61,6 +61,7 @@ from idempotent_orders.consuming.graph import (
     state_field,
 )
 from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.prepared import PreparedMissing, fetch_one
 from idempotent_orders.consuming.running import (
     in_transaction_work,
     runs_user_code,
@@ -68,7 +69,7 @@ from idempotent_orders.consuming.running import (
     transition_written,
     written_values,
 )
-from idempotent_orders.consuming.sql import build, compiled_read, fetch_one, inbox_template
+from idempotent_orders.consuming.sql import build, compiled_read, inbox_template
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome, SpentPayment
 
@@ -489,12 +490,14 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         return _apply(statement, args, conn, model, alias, plan, shape, name, announced)
     try:
         with transaction.atomic(using=alias):
-            applied = _apply(statement, args, conn, model, alias, plan, shape, name, announced)
+            applied = _apply(
+                statement, args, conn, model, alias, plan, shape, name, announced, True
+            )
             if applied is None:
                 raise _Declined  # nothing written; the transaction may be aborted: undo it
             return applied
-    except _Declined:
-        return None
+    except (_Declined, PreparedMissing):
+        return None  # rolled back: the usual path decides
 
 
 class _Declined(Exception):
@@ -511,10 +514,15 @@ def _apply(
     shape: _Shape,
     name: str,
     announced: bool,
+    in_transaction: bool = False,
 ) -> Outcome | None:
-    """Run the statement; on APPLIED announce the transition (follow-ups write here)."""
+    """Run the statement; on APPLIED announce the transition (follow-ups write here).
+
+    ``in_transaction``: in the follow-up's ``atomic`` block, where the statement is
+    prepared too (see :func:`~idempotent_orders.consuming.prepared.fetch_one`).
+    """
     try:
-        row = fetch_one(statement.sql, args, conn)
+        row = fetch_one(statement.sql, args, conn, in_transaction=in_transaction)
     except DataError:
         # The deliberate division by zero (the tests failed: nothing was written),
         # or a value a column cannot take: the usual path decides and says why.

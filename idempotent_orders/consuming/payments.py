@@ -15,9 +15,10 @@ from typing import Any
 
 from django.db import connection
 
+from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.models import SpentPayment
 
-__all__ = ["payment_id", "spend", "spent_by"]
+__all__ = ["claim_and_spend", "payment_id", "spend", "spent_by"]
 
 
 def payment_id(payload: Mapping[str, Any]) -> str | None:
@@ -66,3 +67,40 @@ def spent_by(payment: str) -> Any | None:
     return (
         SpentPayment.objects.filter(payment_id=payment).values_list("order_id", flat=True).first()
     )
+
+
+#: The claim-and-spend statement's text, by database alias.
+_claims: dict[str, str] = {}
+
+
+def claim_and_spend(
+    values: Mapping[str, Any], now: Any, payment: str, order_id: Any
+) -> tuple[bool, Any | None]:
+    """PostgreSQL: the inbox row and the spent payment in one statement, in the caller's
+    transaction (one round trip where :func:`spend` after the inbox insert takes two).
+
+    ``values``: the inbox row's per-message columns (as
+    :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` takes them; they
+    include ``consumer`` and ``message_id``). Returns ``(claimed, owner)``:
+    ``claimed`` False when the inbox already holds the message (nothing written);
+    ``owner`` as :func:`spend` returns it (None: recorded).
+    """
+    template = inbox_template()
+    sql = _claims.get(connection.alias)
+    if sql is None:
+        table, columns = _table()
+        sql = _claims[connection.alias] = (
+            f"WITH new_inbox AS ({template.sql} RETURNING 1),"
+            f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
+            " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
+            f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
+            " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
+        )
+    params = template.params(values, now)
+    consumer, message_id = values["consumer"], values["message_id"]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, payment, order_id, consumer, message_id])
+        claimed, recorded = cursor.fetchone()
+    if not claimed:
+        return False, None
+    return True, None if recorded else spent_by(payment)

@@ -10,13 +10,11 @@ from datetime import timedelta
 from typing import Any, cast
 
 from django.db import IntegrityError, OperationalError, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.decision import (
-    REFUND,
     Verdict,
     announce,
     consumed,
@@ -41,23 +39,17 @@ from idempotent_orders.consuming.failures import (
     record_failure,
     retryable,
 )
-from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
 from idempotent_orders.consuming.one_statement import presume
-from idempotent_orders.consuming.payments import payment_id, spend
-from idempotent_orders.consuming.running import (
-    advance,
-    call_transition,
-    commit,
-    in_transaction_work,
-    runs_user_code,
-    transition_written,
-    written_values,
-)
 from idempotent_orders.consuming.sql import (
-    ClaimConflict,
     can_claim_and_apply,
-    claim_and_apply,
     read_order,
+)
+from idempotent_orders.consuming.writing import (
+    Conflict,
+    Duplicate,
+    Spent,
+    spent_verdict,
+    write,
 )
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
@@ -85,35 +77,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("idempotent_orders")
-
-
-class _Conflict(Exception):
-    """The order changed between our read and our conditional write: decide again."""
-
-
-class _Duplicate(Exception):
-    """The inbox already holds this (consumer, message_id)."""
-
-
-class _Spent(Exception):
-    """The message's payment id already paid an order (``owner``)."""
-
-    def __init__(self, payment: str, owner: Any) -> None:
-        super().__init__(payment, owner)
-        self.payment = payment
-        self.owner = owner
-
-
-def _spent_verdict(envelope: Envelope, order: AbstractOrder, spent: _Spent) -> Verdict:
-    """What a message whose payment was spent already does: a duplicate on its own order,
-    money to give back on any other."""
-    seq = envelope.seq
-    slot = seq if seq is not None and seq == order.last_seq + 1 else None
-    if spent.owner == order.pk:
-        reason = f"payment {spent.payment} was already applied to this order"
-        return Verdict(Outcome.DUPLICATE, reason, advance_to=slot)
-    reason = f"payment {spent.payment} already paid order {spent.owner}; {REFUND}"
-    return Verdict(Outcome.REJECTED, reason, advance_to=slot)
 
 
 def consume_message(message: Any, *, consumer: str) -> Outcome:
@@ -188,7 +151,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         # releasing, and a parked one re-checks because its predecessor may
         # have committed while it was parking (the lost wake-up). Orders that
         # never had a parked message are skipped: their ``has_parked`` was read
-        # false and the write was conditional on it (see _write), so a message
+        # false and the write was conditional on it (see writing.write), so a message
         # parked concurrently either made our write conflict and re-read, or
         # committed after us and re-checks itself.
         release_parked(envelope.order_id)
@@ -299,8 +262,8 @@ def _consume(
         if parked is not None and verdict.outcome is Outcome.PARKED:
             return Outcome.PARKED  # still waiting; leave the parked row alone
         try:
-            outcome = _write(envelope, consumer, order, verdict, parked, retrying=retrying)
-        except _Duplicate:
+            outcome = write(envelope, consumer, order, verdict, parked, retrying=retrying)
+        except Duplicate:
             again: bool | None = None if parked is not None or retrying else False
             if parked is None and not retrying:
                 again, stored = retryable(consumer, envelope.message_id)
@@ -318,11 +281,11 @@ def _consume(
                 _database_conflict(consumer, envelope.message_id)
                 announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
             return Outcome.DUPLICATE
-        except _Conflict:
+        except Conflict:
             continue
-        except _Spent as spent:
+        except Spent as spent:
             # Rolled back; decided again as what it is, and recorded.
-            override = _spent_verdict(envelope, order, spent)
+            override = spent_verdict(envelope, order, spent)
             continue
         except OperationalError as exc:
             if not is_retryable(exc):
@@ -343,163 +306,6 @@ def _consume(
     raise ConcurrentUpdate(
         f"order {envelope.order_id}: gave up after {conf.CONFLICT_RETRIES} conflicting writes"
     )
-
-
-def _write(
-    envelope: Envelope,
-    consumer: str,
-    order: AbstractOrder,
-    verdict: Verdict,
-    parked: ParkedMessage | None,
-    *,
-    retrying: bool = False,
-) -> Outcome:
-    """Write ``verdict`` in one transaction; raise _Duplicate or _Conflict when it cannot.
-
-    ``retrying``: the message has a failed inbox row, which is claimed by a
-    conditional update instead of an insert.
-    """
-    outcome = verdict.outcome
-    # A write that may unblock a successor is conditional on the has_parked
-    # flag as read, so a message parked since our read makes it conflict.
-    unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
-    model = type(order)
-    if (
-        verdict.transition
-        and parked is None
-        and not retrying
-        and can_claim_and_apply()
-        and not runs_user_code(model, verdict.transition)
-        and not in_transaction_work(model, edge(model, verdict.transition).target)
-        and not (envelope.handler.money and payment_id(envelope.payload))
-    ):
-        # No body, no receiver, nothing else to write: one statement commits it.
-        return _claim_and_apply(envelope, consumer, order, verdict, unflagged)
-    body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
-    with transaction.atomic():
-        # The first statement claims the message: the inbox insert (the unique
-        # index decides duplicates), or for a release, deleting the parked row.
-        row = {
-            "status": verdict.inbox_status,
-            "outcome": outcome,
-            "order_id": order.pk,
-            "seq": envelope.seq,
-            "error": verdict.reason,
-            "body": body,
-            "fingerprint": envelope.fingerprint,
-        }
-        if retrying:
-            claimed = ProcessedMessage.objects.filter(
-                RETRYABLE, consumer=consumer, message_id=envelope.message_id
-            ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
-            if not claimed:
-                raise _Duplicate  # another delivery ran it meanwhile
-        elif parked is None:
-            try:
-                with transaction.atomic(savepoint=False):
-                    ProcessedMessage.objects.create(
-                        consumer=consumer,
-                        message_id=envelope.message_id,
-                        message_type=envelope.message_type,
-                        **row,
-                    )
-            except IntegrityError:
-                raise _Duplicate from None
-        else:
-            claimed, _ = ParkedMessage.objects.filter(pk=parked.pk).delete()
-            if not claimed:
-                raise _Duplicate  # another worker released it
-            ProcessedMessage.objects.filter(
-                consumer=consumer, message_id=envelope.message_id
-            ).update(
-                outcome=outcome,
-                status=verdict.inbox_status,
-                error=verdict.reason,
-                attempts=F("attempts") + 1,
-            )
-
-        if verdict.transition:
-            payment = payment_id(envelope.payload) if envelope.handler.money else None
-            if payment is not None:
-                owner = spend(payment, order.pk, consumer, envelope.message_id)
-                if owner is not None:
-                    raise _Spent(payment, owner)
-            extra: dict[str, Any] = dict(unflagged)
-            if envelope.seq is not None:
-                extra["last_seq"] = envelope.seq - 1
-            outcome = _run(envelope, consumer, order, verdict, extra)
-        elif outcome is Outcome.PARKED:
-            if not park(consumer, envelope, order, verdict.reason):
-                # Another message already waits with this (order, seq): a producer bug.
-                reason = f"another message is already parked with seq {envelope.seq}"
-                ProcessedMessage.objects.filter(
-                    consumer=consumer, message_id=envelope.message_id
-                ).update(
-                    outcome=Outcome.REJECTED,
-                    status=InboxStatus.REJECTED,
-                    error=reason,
-                )
-                outcome = Outcome.REJECTED
-            elif not order.has_parked:
-                # In the parking transaction, so that a predecessor's
-                # conditional write either sees it or commits before it.
-                type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
-        elif verdict.advance_to is not None:
-            # The message used up its sequence slot without changing the state:
-            # advance last_seq so its successors are not parked forever.
-            advanced = (
-                type(order)
-                ._default_manager.filter(pk=order.pk, last_seq=order.last_seq, **unflagged)
-                .update(last_seq=verdict.advance_to)
-            )
-            if advanced != 1:
-                raise _Conflict
-    return outcome
-
-
-def _run(
-    envelope: Envelope,
-    consumer: str,
-    order: AbstractOrder,
-    verdict: Verdict,
-    conditions: Mapping[str, Any],
-) -> Outcome:
-    """Call the model's own transition and commit it with one conditional UPDATE.
-
-    In the transaction that claimed the message. Raises _Conflict when another
-    writer changed the order since it was read (the caller reads and decides
-    again); an exception from the body, a condition or a receiver propagates
-    and rolls the transaction back.
-    """
-    version: int = order.version
-    ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
-    if not commit(order, ran, version, conditions):
-        raise _Conflict
-    result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
-    transition_written(order, verdict.transition, result, fsm_sent=True)
-    if ran.error is None:
-        return Outcome.APPLIED
-    # fsm-2's on_error: the body raised and the order moved to the error state,
-    # which is committed, as fsm-2 and a save() would. The message is kept as
-    # rejected, with what was raised.
-    reason = (
-        f"{verdict.transition} raised {describe(ran.error)}; "
-        f"the order moved to its on_error state {ran.target}"
-    )
-    ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id).update(
-        outcome=Outcome.REJECTED,
-        status=InboxStatus.REJECTED,
-        error=reason,
-        body=serialise(envelope.as_dict()),
-    )
-    logger.warning(
-        "message %s (%s): %s",
-        envelope.message_id,
-        consumer,
-        reason,
-        extra={"message_id": envelope.message_id, "order_id": order.pk},
-    )
-    return Outcome.REJECTED
 
 
 def reused_id(envelope: Envelope) -> str:
@@ -524,70 +330,6 @@ def _reused(envelope: Envelope, consumer: str) -> Outcome:
         body=serialise(envelope.as_dict())[:BODY_EXCERPT],
         order_id=envelope.order_id,
     )
-
-
-def _claim_and_apply(
-    envelope: Envelope,
-    consumer: str,
-    order: AbstractOrder,
-    verdict: Verdict,
-    unflagged: dict[str, Any],
-) -> Outcome:
-    """The common case on PostgreSQL: the inbox row and the transition in one statement.
-
-    Taken only outside a caller's transaction and when nothing else must be
-    written in the transition's transaction (no follow-up, no fsm-2 receiver).
-    """
-    model = type(order)
-    e = edge(model, verdict.transition)
-    values = written_values(model, verdict.values)
-    conditions = dict(unflagged)
-    if envelope.seq is not None:
-        conditions["last_seq"] = envelope.seq - 1
-    row = ProcessedMessage(
-        consumer=consumer,
-        message_id=envelope.message_id,
-        message_type=envelope.message_type,
-        status=verdict.inbox_status,
-        outcome=Outcome.APPLIED,
-        order_id=order.pk,
-        seq=envelope.seq,
-        fingerprint=envelope.fingerprint,
-    )
-    try:
-        claimed = claim_and_apply(
-            row,
-            order,
-            state_column=str(state_field(model).column),
-            sources=sorted(e.sources),
-            target=e.target,
-            version=order.version,
-            values=values,
-            conditions=conditions,
-        )
-    except ClaimConflict:
-        raise _Conflict from None
-    if not claimed:
-        raise _Duplicate
-    transition_written(order, e.name, advance(order, e.name, values))
-    return Outcome.APPLIED
-
-
-def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -> bool:
-    """Keep ``envelope`` until it can go ahead; False when its ``(order, seq)`` is taken."""
-    try:
-        with transaction.atomic():
-            ParkedMessage.objects.create(
-                consumer=consumer,
-                message_id=envelope.message_id,
-                order_id=order.pk,
-                seq=envelope.seq,
-                envelope=envelope.as_dict(),
-                reason=reason[:255],
-            )
-    except IntegrityError:
-        return False
-    return True
 
 
 def release_parked(order_id: int) -> list[Outcome]:

@@ -124,6 +124,7 @@ class Publisher:
         sender._batch.keep = True  # and one producer while ids keep coming
         pending, wake = self._pending, self._wake
         idle = True  # the last round found nothing to do
+        finished = float("-inf")  # when the last batch was done (monotonic)
         try:
             while not self._stopping:
                 if not pending:
@@ -135,9 +136,11 @@ class Publisher:
                         continue
                 size = conf.OUTBOX_BATCH_SIZE
                 # Woken from idle, the first ids go at once (no added latency for a lone
-                # message); ids that came while a batch was publishing mean more are
-                # coming: wait a moment, and one batch takes them all.
-                if not idle and len(pending) < size and not self._stopping:
+                # message); ids that came while a batch was publishing, or less than
+                # ``linger`` after the last batch (a steady stream: one message after
+                # another), mean more are coming: wait a moment, and one batch takes them all.
+                streaming = not idle or time.monotonic() - finished < self.linger
+                if streaming and len(pending) < size and not self._stopping:
                     time.sleep(self.linger)
                 idle = False
                 self._busy = True
@@ -147,6 +150,7 @@ class Publisher:
                         sender._release_kept()  # after a failure, or idle: back to the pool
                 finally:
                     self._busy = False
+                    finished = time.monotonic()
         finally:
             sender._release_kept()
             connections.close_all()

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idempotent_orders.consuming import batch
+from idempotent_orders.consuming import batch, writing
 from idempotent_orders.consuming import single as services
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.graph import TransitionStatus, classify
@@ -91,13 +91,13 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
     # Inside the transaction, after the conditional UPDATE: everything rolls back. (The
     # one-statement paths have no such moment: a death before their statement commits.)
     "after_update": lambda: _both(
-        mock.patch.object(services, "commit", _after(services.commit)),
-        mock.patch.object(services, "claim_and_apply", _raise),
+        mock.patch.object(writing, "commit", _after(writing.commit)),
+        mock.patch.object(writing, "claim_and_apply", _raise),
         mock.patch.object(services, "presume", _raise),
     ),
     # A one-statement claim-and-apply committed; nothing after it happened.
     "after_claim": lambda: _both(
-        mock.patch.object(services, "claim_and_apply", _after(services.claim_and_apply)),
+        mock.patch.object(writing, "claim_and_apply", _after(writing.claim_and_apply)),
         mock.patch.object(services, "presume", _after_applied(services.presume)),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.

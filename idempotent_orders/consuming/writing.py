@@ -1,0 +1,326 @@
+"""The read-decide-write road's transaction: claim the message, run the model's own
+transition, commit it with one conditional UPDATE (or, on PostgreSQL, one claim-and-apply
+statement when nothing of the project's runs), and park what must wait.
+
+:func:`~idempotent_orders.consuming.single.consume_message` reads the order, decides,
+and calls :func:`write`; the exceptions here tell it to decide again
+(:class:`Conflict`, :class:`Spent`) or that the message was there already
+(:class:`Duplicate`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from idempotent_orders.consuming.decision import (
+    REFUND,
+    Verdict,
+)
+from idempotent_orders.consuming.envelope import (
+    BODY_EXCERPT,
+    Envelope,
+    serialise,
+)
+from idempotent_orders.consuming.failures import (
+    RETRYABLE,
+    describe,
+)
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
+from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend
+from idempotent_orders.consuming.running import (
+    advance,
+    call_transition,
+    commit,
+    in_transaction_work,
+    runs_user_code,
+    transition_written,
+    written_values,
+)
+from idempotent_orders.consuming.sql import (
+    ClaimConflict,
+    can_claim_and_apply,
+    claim_and_apply,
+)
+from idempotent_orders.models import (
+    AbstractOrder,
+    InboxStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+)
+
+__all__ = ["Conflict", "Duplicate", "Spent", "park", "spent_verdict", "write"]
+
+logger = logging.getLogger("idempotent_orders")
+
+
+class Conflict(Exception):
+    """The order changed between our read and our conditional write: decide again."""
+
+
+class Duplicate(Exception):
+    """The inbox already holds this (consumer, message_id)."""
+
+
+class Spent(Exception):
+    """The message's payment id already paid an order (``owner``)."""
+
+    def __init__(self, payment: str, owner: Any) -> None:
+        super().__init__(payment, owner)
+        self.payment = payment
+        self.owner = owner
+
+
+def spent_verdict(envelope: Envelope, order: AbstractOrder, spent: Spent) -> Verdict:
+    """What a message whose payment was spent already does: a duplicate on its own order,
+    money to give back on any other."""
+    seq = envelope.seq
+    slot = seq if seq is not None and seq == order.last_seq + 1 else None
+    if spent.owner == order.pk:
+        reason = f"payment {spent.payment} was already applied to this order"
+        return Verdict(Outcome.DUPLICATE, reason, advance_to=slot)
+    reason = f"payment {spent.payment} already paid order {spent.owner}; {REFUND}"
+    return Verdict(Outcome.REJECTED, reason, advance_to=slot)
+
+
+def write(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    parked: ParkedMessage | None,
+    *,
+    retrying: bool = False,
+) -> Outcome:
+    """Write ``verdict`` in one transaction; raise Duplicate or Conflict when it cannot.
+
+    ``retrying``: the message has a failed inbox row, which is claimed by a
+    conditional update instead of an insert.
+    """
+    outcome = verdict.outcome
+    # A write that may unblock a successor is conditional on the has_parked
+    # flag as read, so a message parked since our read makes it conflict.
+    unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
+    model = type(order)
+    if (
+        verdict.transition
+        and parked is None
+        and not retrying
+        and can_claim_and_apply()
+        and not runs_user_code(model, verdict.transition)
+        and not in_transaction_work(model, edge(model, verdict.transition).target)
+        and not (envelope.handler.money and payment_id(envelope.payload))
+    ):
+        # No body, no receiver, nothing else to write: one statement commits it.
+        return claim_and_apply_one(envelope, consumer, order, verdict, unflagged)
+    body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
+    # The payment id the transition spends (recorded with the claim where it can be).
+    payment = (
+        payment_id(envelope.payload) if verdict.transition and envelope.handler.money else None
+    )
+    with transaction.atomic():
+        # The first statement claims the message: the inbox insert (the unique
+        # index decides duplicates), or for a release, deleting the parked row.
+        row = {
+            "status": verdict.inbox_status,
+            "outcome": outcome,
+            "order_id": order.pk,
+            "seq": envelope.seq,
+            "error": verdict.reason,
+            "body": body,
+            "fingerprint": envelope.fingerprint,
+        }
+        if retrying:
+            claimed = ProcessedMessage.objects.filter(
+                RETRYABLE, consumer=consumer, message_id=envelope.message_id
+            ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
+            if not claimed:
+                raise Duplicate  # another delivery ran it meanwhile
+        elif parked is None and payment is not None and connection.vendor == "postgresql":
+            # The claim and the spent payment in one statement (one round trip).
+            fields = {"consumer": consumer, "message_id": envelope.message_id, **row}
+            fields["message_type"] = envelope.message_type
+            try:
+                claimed, owner = claim_and_spend(fields, timezone.now(), payment, order.pk)
+            except IntegrityError:
+                raise Duplicate from None
+            if not claimed:
+                raise Duplicate
+            if owner is not None:
+                raise Spent(payment, owner)
+            payment = None  # recorded
+        elif parked is None:
+            try:
+                with transaction.atomic(savepoint=False):
+                    ProcessedMessage.objects.create(
+                        consumer=consumer,
+                        message_id=envelope.message_id,
+                        message_type=envelope.message_type,
+                        **row,
+                    )
+            except IntegrityError:
+                raise Duplicate from None
+        else:
+            claimed, _ = ParkedMessage.objects.filter(pk=parked.pk).delete()
+            if not claimed:
+                raise Duplicate  # another worker released it
+            ProcessedMessage.objects.filter(
+                consumer=consumer, message_id=envelope.message_id
+            ).update(
+                outcome=outcome,
+                status=verdict.inbox_status,
+                error=verdict.reason,
+                attempts=F("attempts") + 1,
+            )
+
+        if verdict.transition:
+            if payment is not None:
+                owner = spend(payment, order.pk, consumer, envelope.message_id)
+                if owner is not None:
+                    raise Spent(payment, owner)
+            extra: dict[str, Any] = dict(unflagged)
+            if envelope.seq is not None:
+                extra["last_seq"] = envelope.seq - 1
+            outcome = run(envelope, consumer, order, verdict, extra)
+        elif outcome is Outcome.PARKED:
+            if not park(consumer, envelope, order, verdict.reason):
+                # Another message already waits with this (order, seq): a producer bug.
+                reason = f"another message is already parked with seq {envelope.seq}"
+                ProcessedMessage.objects.filter(
+                    consumer=consumer, message_id=envelope.message_id
+                ).update(
+                    outcome=Outcome.REJECTED,
+                    status=InboxStatus.REJECTED,
+                    error=reason,
+                )
+                outcome = Outcome.REJECTED
+            elif not order.has_parked:
+                # In the parking transaction, so that a predecessor's
+                # conditional write either sees it or commits before it.
+                type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
+        elif verdict.advance_to is not None:
+            # The message used up its sequence slot without changing the state:
+            # advance last_seq so its successors are not parked forever.
+            advanced = (
+                type(order)
+                ._default_manager.filter(pk=order.pk, last_seq=order.last_seq, **unflagged)
+                .update(last_seq=verdict.advance_to)
+            )
+            if advanced != 1:
+                raise Conflict
+    return outcome
+
+
+def run(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    conditions: Mapping[str, Any],
+) -> Outcome:
+    """Call the model's own transition and commit it with one conditional UPDATE.
+
+    In the transaction that claimed the message. Raises Conflict when another
+    writer changed the order since it was read (the caller reads and decides
+    again); an exception from the body, a condition or a receiver propagates
+    and rolls the transaction back.
+    """
+    version: int = order.version
+    ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+    if not commit(order, ran, version, conditions):
+        raise Conflict
+    result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+    transition_written(order, verdict.transition, result, fsm_sent=True)
+    if ran.error is None:
+        return Outcome.APPLIED
+    # fsm-2's on_error: the body raised and the order moved to the error state,
+    # which is committed, as fsm-2 and a save() would. The message is kept as
+    # rejected, with what was raised.
+    reason = (
+        f"{verdict.transition} raised {describe(ran.error)}; "
+        f"the order moved to its on_error state {ran.target}"
+    )
+    ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id).update(
+        outcome=Outcome.REJECTED,
+        status=InboxStatus.REJECTED,
+        error=reason,
+        body=serialise(envelope.as_dict()),
+    )
+    logger.warning(
+        "message %s (%s): %s",
+        envelope.message_id,
+        consumer,
+        reason,
+        extra={"message_id": envelope.message_id, "order_id": order.pk},
+    )
+    return Outcome.REJECTED
+
+
+def claim_and_apply_one(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    unflagged: dict[str, Any],
+) -> Outcome:
+    """The common case on PostgreSQL: the inbox row and the transition in one statement.
+
+    Taken only outside a caller's transaction and when nothing else must be
+    written in the transition's transaction (no follow-up, no fsm-2 receiver).
+    """
+    model = type(order)
+    e = edge(model, verdict.transition)
+    values = written_values(model, verdict.values)
+    conditions = dict(unflagged)
+    if envelope.seq is not None:
+        conditions["last_seq"] = envelope.seq - 1
+    row = ProcessedMessage(
+        consumer=consumer,
+        message_id=envelope.message_id,
+        message_type=envelope.message_type,
+        status=verdict.inbox_status,
+        outcome=Outcome.APPLIED,
+        order_id=order.pk,
+        seq=envelope.seq,
+        fingerprint=envelope.fingerprint,
+    )
+    try:
+        claimed = claim_and_apply(
+            row,
+            order,
+            state_column=str(state_field(model).column),
+            sources=sorted(e.sources),
+            target=e.target,
+            version=order.version,
+            values=values,
+            conditions=conditions,
+        )
+    except ClaimConflict:
+        raise Conflict from None
+    if not claimed:
+        raise Duplicate
+    transition_written(order, e.name, advance(order, e.name, values))
+    return Outcome.APPLIED
+
+
+def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -> bool:
+    """Keep ``envelope`` until it can go ahead; False when its ``(order, seq)`` is taken."""
+    try:
+        with transaction.atomic():
+            ParkedMessage.objects.create(
+                consumer=consumer,
+                message_id=envelope.message_id,
+                order_id=order.pk,
+                seq=envelope.seq,
+                envelope=envelope.as_dict(),
+                reason=reason[:255],
+            )
+    except IntegrityError:
+        return False
+    return True

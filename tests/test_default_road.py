@@ -1,0 +1,128 @@
+"""The default road's round trips: the claim with the spent payment, the follow-up road's
+prepared statement, and the publisher batching a steady stream of ids."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.test.utils import CaptureQueriesContext, override_settings
+from django_fsm.signals import pre_transition
+
+from idempotent_orders import outbox
+from idempotent_orders.consuming import prepared
+from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.models import (
+    Order,
+    OrderStatus,
+    OutboxMessage,
+    Outcome,
+    ProcessedMessage,
+    SpentPayment,
+)
+from tests.support.messages import payment
+
+
+def _receiver(sender: Any, **kwargs: Any) -> None:
+    """A pre_transition receiver: the order's transition must be run by its own method."""
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db
+def test_the_read_decide_write_road_claims_and_spends_in_one_statement(make_order) -> None:
+    pre_transition.connect(_receiver, sender=Order)
+    try:
+        order, other = make_order(), make_order()
+        message = payment(order, payment_id=f"ch-{order.pk}")
+        with CaptureQueriesContext(connection) as queries:
+            assert consume_message(message, consumer="payments") is Outcome.APPLIED
+        spent_table = SpentPayment._meta.db_table
+        touching = [q["sql"] for q in queries if spent_table in q["sql"]]
+        assert len(touching) == 1, touching  # no separate spent-payment INSERT
+        assert ProcessedMessage._meta.db_table in touching[0]
+        assert list(SpentPayment.objects.values_list("payment_id", "order_id")) == [
+            (f"ch-{order.pk}", order.pk)
+        ]
+        # The same charge on another order: money to give back, the order untouched.
+        again = payment(other, payment_id=f"ch-{order.pk}")
+        assert consume_message(again, consumer="payments") is Outcome.REJECTED
+        row = ProcessedMessage.objects.get(consumer="payments", message_id=again["message_id"])
+        assert row.error.startswith(f"payment ch-{order.pk} already paid order {order.pk}")
+        other.refresh_from_db()
+        assert other.status == OrderStatus.PENDING_PAYMENT
+        # The same charge again for its own order, under a new message id: a duplicate.
+        repeat = payment(order, payment_id=f"ch-{order.pk}")
+        assert consume_message(repeat, consumer="payments") is Outcome.DUPLICATE
+        # The same message again: a duplicate, nothing written twice.
+        assert consume_message(message, consumer="payments") is Outcome.DUPLICATE
+        assert SpentPayment.objects.count() == 1
+    finally:
+        pre_transition.disconnect(_receiver, sender=Order)
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_the_follow_up_road_survives_a_session_that_lost_its_prepared_statement(
+    make_order,
+) -> None:
+    fulfil = {
+        **settings.IDEMPOTENT_ORDERS,
+        "FULFIL_AFTER_PAYMENT": True,
+        "OUTBOX_PUBLISH_ON_COMMIT": False,
+    }
+    with override_settings(IDEMPOTENT_ORDERS=fulfil):
+        orders = [make_order() for _ in range(4)]
+        # The first use runs plainly, the second prepares and executes.
+        for order in orders[:2]:
+            assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+        raw = connection.connection
+        done, _used, misses = prepared._prepared_on[raw]
+        assert done, "the follow-up road's statement was not prepared"
+        with connection.cursor() as cursor:
+            cursor.execute("DEALLOCATE ALL")  # as a pooler's other server session would be
+        # The EXECUTE fails in the transaction: rolled back, and the usual road applies it.
+        assert consume_message(payment(orders[2]), consumer="payments") is Outcome.APPLIED
+        assert misses == [1]
+        # Prepared again on the next message.
+        assert consume_message(payment(orders[3]), consumer="payments") is Outcome.APPLIED
+        assert done
+    for order in orders:
+        order.refresh_from_db()
+        assert order.status == OrderStatus.PAID
+        assert order.version == 1
+    assert ProcessedMessage.objects.filter(outcome=Outcome.APPLIED).count() == 4
+    # Exactly one fulfilment row per order, written with its payment.
+    assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == sorted(
+        f"fulfil-{o.pk}" for o in orders
+    )
+
+
+def test_the_publisher_batches_ids_that_keep_coming_after_a_batch() -> None:
+    class Recording(outbox.Publisher):
+        linger = 0.5
+
+    batches: list[list[int]] = []
+    done = threading.Event()
+
+    def publish(self: Any, batch: list[tuple[str, int, bool]]) -> bool:
+        batches.append([pk for _, pk, _ in batch])
+        done.set()
+        return True
+
+    publisher = Recording()
+    publisher._publish = publish.__get__(publisher)  # type: ignore[method-assign]
+    try:
+        publisher.submit("default", 1)  # idle: published at once, alone
+        assert done.wait(30)
+        assert publisher.flush(30)
+        for pk in range(2, 7):  # a steady stream, one id after another
+            publisher.submit("default", pk)
+            time.sleep(0.02)
+        assert publisher.flush(30)
+    finally:
+        publisher._stop()
+    assert batches == [[1], [2, 3, 4, 5, 6]]
