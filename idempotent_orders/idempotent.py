@@ -29,7 +29,7 @@ from idempotent_orders.exceptions import (
     MessageDead,
     PermanentFailure,
 )
-from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verification
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import message_dead
 
@@ -493,13 +493,13 @@ class ExternalCall(LeasedStep):
             raise
         self._local.result = _recorded(result)
 
-    def verify(self, lease: Lease) -> Verdict:
+    def verify(self, lease: Lease) -> Verification:
         if self.verifier is None:
-            return Verdict.UNKNOWN
+            return Verification.UNKNOWN
         found = self.verifier(lease.idempotency_key)
         if found is None:
-            return Verdict.UNKNOWN
-        return Verdict.DONE if found else Verdict.NOT_DONE
+            return Verification.UNKNOWN
+        return Verification.DONE if found else Verification.NOT_DONE
 
     def finish(self, lease: Lease) -> StepResult:
         performed = getattr(self._local, "lease", None) == (lease.pk, lease.attempt)
