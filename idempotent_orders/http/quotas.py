@@ -48,8 +48,9 @@ def forget_stale_bounds(*, now: Any = None) -> int:
 
 
 def raise_bound(conn: BaseDatabaseWrapper, principal: str) -> None:
-    """Count one more live key for ``principal`` (as stored: :func:`stored_principal`)
-    in its quota bound, if it has one (PostgreSQL).
+    """Count one more live key for ``principal`` in its quota bound, if it has one
+    (PostgreSQL); ``principal`` as stored
+    (:func:`~idempotent_orders.http.principals.stored_principal`).
 
     For keys inserted outside a claim (tokens), in their inserting transaction,
     which must hold the principal's claim lock (:func:`lock_principal`).
@@ -66,7 +67,8 @@ def raise_bound(conn: BaseDatabaseWrapper, principal: str) -> None:
 
 def lock_principal(conn: BaseDatabaseWrapper, principal: str) -> None:
     """Serialize with ``principal``'s claims until the transaction ends (PostgreSQL);
-    ``principal`` as stored (:func:`stored_principal`)."""
+    ``principal`` as stored (:func:`~idempotent_orders.http.principals.stored_principal`).
+    """
     if conn.vendor == "postgresql":
         with conn.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [lock_id(principal)])
