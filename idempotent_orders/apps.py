@@ -11,7 +11,7 @@ class IdempotentOrdersConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from idempotent_orders import checks, metrics_checks, receivers  # noqa: F401
+        from idempotent_orders import checks, receivers  # noqa: F401
         from idempotent_orders.observability import connect
 
         connect()  # Prometheus metrics, when prometheus-client is installed

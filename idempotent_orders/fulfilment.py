@@ -31,7 +31,7 @@ from idempotent_orders.consuming.graph import (
 )
 from idempotent_orders.consuming.running import apply_transition
 from idempotent_orders.consuming.single import release_parked
-from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verification
 from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
 
 __all__ = [
@@ -92,17 +92,17 @@ class Verifier(ABC):
     """Tells the reconciler whether a stalled fulfilment reached the warehouse."""
 
     @abstractmethod
-    def verify(self, lease: Lease) -> Verdict: ...
+    def verify(self, lease: Lease) -> Verification: ...
 
 
 class ClientVerifier(Verifier):
     """Asks the configured warehouse client's :meth:`~WarehouseClient.lookup`."""
 
-    def verify(self, lease: Lease) -> Verdict:
+    def verify(self, lease: Lease) -> Verification:
         found = get_client().lookup(lease.idempotency_key)
         if found is None:
-            return Verdict.UNKNOWN
-        return Verdict.DONE if found else Verdict.NOT_DONE
+            return Verification.UNKNOWN
+        return Verification.DONE if found else Verification.NOT_DONE
 
 
 def get_client() -> WarehouseClient:
@@ -126,7 +126,7 @@ class FulfilmentStep(LeasedStep):
         order = get_order_model()._default_manager.get(pk=_order_id(lease))
         get_client().reserve(order, idempotency_key=lease.idempotency_key)
 
-    def verify(self, lease: Lease) -> Verdict:
+    def verify(self, lease: Lease) -> Verification:
         return get_verifier().verify(lease)
 
     def finish(self, lease: Lease) -> StepResult:

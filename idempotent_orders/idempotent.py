@@ -1,4 +1,10 @@
-"""``@idempotent``: run any function or Celery task once per message key, via the inbox."""
+"""``@idempotent``: run any function or Celery task once per message key, via the inbox.
+
+A failed run is counted, made dead and requeued by
+:mod:`idempotent_orders.idempotent_failures` (:func:`requeue_inbox` and
+:func:`inbox_stats` are re-exported here, their public path); an
+``external=True`` call runs as the leased step :class:`ExternalCall`.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,13 @@ import inspect
 import json
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar, overload
 
 from celery import Task, current_app
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import IntegrityError, OperationalError, router, transaction
-from django.db.models import Count, F, Q
+from django.db import IntegrityError, transaction
+from django.db.models import F
 from django.utils import timezone
 
 from idempotent_orders import leases
@@ -29,9 +34,9 @@ from idempotent_orders.exceptions import (
     MessageDead,
     PermanentFailure,
 )
-from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
+from idempotent_orders.idempotent_failures import inbox_stats, record_failure, requeue_inbox
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verification
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
-from idempotent_orders.signals import message_dead
 
 __all__ = [
     "ExternalCall",
@@ -223,7 +228,7 @@ def idempotent(
                     # not run, so no attempt is counted; the delivery is retried as is.
                     raise
                 limit = conf.IDEMPOTENT_MAX_ATTEMPTS if max_attempts is None else max_attempts
-                if _record_failure(
+                if record_failure(
                     name,
                     message_id,
                     exc,
@@ -283,174 +288,6 @@ def _claim(name: str, message_id: str, using: str | None) -> ProcessedMessage | 
     return row
 
 
-def _record_failure(
-    name: str,
-    message_id: str,
-    exc: Exception,
-    *,
-    permanent: bool,
-    limit: int,
-    using: str | None,
-) -> bool:
-    """Count a failed run on the inbox row (the run's own write rolled back); True if dead.
-
-    Never raises: when the failure cannot be recorded (the database is down) it
-    is logged and the run's exception goes on as before.
-    """
-    error = f"{type(exc).__name__}: {exc}"[:2000]
-    # Concurrent recorders of one key can deadlock (MySQL's gap locks); try again,
-    # unless a caller's transaction is open (the deadlock rolled it back).
-    tries = 1 if transaction.get_connection(using).in_atomic_block else 5
-    try:
-        for attempt in range(1, tries + 1):
-            try:
-                return _count_failure(
-                    name, message_id, error, permanent=permanent, limit=limit, using=using
-                )
-            except OperationalError:
-                if attempt == tries:
-                    raise
-                time.sleep(0.01 * attempt)
-        return False  # pragma: no cover - the loop returns or raises
-    except Exception:
-        logger.exception(
-            "%s: could not record the failure of %s",
-            name,
-            message_id,
-            extra={"message_id": message_id},
-        )
-        return False
-
-
-def _count_failure(
-    name: str, message_id: str, error: str, *, permanent: bool, limit: int, using: str | None
-) -> bool:
-    rows = ProcessedMessage.objects.using(using)
-    now = timezone.now()
-    with transaction.atomic(using=using):
-        row = (
-            rows.select_for_update()
-            .filter(consumer=name, message_id=message_id)
-            .values_list("pk", "status", "attempts")
-            .first()
-        )
-        if row is not None and row[1] != InboxStatus.PROCESSING:
-            # Finished (or dead) by another delivery meanwhile.
-            return bool(row[1] == InboxStatus.DEAD)
-        attempts = 1 if row is None else row[2] + 1
-        dead = permanent or attempts >= limit
-        values: dict[str, Any] = {
-            "status": InboxStatus.DEAD if dead else InboxStatus.PROCESSING,
-            "attempts": attempts,
-            "error": error,
-            "dead_at": now if dead else None,
-            "lease_expires_at": None,
-        }
-        if row is None:
-            try:
-                with transaction.atomic(using=using):
-                    rows.create(consumer=name, message_id=message_id, **values)
-            except IntegrityError:  # another delivery's failure got there first
-                return _count_failure(
-                    name, message_id, error, permanent=permanent, limit=limit, using=using
-                )
-        else:
-            rows.filter(pk=row[0]).update(**values, updated_at=now)
-        if dead:
-            transaction.on_commit(
-                functools.partial(_died, name, message_id, attempts, error, permanent),
-                using=using,
-            )
-        else:
-            logger.warning(
-                "%s: run %d of %s failed (of %d before it is dead): %s",
-                name,
-                attempts,
-                message_id,
-                limit,
-                error,
-                extra={"message_id": message_id},
-            )
-    return dead
-
-
-def _died(name: str, message_id: str, attempts: int, error: str, permanent: bool) -> None:
-    logger.error(
-        "%s: %s is dead after %d run(s)%s: %s",
-        name,
-        message_id,
-        attempts,
-        " (permanent failure)" if permanent else "",
-        error,
-        extra={"message_id": message_id},
-    )
-    message_dead.send(
-        sender=ProcessedMessage,
-        consumer=name,
-        message_id=message_id,
-        attempts=attempts,
-        error=error,
-    )
-
-
-def requeue_inbox(
-    *,
-    consumer: str | None = None,
-    message_ids: Iterable[str] | None = None,
-    ids: Iterable[int] | None = None,
-    dry_run: bool = False,
-    using: str | None = None,
-) -> int:
-    """Put dead ``@idempotent`` rows back to ``processing`` with no attempts; returns how many.
-
-    The next delivery of the message runs the work again (the row holds no
-    arguments to run it with: deliver the message again, e.g. requeue its
-    dead outbox row or ``apply_async(..., task_id=message_id)``). Without a
-    filter every dead row is requeued; ``consumer``, ``message_ids`` and ``ids``
-    narrow it down (together: rows matching all). Only dead rows change, and
-    ``error`` is kept as the record of why it died. ``dry_run`` counts and
-    changes nothing.
-    """
-    db = using or router.db_for_write(ProcessedMessage)
-    rows = ProcessedMessage.objects.using(db).filter(status=InboxStatus.DEAD)
-    if consumer is not None:
-        rows = rows.filter(consumer=consumer)
-    if message_ids is not None:
-        rows = rows.filter(message_id__in=list(message_ids))
-    if ids is not None:
-        rows = rows.filter(pk__in=list(ids))
-    if dry_run:
-        return rows.count()
-    return rows.update(
-        status=InboxStatus.PROCESSING,
-        attempts=0,
-        dead_at=None,
-        lease_expires_at=None,
-        updated_at=timezone.now(),
-    )
-
-
-def inbox_stats(*, using: str | None = None) -> dict[str, int]:
-    """Counters for dashboards: dead ``@idempotent`` rows, and rows whose last run failed
-    and that wait for their next delivery (``failing``: ``processing`` without a lease).
-    """
-    db = using or router.db_for_write(ProcessedMessage)
-    counts = dict(
-        ProcessedMessage.objects.using(db)
-        .filter(
-            Q(status=InboxStatus.DEAD)
-            | Q(status=InboxStatus.PROCESSING, lease_expires_at__isnull=True)
-        )
-        .values_list("status")
-        .annotate(n=Count("id"))
-        .order_by()
-    )
-    return {
-        "dead": counts.get(InboxStatus.DEAD, 0),
-        "failing": counts.get(InboxStatus.PROCESSING, 0),
-    }
-
-
 class ExternalCall(LeasedStep):
     """The leased step behind ``@idempotent(external=True)``, one per consumer.
 
@@ -493,13 +330,13 @@ class ExternalCall(LeasedStep):
             raise
         self._local.result = _recorded(result)
 
-    def verify(self, lease: Lease) -> Verdict:
+    def verify(self, lease: Lease) -> Verification:
         if self.verifier is None:
-            return Verdict.UNKNOWN
+            return Verification.UNKNOWN
         found = self.verifier(lease.idempotency_key)
         if found is None:
-            return Verdict.UNKNOWN
-        return Verdict.DONE if found else Verdict.NOT_DONE
+            return Verification.UNKNOWN
+        return Verification.DONE if found else Verification.NOT_DONE
 
     def finish(self, lease: Lease) -> StepResult:
         performed = getattr(self._local, "lease", None) == (lease.pk, lease.attempt)

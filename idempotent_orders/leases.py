@@ -41,17 +41,18 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
+from idempotent_orders._moved import moved
 from idempotent_orders.conf import conf
 from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import lease_finished
 
 __all__ = [
-    "Claim",
+    "ClaimOutcome",
     "ClaimState",
     "Lease",
     "LeasedStep",
     "StepResult",
-    "Verdict",
+    "Verification",
     "claim",
     "complete",
     "expired",
@@ -110,7 +111,7 @@ class Lease:
 
 
 class ClaimState(enum.Enum):
-    #: The lease is yours (``Claim.lease`` is set).
+    #: The lease is yours (``ClaimOutcome.lease`` is set).
     CLAIMED = "claimed"
     #: The row is final already (done or rejected): nothing to do.
     DONE = "done"
@@ -121,7 +122,9 @@ class ClaimState(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Claim:
+class ClaimOutcome:
+    """What :func:`claim` got: its state, the lease when ``CLAIMED``, and the inbox row."""
+
     state: ClaimState
     lease: Lease | None = None
     row: ProcessedMessage | None = None
@@ -156,7 +159,7 @@ def claim(
     ttl: float | None = None,
     allow_takeover: bool = True,
     body: str = "",
-) -> Claim:
+) -> ClaimOutcome:
     """Claim ``(consumer, message_id)`` for leased work; never blocks.
 
     Inserts the inbox row as ``processing``. When the row exists: a final row
@@ -187,19 +190,19 @@ def claim(
     else:
         lease = _lease_for(row, resumed=False)
         logger.info("claimed %s (%s)", message_id, consumer, extra=lease.log_extra())
-        return Claim(ClaimState.CLAIMED, lease, row)
+        return ClaimOutcome(ClaimState.CLAIMED, lease, row)
 
     row = ProcessedMessage.objects.get(consumer=consumer, message_id=message_id)
     if row.status == InboxStatus.FAILED:
-        return Claim(ClaimState.FAILED, row=row)
+        return ClaimOutcome(ClaimState.FAILED, row=row)
     if row.status != InboxStatus.PROCESSING:
-        return Claim(ClaimState.DONE, row=row)
+        return ClaimOutcome(ClaimState.DONE, row=row)
     if not allow_takeover:
-        return Claim(ClaimState.BUSY, row=row)
+        return ClaimOutcome(ClaimState.BUSY, row=row)
     taken = takeover(row, ttl=ttl)
     if taken is None:
-        return Claim(ClaimState.BUSY, row=row)
-    return Claim(ClaimState.CLAIMED, taken, row)
+        return ClaimOutcome(ClaimState.BUSY, row=row)
+    return ClaimOutcome(ClaimState.CLAIMED, taken, row)
 
 
 def takeover(
@@ -353,8 +356,11 @@ def expired(*, now: datetime | None = None) -> QuerySet[ProcessedMessage]:
     ).order_by("lease_expires_at", "pk")
 
 
-class Verdict(enum.Enum):
-    """What a verifier found out about a leased effect."""
+class Verification(enum.Enum):
+    """What :meth:`LeasedStep.verify` found out about a leased effect.
+
+    (Formerly ``Verdict``; ``consuming.decision.Verdict`` is the consume road's.)
+    """
 
     #: The other system has the effect: complete without calling it again.
     DONE = "done"
@@ -387,7 +393,7 @@ class LeasedStep(ABC):
         """Cause the effect in the other system with ``lease.idempotency_key``; raise on failure."""
 
     @abstractmethod
-    def verify(self, lease: Lease) -> Verdict:
+    def verify(self, lease: Lease) -> Verification:
         """Ask the other system whether the effect of ``lease`` happened."""
 
     @abstractmethod
@@ -431,15 +437,15 @@ def run_step(step: LeasedStep, lease: Lease, *, via: str = "worker") -> StepResu
     """
     if lease.resumed:
         try:
-            verdict = step.verify(lease)
+            found = step.verify(lease)
         except Exception as exc:
             logger.warning("verification failed: %r", exc, extra=lease.log_extra())
-            verdict = Verdict.UNKNOWN
-        if verdict is Verdict.UNKNOWN:
+            found = Verification.UNKNOWN
+        if found is Verification.UNKNOWN:
             release(lease, error="the effect could not be verified")
             _announce(lease, StepResult.RETRY, via)
             return StepResult.RETRY
-        if verdict is Verdict.DONE:
+        if found is Verification.DONE:
             result = step.finish(lease)
             _announce(lease, result, via)
             return result
@@ -460,3 +466,12 @@ def run_step(step: LeasedStep, lease: Lease, *, via: str = "worker") -> StepResu
     result = step.finish(lease)
     _announce(lease, result, via)
     return result
+
+
+__getattr__ = moved(
+    __name__,
+    renamed={
+        "Claim": "idempotent_orders.leases.ClaimOutcome",
+        "Verdict": "idempotent_orders.leases.Verification",
+    },
+)

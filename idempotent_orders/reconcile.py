@@ -180,7 +180,7 @@ def complete_if_verified(pk: int, *, via: str = "admin") -> StepResult:
     lease = leases.takeover(row, force=True)
     if lease is None:
         return StepResult.SKIPPED
-    if step.verify(lease) is not leases.Verdict.DONE:
+    if step.verify(lease) is not leases.Verification.DONE:
         leases.release(lease, error="an operator asked to complete it; the effect is not verified")
         return StepResult.RETRY
     return step.finish(lease)

@@ -93,9 +93,46 @@ def test_one_rule_holds_every_positive_setting(name: str) -> None:
     ]
 
 
+#: The app's registered checks, by module of the checks package, with their tags.
+REGISTERED = {
+    ("configuration", "check_settings", ("compatibility",)),
+    ("configuration", "check_setting_values", ("compatibility",)),
+    ("delivery", "check_celery_tasks", ("compatibility",)),
+    ("delivery", "check_dedup", ("caches", "compatibility")),
+    ("delivery", "check_mysql_isolation", ("database",)),
+    ("delivery", "check_outbox_and_locks", ("caches", "compatibility")),
+    ("delivery", "check_redis_layer", ("caches",)),
+    ("delivery", "check_retention", ("compatibility",)),
+    ("delivery", "check_webhooks", ("compatibility",)),
+    ("http", "check_http_settings", ("compatibility",)),
+    ("metrics", "check_metrics_access", ("security",)),
+    ("order_model", "check_order_model", ("models",)),
+    ("order_model", "check_order_model_history", ("database",)),
+    ("order_model", "check_payment_timeout", ("models",)),
+}
+
+
+def test_every_check_is_registered_once_from_its_module() -> None:
+    from django.core.checks.registry import registry
+
+    found = [
+        (f.__module__.rpartition(".")[2], f.__name__, tuple(sorted(f.tags)))
+        for f in registry.get_checks(include_deployment_checks=True)
+        if f.__module__.startswith("idempotent_orders.")
+    ]
+    assert sorted(found) == sorted(REGISTERED)
+    # Importing the package again (as a project's own code may) registers nothing more.
+    import importlib
+
+    importlib.import_module("idempotent_orders.checks")
+    assert len(
+        [f for f in registry.get_checks(True) if f.__module__.startswith("idempotent_orders.")]
+    ) == len(REGISTERED)
+
+
 def test_no_other_check_says_must_be_positive() -> None:
-    # One rule, one ID: the "must be positive" message lives in one place in checks.py.
-    source = (ROOT / "idempotent_orders" / "checks.py").read_text()
+    # One rule, one ID: the "must be positive" message lives in one place in checks/.
+    source = "\n".join(p.read_text() for p in (ROOT / "idempotent_orders" / "checks").glob("*.py"))
     assert source.count("must be positive") == 1
 
 

@@ -14,7 +14,7 @@ from demo_project.models import WarehouseRequest
 from idempotent_orders import reconcile
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import Verifier, fulfil, fulfilment_message_id
-from idempotent_orders.leases import Lease, StepResult, Verdict
+from idempotent_orders.leases import Lease, StepResult, Verification
 from idempotent_orders.models import InboxStatus, Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import lease_finished, message_reconciled
 from tests.support.messages import payment, shipment
@@ -156,8 +156,8 @@ def test_order_refunded_meanwhile_is_failed_with_a_reason(paid) -> None:
 
 
 class UnknownVerifier(Verifier):
-    def verify(self, lease: Lease) -> Verdict:
-        return Verdict.UNKNOWN
+    def verify(self, lease: Lease) -> Verification:
+        return Verification.UNKNOWN
 
 
 def test_unknown_verdict_is_a_stall_without_a_call(paid) -> None:

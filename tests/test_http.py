@@ -645,20 +645,20 @@ def test_a_live_lease_is_never_expired_by_the_key_ttl(alice: Any, flavour: str) 
 
 
 def test_heartbeat_keeps_the_key_alive_past_its_ttl(alice: Any, settings: Any) -> None:
-    from idempotent_orders.http.keys import Claim, renew
+    from idempotent_orders.http.keys import KeyClaim, renew
 
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
     in_flight_counter_key(alice, "", "long", owner="running", lease=timedelta(seconds=1))
     row = IdempotencyKey.objects.get()
     IdempotencyKey.objects.update(expires_at=timezone.now() + timedelta(seconds=2))
-    renew(Claim(row, "running"))
+    renew(KeyClaim(row, "running"))
     row.refresh_from_db()
     assert row.lease_expires_at > timezone.now() + timedelta(seconds=20)
     assert row.expires_at >= row.lease_expires_at
     # Another holder's beat changes nothing.
     before = (row.lease_expires_at, row.expires_at)
     IdempotencyKey.objects.update(lease_owner="someone-else")
-    renew(Claim(row, "running"))
+    renew(KeyClaim(row, "running"))
     row.refresh_from_db()
     assert (row.lease_expires_at, row.expires_at) == before
 
@@ -668,14 +668,14 @@ def test_the_heartbeat_thread_is_woken_only_for_a_beat_due_before_it_wakes(
 ) -> None:
     import time
 
-    from idempotent_orders.http import claims
+    from idempotent_orders.http import claims, lease
 
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
-    beater = claims._Beater()
+    beater = lease._Beater()
     notified: list[int] = []
     notify = beater.cond.notify
     monkeypatch.setattr(beater.cond, "notify", lambda: (notified.append(1), notify()))
-    held = claims.Claim(IdempotencyKey(pk=1), "owner")
+    held = claims.KeyClaim(IdempotencyKey(pk=1), "owner")
     first = beater.add(held)  # starts the thread
     assert beater.thread is not None
     assert beater.thread.is_alive()
@@ -1083,14 +1083,14 @@ def test_the_claim_runs_prepared_statements_and_prepares_them_again_when_lost(
         assert cursor.fetchone()[0] == 3
     assert IdempotencyKey.objects.filter(state=KeyState.COMPLETED).count() == 3
     # Already prepared on the server (a pooler handed over a used connection).
-    from idempotent_orders.http import claims
+    from idempotent_orders.http import claim_sql
 
-    prepared = claims._prepared_sql[connection.alias]
+    prepared = claim_sql._prepared_sql[connection.alias]
     assert all(name.startswith("idempotent_orders_claim_") for name in prepared.names)
     with connection.cursor() as cursor:
         cursor.execute("DEALLOCATE ALL")
         cursor.execute(prepared.prepares[1])
-    claims._prepared_on.discard(connection.connection)
+    claim_sql._prepared_on.discard(connection.connection)
     fourth = post(client, "/api/orders/", basket("p-4"), key="p-4")
     assert fourth.status_code == 201
     assert post(client, "/api/orders/", basket("p-4"), key="p-4").content == fourth.content

@@ -19,7 +19,7 @@ from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 
-from idempotent_orders.http import claims
+from idempotent_orders.http import claim_sql, quotas
 from idempotent_orders.http.keys import forget_stale_bounds, purge_expired, scope_of
 from idempotent_orders.http.tokens import issue_token
 from idempotent_orders.models import IdempotencyKey, KeyQuota, KeyState
@@ -135,9 +135,9 @@ def test_the_keys_are_counted_only_when_the_bound_has_reached_the_quota(alice: A
             "lease_expires_at": now,
             "expires_at": now + timedelta(hours=1),
         }
-        values = claims._claim_params(connection, fields, now)
+        values = claim_sql._claim_params(connection, fields, now)
         values["quota"] = quota
-        sql, params = claims._joined((claims._claim_texts(connection).insert,), values)
+        sql, params = claim_sql._joined((claim_sql._claim_texts(connection).insert,), values)
         with connection.cursor() as cursor:
             cursor.execute(f"EXPLAIN (ANALYZE, COSTS OFF) {sql}", params)
             plan = [line for (line,) in cursor.fetchall() if "CTE Scan on live" in line]
@@ -197,6 +197,6 @@ def test_a_token_is_issued_under_the_principals_claim_lock(alice: Any) -> None:
         )
         with other:
             taken = other.execute(
-                "SELECT pg_try_advisory_lock(%s)", [claims._lock_id(principal)]
+                "SELECT pg_try_advisory_lock(%s)", [quotas.lock_id(principal)]
             ).fetchone()
     assert taken == (False,)

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from idempotent_orders import leases
-from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verdict
+from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verification
 from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
 
 pytestmark = pytest.mark.django_db
@@ -21,7 +21,7 @@ def expire(lease: Lease) -> None:
     )
 
 
-def claim(message_id: str = "m1", token: int = 3, **kwargs) -> leases.Claim:
+def claim(message_id: str = "m1", token: int = 3, **kwargs) -> leases.ClaimOutcome:
     return leases.claim(consumer="effects", message_id=message_id, token=token, **kwargs)
 
 
@@ -109,7 +109,7 @@ def test_heartbeating_extends_the_lease_and_reports_a_lost_one() -> None:
 class RecordingStep(LeasedStep):
     consumer = "effects"
 
-    def __init__(self, verdict: Verdict = Verdict.NOT_DONE, fail: bool = False) -> None:
+    def __init__(self, verdict: Verification = Verification.NOT_DONE, fail: bool = False) -> None:
         self.verdict = verdict
         self.fail = fail
         self.performed: list[str] = []
@@ -119,7 +119,7 @@ class RecordingStep(LeasedStep):
         if self.fail:
             raise RuntimeError("boom")
 
-    def verify(self, lease: Lease) -> Verdict:
+    def verify(self, lease: Lease) -> Verification:
         return self.verdict
 
     def finish(self, lease: Lease) -> StepResult:
@@ -129,9 +129,9 @@ class RecordingStep(LeasedStep):
 @pytest.mark.parametrize(
     ("verdict", "performed", "result"),
     [
-        (Verdict.DONE, 0, StepResult.COMPLETED),
-        (Verdict.NOT_DONE, 1, StepResult.COMPLETED),
-        (Verdict.UNKNOWN, 0, StepResult.RETRY),
+        (Verification.DONE, 0, StepResult.COMPLETED),
+        (Verification.NOT_DONE, 1, StepResult.COMPLETED),
+        (Verification.UNKNOWN, 0, StepResult.RETRY),
     ],
 )
 def test_a_resumed_lease_is_verified_before_acting(verdict, performed, result) -> None:

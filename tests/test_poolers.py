@@ -20,7 +20,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import Client, override_settings
 from django.urls import path
 
-from idempotent_orders.http import claims, idempotent_view
+from idempotent_orders.http import claim_sql, idempotent_view
 from idempotent_orders.models import IdempotencyKey
 from tests.support.pgbouncer import pgbouncer
 
@@ -128,7 +128,7 @@ def storm(threads: int, requests: int, shared: int) -> Storm:
             start.wait(60)
             for _ in range(requests - 1):
                 one(web, rng)
-            missed = claims._misses.get(connections[DEFAULT_DB_ALIAS].connection, 0)
+            missed = claim_sql._misses.get(connections[DEFAULT_DB_ALIAS].connection, 0)
             with guard:
                 found.misses += missed
         except Exception as exc:  # every error is the test's finding
@@ -207,7 +207,9 @@ def test_a_session_that_lost_or_already_has_the_statements_claims_all_the_same()
         def claimed(key: str) -> None:
             status = claim(web, key)
             raw = db.connection
-            outcomes.append((status, raw in claims._prepared_on, raw in claims._shared_sessions))
+            outcomes.append(
+                (status, raw in claim_sql._prepared_on, raw in claim_sql._shared_sessions)
+            )
 
         try:
             claimed("lost-0")  # prepared by the query that runs it
@@ -216,7 +218,7 @@ def test_a_session_that_lost_or_already_has_the_statements_claims_all_the_same()
             # prepared, or an earlier query of its own that failed after its PREPAREs).
             db.ensure_connection()
             with db.cursor() as cursor:
-                cursor.execute("; ".join(claims._prepared_sql[DEFAULT_DB_ALIAS].prepares))
+                cursor.execute("; ".join(claim_sql._prepared_sql[DEFAULT_DB_ALIAS].prepares))
             claimed("lost-1")
             for n in range(2, 8, 2):
                 with db.cursor() as cursor:

@@ -165,6 +165,66 @@ def test_forms_build_on_the_decorators() -> None:
     assert "idempotent_orders.http.forms" not in graph["idempotent_orders.http.decorators"]
 
 
+HTTP = "idempotent_orders.http"
+#: Which module of ``http/`` may import which: the key's steps one concept to a module
+#: (header, principals, quotas, lease, claim_sql, claims, replay), the decorators
+#: running them around a view above them, and the public paths (``keys``, the
+#: package) on top. A new module of ``http/`` gets its row here.
+HTTP_IMPORTS: dict[str, set[str]] = {
+    "header": set(),
+    "principals": {"header"},
+    "quotas": set(),
+    "lease": set(),
+    "claim_sql": {"quotas"},
+    "claims": {"header", "principals", "quotas", "lease", "claim_sql"},
+    "replay": set(),
+    "tokens": {"header", "principals", "quotas"},
+    "problems": set(),
+    "decorators": {"header", "principals", "lease", "claims", "replay", "problems"},
+    "forms": {"decorators", "header", "replay"},
+    "schema": set(),
+    "views": {"decorators", "header", "principals", "problems", "schema", "tokens"},
+    "middleware": {"problems"},
+    "urls": {"views"},
+    "drf": set(),
+    "keys": {
+        "header",
+        "principals",
+        "quotas",
+        "lease",
+        "claims",
+        "replay",
+        "decorators",
+    },
+    "": {"decorators", "forms"},
+}
+
+
+def test_the_http_modules_import_only_the_ones_below_them() -> None:
+    graph = import_graph(ROOT, "idempotent_orders")
+    modules = {m.removeprefix(HTTP).removeprefix(".") for m in graph if m.startswith(HTTP)}
+    assert modules == set(HTTP_IMPORTS), "HTTP_IMPORTS names every module of http/"
+    wrong = {}
+    for name, allowed in HTTP_IMPORTS.items():
+        module = f"{HTTP}.{name}" if name else HTTP
+        inside = {
+            d.removeprefix(HTTP).removeprefix(".") for d in graph[module] if d.startswith(HTTP)
+        }
+        if inside - allowed:
+            wrong[module] = sorted(inside - allowed)
+    assert wrong == {}
+
+
+def test_the_key_steps_stay_small() -> None:
+    # One concept to a module: a step module past 600 lines holds two.
+    long = {
+        name: lines
+        for name in HTTP_IMPORTS
+        if name and (lines := len((PACKAGE / "http" / f"{name}.py").read_text().splitlines())) > 600
+    }
+    assert long == {}
+
+
 def test_error_codes_are_kebab_case() -> None:
     def subclasses(cls: type) -> list[type]:
         return [cls, *(s for sub in cls.__subclasses__() for s in subclasses(sub))]
@@ -350,3 +410,32 @@ def test_the_admin_package_goes_down_its_layers() -> None:
     assert wrong == {}
     # Django's autodiscovery imports the package: it must import every module (registration).
     assert graph[ADMIN] == modules
+
+
+def test_the_renamed_and_moved_names_answer_at_their_old_paths_with_a_warning() -> None:
+    import importlib
+    import warnings
+
+    from idempotent_orders.http.claims import KeyClaim
+    from idempotent_orders.http.header import parse_key
+    from idempotent_orders.http.lease import heartbeat
+    from idempotent_orders.http.quotas import lock_principal
+    from idempotent_orders.leases import ClaimOutcome, Verification
+
+    for old, name, new in [
+        ("leases", "Claim", ClaimOutcome),
+        ("leases", "Verdict", Verification),
+        ("http.keys", "Claim", KeyClaim),
+        ("http.claims", "Claim", KeyClaim),
+        ("http.claims", "parse_key", parse_key),
+        ("http.claims", "heartbeat", heartbeat),
+        ("http.claims", "lock_principal", lock_principal),
+    ]:
+        module = importlib.import_module(f"idempotent_orders.{old}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(module, name) is new
+        assert [w.category for w in caught] == [DeprecationWarning], (old, name)
+        assert "removed in 0.4.0" in str(caught[0].message)
+    with pytest.raises(AttributeError):
+        importlib.import_module("idempotent_orders.http.keys").NoSuchName  # noqa: B018

@@ -3,7 +3,7 @@
 A page asks for a generated part with a marker line:
 
 - ``<!-- gen:settings -->``: the settings table, from ``idempotent_orders/conf.py``;
-- ``<!-- gen:checks -->``: the system check table, from ``idempotent_orders/checks.py``;
+- ``<!-- gen:checks -->``: the system check table, from ``idempotent_orders/checks/``;
 - ``<!-- gen:graph app_label.Model -->``: the model's state graph as Mermaid, by the
   ``idempotent_orders_graph`` management command's own function;
 - ``<!-- gen:commands -->``: the app's management commands with their help text.

@@ -1,4 +1,4 @@
-"""Reference tables generated from the source: settings (conf.py) and system checks (checks.py).
+"""Reference tables generated from the source: settings (conf.py) and system checks (checks/).
 
 A setting's type is its ``Settings`` property's return annotation, the type the
 system check E003 holds a configured value to.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "idempotent_orders" / "conf.py"
-CHECKS = ROOT / "idempotent_orders" / "checks.py"
+CHECKS = ROOT / "idempotent_orders" / "checks"
 CHECK_PREFIX = "idempotent_orders."
 
 
@@ -142,11 +142,25 @@ def _text(node: ast.expr | None, source: str) -> str:
     return OPEN + (ast.get_source_segment(source, node) or "…") + CLOSE
 
 
+def check_sources(path: Path = CHECKS) -> list[Path]:
+    """The modules of the checks package ``path`` (or the one module ``path``), in name order."""
+    return sorted(path.glob("*.py")) if path.is_dir() else [path]
+
+
 def checks_docs(path: Path = CHECKS) -> list[CheckDoc]:
-    """Every ``Error``/``Warning`` with a literal ``id="idempotent_orders.…"``, sorted by ID."""
-    source = path.read_text()
-    tree = ast.parse(source)
+    """Every ``Error``/``Warning`` with a literal ``id="idempotent_orders.…"``, sorted by ID.
+
+    ``path`` is the checks package (each of its modules read) or one module.
+    """
     docs: dict[str, CheckDoc] = {}
+    for module in check_sources(path):
+        _module_checks(module.read_text(), docs)
+    return sorted(docs.values(), key=lambda d: (d.id[1:], d.id[0]))
+
+
+def _module_checks(source: str, docs: dict[str, CheckDoc]) -> None:
+    """Add the checks of one module's ``source`` to ``docs`` (an ID already there is kept)."""
+    tree = ast.parse(source)
     for func in ast.walk(tree):
         if not isinstance(func, ast.FunctionDef):
             continue
@@ -171,7 +185,6 @@ def checks_docs(path: Path = CHECKS) -> list[CheckDoc]:
                 hint=_text(kwargs.get("hint"), source),
                 function=func.name,
             )
-    return sorted(docs.values(), key=lambda d: (d.id[1:], d.id[0]))
 
 
 def _cell(text: str) -> str:

@@ -1,7 +1,8 @@
 """``@idempotent_view`` and :class:`IdempotentMixin`: the key's steps around a view, sync or async.
 
-The steps themselves (parse, claim, lease, store, replay) are in
-:mod:`idempotent_orders.http.claims`. Around a view they run in this order:
+The steps themselves are in their own modules: parse (:mod:`~idempotent_orders.http.header`),
+claim (:mod:`~idempotent_orders.http.claims`), lease (:mod:`~idempotent_orders.http.lease`),
+store and replay (:mod:`~idempotent_orders.http.replay`). Around a view they run in this order:
 :func:`_begin` (key, principal, fingerprint, claim: answered at once for a
 replay or an error), the view under the heartbeat, then the stored response.
 A sync view and an async view share these functions; an async view is awaited
@@ -34,23 +35,19 @@ from idempotent_orders.exceptions import (
     NotAuthenticated,
     SessionRequired,
 )
-from idempotent_orders.http.claims import (
+from idempotent_orders.http.claims import KeyClaim, claim, release
+from idempotent_orders.http.header import (
     HEADER,
     UNSAFE_METHODS,
-    Claim,
     check_length,
-    claim,
     fingerprint,
-    get_principal,
     header_key,
-    heartbeat,
     read_body,
-    release,
-    replay,
-    scope_of,
-    store,
 )
+from idempotent_orders.http.lease import heartbeat
+from idempotent_orders.http.principals import get_principal, scope_of
 from idempotent_orders.http.problems import problem_from, problem_response
+from idempotent_orders.http.replay import replay, store
 from idempotent_orders.models import IdempotencyKey, KeyState
 from idempotent_orders.signals import idempotent_request
 
@@ -111,7 +108,7 @@ class _Start:
 
     key: str | None = None
     answer: HttpResponseBase | None = None
-    held: Claim | None = None
+    held: KeyClaim | None = None
 
 
 def _begin(request: HttpRequest, policy: Policy, key_of: KeyOf) -> _Start:
@@ -237,7 +234,7 @@ def _rendered(response: HttpResponseBase) -> HttpResponseBase:
 
 
 def _store_if_kept(
-    held: Claim, response: HttpResponseBase, policy: Policy, on_failure: OnFailure
+    held: KeyClaim, response: HttpResponseBase, policy: Policy, on_failure: OnFailure
 ) -> bool | None:
     """Store a response worth keeping (a success, a form's redirect, a 5xx under
     ``store``): whether it was stored (False: the claim was lost), or None when the
@@ -259,7 +256,7 @@ def _failed_answer() -> HttpResponseBase:
 
 
 def _after_exception(
-    request: HttpRequest, key: str, held: Claim, on_failure: OnFailure, exc: BaseException
+    request: HttpRequest, key: str, held: KeyClaim, on_failure: OnFailure, exc: BaseException
 ) -> None:
     """The key of a view that raised ``exc`` (its transaction, if any, rolled back)."""
     if on_failure == "store" and isinstance(exc, Exception):
@@ -269,20 +266,22 @@ def _after_exception(
         _give_back(request, key, held)
 
 
-def _settle(request: HttpRequest, key: str, held: Claim, stored: bool | None) -> None:
+def _settle(request: HttpRequest, key: str, held: KeyClaim, stored: bool | None) -> None:
     if stored is None:
         _give_back(request, key, held)
     else:
         _announce(request, key, "executed" if stored else "lease-lost")
 
 
-def _give_back(request: HttpRequest, key: str, held: Claim) -> None:
+def _give_back(request: HttpRequest, key: str, held: KeyClaim) -> None:
     """Release the key (5xx, exception, invalid form): the client may retry with it."""
     release(held)
     _announce(request, key, "released")
 
 
-def _answer_lost(request: HttpRequest, key: str, held: Claim, policy: Policy) -> HttpResponseBase:
+def _answer_lost(
+    request: HttpRequest, key: str, held: KeyClaim, policy: Policy
+) -> HttpResponseBase:
     """What a later copy of the request gets: the winner's stored response, or 409."""
     row = IdempotencyKey.objects.filter(pk=held.row.pk).first()
     if (
@@ -304,7 +303,7 @@ def _execute(
     policy: Policy,
     on_failure: OnFailure,
     key: str,
-    held: Claim,
+    held: KeyClaim,
 ) -> HttpResponseBase:
     aliases = _view_aliases(on_failure)
     try:
@@ -326,7 +325,7 @@ DEADLOCK_RETRIES = 3
 
 def _run_in_transaction(
     view: Callable[[], HttpResponseBase],
-    held: Claim,
+    held: KeyClaim,
     policy: Policy,
     on_failure: OnFailure,
     aliases: list[str],
@@ -349,7 +348,7 @@ def _run_in_transaction(
 
 def _run_once(
     view: Callable[[], HttpResponseBase],
-    held: Claim,
+    held: KeyClaim,
     policy: Policy,
     on_failure: OnFailure,
     aliases: list[str],
@@ -377,7 +376,7 @@ async def _aexecute(
     policy: Policy,
     on_failure: OnFailure,
     key: str,
-    held: Claim,
+    held: KeyClaim,
 ) -> HttpResponseBase:
     # Django runs no async view in a transaction (ATOMIC_REQUESTS does not apply):
     # the view commits its own writes, so a failure is stored, or released.

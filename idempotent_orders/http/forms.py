@@ -22,7 +22,8 @@ from django.utils.safestring import SafeString
 
 from idempotent_orders.exceptions import KeyInvalid
 from idempotent_orders.http.decorators import FormRules, Policy, guard
-from idempotent_orders.http.keys import HEADER, parse_key, replay
+from idempotent_orders.http.header import HEADER, parse_key
+from idempotent_orders.http.replay import replay
 from idempotent_orders.models import IdempotencyKey
 
 __all__ = ["FORM_FIELD", "IdempotentFormMixin", "hidden_field", "idempotent_form"]

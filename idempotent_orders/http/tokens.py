@@ -17,14 +17,9 @@ from django.utils import timezone
 
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import NotAuthenticated, QuotaExceeded
-from idempotent_orders.http.keys import (
-    TOKEN_PREFIX,
-    get_principal,
-    lock_principal,
-    raise_bound,
-    scope_of,
-    stored_principal,
-)
+from idempotent_orders.http.header import TOKEN_PREFIX
+from idempotent_orders.http.principals import get_principal, scope_of, stored_principal
+from idempotent_orders.http.quotas import lock_principal, raise_bound
 from idempotent_orders.models import IdempotencyKey, KeyState
 
 __all__ = ["get_token", "issue_token"]

@@ -19,7 +19,8 @@ from idempotent_orders import get_order_model
 from idempotent_orders.consuming.graph import current_state
 from idempotent_orders.exceptions import IdempotencyError
 from idempotent_orders.http.decorators import idempotent_view
-from idempotent_orders.http.keys import check_length, get_principal
+from idempotent_orders.http.header import check_length
+from idempotent_orders.http.principals import get_principal
 from idempotent_orders.http.problems import problem_from, problem_response
 from idempotent_orders.http.schema import MAX_ITEMS, MAX_QUANTITY, openapi
 from idempotent_orders.http.tokens import issue_token

@@ -1,7 +1,7 @@
 """System checks of the metrics view: who may read ``/metrics``, and the multiprocess directory.
 
 Registered with Django's check framework when this module is imported
-(the app's ``ready()`` imports it).
+(:mod:`idempotent_orders.checks` imports it).
 """
 
 from __future__ import annotations
