@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -164,6 +165,182 @@ class RedisServer:
         self.stop()
         time.sleep(down_for)
         self.start()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) is free too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 50000)
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterServers:
+    """A throwaway Redis Cluster of ``masters`` masters (no replicas), each a private
+    ``redis-server`` on its own port and in its own temporary directory.
+
+    A master can be killed (SIGKILL) or frozen (SIGSTOP); :meth:`stop` thaws and
+    kills them all and removes the directories.
+    """
+
+    def __init__(self, masters: int = 3, node_timeout_ms: int = 15000) -> None:
+        self.ports = [cluster_port() for _ in range(masters)]
+        self.node_timeout_ms = node_timeout_ms
+        self.commands: list[list[str]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.dirs: list[str] = []
+        self.frozen: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        """One node's URL: the cluster client discovers the others."""
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> None:
+        require_program("redis-server", "redis-cli")
+        for port in self.ports:
+            workdir = tempfile.mkdtemp(prefix=f"io-cluster-{port}-")
+            self.dirs.append(workdir)
+            self.commands.append(
+                [
+                    "redis-server",
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    os.path.join(workdir, "nodes.conf"),
+                    "--cluster-node-timeout",
+                    str(self.node_timeout_ms),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    workdir,
+                ]
+            )
+            self.procs.append(self._spawn(self.commands[-1]))
+        for port in self.ports:
+            if not wait_until(lambda p=port: self._ping(p), timeout=10, interval=0.05):
+                raise RuntimeError(f"cluster node on port {port} did not start")
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            check=True,
+            timeout=30,
+        )
+        if not wait_until(self.healthy, timeout=20, interval=0.1):
+            raise RuntimeError("the local Redis Cluster did not reach cluster_state:ok")
+
+    @staticmethod
+    def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def revive(self, index: int) -> None:
+        """Start a killed master again (empty, its slots kept) and wait for the cluster."""
+        self.kill(index)
+        self.procs[index] = self._spawn(self.commands[index])
+        port = self.ports[index]
+        if not wait_until(lambda: self._ping(port), timeout=10, interval=0.05):
+            raise RuntimeError(f"cluster node on port {port} did not start again")
+        if not wait_until(self.healthy, timeout=30, interval=0.1):
+            raise RuntimeError("the local Redis Cluster did not recover")
+
+    def _ping(self, port: int) -> bool:
+        try:
+            return self.cli(port, "PING") == "PONG"
+        except subprocess.SubprocessError:
+            return False
+
+    def cli(self, port: int, *args: str) -> str:
+        return subprocess.run(
+            ["redis-cli", "-p", str(port), *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=5,
+        ).stdout.strip()
+
+    def healthy(self) -> bool:
+        try:
+            return all(
+                "cluster_state:ok" in self.cli(port, "CLUSTER", "INFO") for port in self.ports
+            )
+        except subprocess.SubprocessError:
+            return False
+
+    def keys(self, index: int, pattern: str) -> list[str]:
+        """The keys matching ``pattern`` on master ``index``."""
+        out = self.cli(self.ports[index], "--scan", "--pattern", pattern)
+        return [k for k in out.splitlines() if k]
+
+    def flushall(self) -> None:
+        for port in self.ports:
+            self.cli(port, "FLUSHALL")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL master ``index`` (its slots stay without a master until :meth:`stop`)."""
+        proc = self.procs[index]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def freeze(self, index: int) -> None:
+        """SIGSTOP master ``index``: connections are accepted, nothing is answered."""
+        os.kill(self.procs[index].pid, signal.SIGSTOP)
+        self.frozen.add(index)
+
+    def thaw(self, index: int) -> None:
+        if index in self.frozen and self.procs[index].poll() is None:
+            os.kill(self.procs[index].pid, signal.SIGCONT)
+        self.frozen.discard(index)
+
+    def stop(self) -> None:
+        for index in list(self.frozen):
+            self.thaw(index)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for workdir in self.dirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        self.procs, self.dirs = [], []
+
+
+def cluster_cache(url: str, **options: Any) -> dict[str, Any]:
+    """A django-redis cache on a Redis Cluster, as docs/operations.md configures it."""
+    return {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": url,
+        "OPTIONS": {
+            "CONNECTION_FACTORY": "idempotent_orders.dedup.cluster.ClusterConnectionFactory",
+            "SOCKET_CONNECT_TIMEOUT": 0.5,
+            "SOCKET_TIMEOUT": 0.5,
+            **options,
+        },
+    }
 
 
 @contextmanager
