@@ -23,6 +23,7 @@ from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.dedup import Layer
+from idempotent_orders.dedup.checks import check_redis_cluster
 from idempotent_orders.dedup.cluster import ClusterRoute, is_cluster
 from idempotent_orders.locks import FencedLock
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, ProcessedMessage
@@ -153,6 +154,32 @@ def test_fenced_lock_works_on_the_cluster(on_cluster) -> None:
         assert first.token > 0
     with FencedLock("cluster-lock", ttl=5, timeout=1) as second:
         assert second.token > first.token
+
+
+def test_checks_recognise_the_cluster_client_and_warn_about_one_node(on_cluster) -> None:
+    assert check_redis_cluster() == []
+    # The stock client pointed at one node of the cluster: the fast path would be skipped.
+    stock = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": on_cluster.url,
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 0.5},
+    }
+    with override_settings(CACHES={**settings.CACHES, "dedup": stock}):
+        found = check_redis_cluster()
+        assert [m.id for m in found] == ["idempotent_orders.W010"]
+        assert "DEDUP_CACHE_ALIAS" in found[0].msg
+        assert "ClusterConnectionFactory" in (found[0].hint or "")
+        # At run time it is no silent loss either: no reply-less write, the refusals are
+        # read, and the fast path is skipped as after an error.
+        dedup.reset()
+        dedup.remember_many("payments", [f"s-{n}" for n in range(20)])
+        assert dedup.flush()
+        assert list(dedup.redis._no_reply.values()) == [False]
+        assert dedup.redis._down_until > 0
+    tagged = cluster_cache(on_cluster.url)
+    tagged["KEY_PREFIX"] = "{shop}"
+    with override_settings(CACHES={**settings.CACHES, "dedup": tagged}):
+        assert [m.id for m in check_redis_cluster()] == ["idempotent_orders.W011"]
 
 
 # -- storms ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from idempotent_orders.webhooks.config import KEYS as WEBHOOK_KEYS
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 CHECKS_SOURCE = ROOT / "idempotent_orders" / "checks.py"
+DEDUP_CHECKS_SOURCE = ROOT / "idempotent_orders" / "dedup" / "checks.py"
 
 
 def _load(name: str) -> ModuleType:
@@ -49,7 +50,11 @@ KNOWN_NAMES = {
     "INSTALLED_APPS",
     "SILENCED_SYSTEM_CHECKS",
     # A cache's keys in CACHES (Django's, and django-redis's OPTIONS).
+    "CLIENT_CLASS",
+    "CONNECTION_FACTORY",
     "KEY_PREFIX",
+    "PASSWORD",
+    "REDIS_CLIENT_KWARGS",
     "SOCKET_CONNECT_TIMEOUT",
     "SOCKET_TIMEOUT",
     # Celery settings, as a Django project spells them (namespace "CELERY").
@@ -108,9 +113,13 @@ def unknown_setting_names(text: str) -> set[str]:
 
 
 def source_check_ids() -> set[str]:
-    """Check IDs as checks.py spells them, found without the generator's parser."""
-    found = re.findall(r"""id=["']idempotent_orders\.([EW]\d{3})["']""", CHECKS_SOURCE.read_text())
-    return set(found)
+    """Check IDs as the check modules spell them, found without the generator's parser."""
+    found: set[str] = set()
+    for source in (CHECKS_SOURCE, DEDUP_CHECKS_SOURCE):
+        found.update(
+            re.findall(r"""id=["']idempotent_orders\.([EW]\d{3})["']""", source.read_text())
+        )
+    return found
 
 
 def test_settings_reference_has_every_default_with_its_value() -> None:

@@ -1,4 +1,5 @@
-"""Reference tables generated from the source: settings (conf.py) and system checks (checks.py).
+"""Reference tables generated from the source: settings (conf.py) and system checks
+(checks.py, dedup/checks.py).
 
 A setting's type is its ``Settings`` property's return annotation, the type the
 system check E003 holds a configured value to.
@@ -20,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "idempotent_orders" / "conf.py"
 CHECKS = ROOT / "idempotent_orders" / "checks.py"
+#: Every module that registers system checks (read in this order).
+CHECK_MODULES = (CHECKS, ROOT / "idempotent_orders" / "dedup" / "checks.py")
 CHECK_PREFIX = "idempotent_orders."
 
 
@@ -142,11 +145,18 @@ def _text(node: ast.expr | None, source: str) -> str:
     return OPEN + (ast.get_source_segment(source, node) or "…") + CLOSE
 
 
-def checks_docs(path: Path = CHECKS) -> list[CheckDoc]:
-    """Every ``Error``/``Warning`` with a literal ``id="idempotent_orders.…"``, sorted by ID."""
+def checks_docs(*paths: Path) -> list[CheckDoc]:
+    """Every ``Error``/``Warning`` with a literal ``id="idempotent_orders.…"`` in ``paths``
+    (default: :data:`CHECK_MODULES`), sorted by ID."""
+    docs: dict[str, CheckDoc] = {}
+    for path in paths or CHECK_MODULES:
+        _check_docs_of(path, docs)
+    return sorted(docs.values(), key=lambda d: (d.id[1:], d.id[0]))
+
+
+def _check_docs_of(path: Path, docs: dict[str, CheckDoc]) -> None:
     source = path.read_text()
     tree = ast.parse(source)
-    docs: dict[str, CheckDoc] = {}
     for func in ast.walk(tree):
         if not isinstance(func, ast.FunctionDef):
             continue
@@ -171,7 +181,6 @@ def checks_docs(path: Path = CHECKS) -> list[CheckDoc]:
                 hint=_text(kwargs.get("hint"), source),
                 function=func.name,
             )
-    return sorted(docs.values(), key=lambda d: (d.id[1:], d.id[0]))
 
 
 def _cell(text: str) -> str:

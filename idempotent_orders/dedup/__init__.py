@@ -196,3 +196,7 @@ def reset() -> None:
     """Forget this process's Bloom filters and Redis back-off (tests, worker start)."""
     bloom.clear()
     redis.reset()
+
+
+# The Redis Cluster checks (W010, W011) register themselves with Django's check framework.
+from idempotent_orders.dedup import checks as _checks  # noqa: E402, F401
