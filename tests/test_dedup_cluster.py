@@ -18,8 +18,9 @@ import pytest
 from django.conf import settings
 from django.core.cache import caches
 from django.test import override_settings
+from redis.crc import key_slot
 
-from idempotent_orders import dedup, get_order_model
+from idempotent_orders import dedup, get_order_model, stats
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.dedup import Layer
@@ -51,14 +52,15 @@ def cluster() -> Iterator[RedisClusterServers]:
 
 @pytest.fixture
 def on_cluster(cluster: RedisClusterServers) -> Iterator[RedisClusterServers]:
-    """The dedup cache (and the lock cache) on the cluster, the default per-call bound."""
+    """The dedup cache (and the lock cache) on the cluster, the default bound and back-off."""
     caches_setting = {**settings.CACHES, "dedup": cluster_cache(cluster.url)}
     values = {
         **settings.IDEMPOTENT_ORDERS,
         "DEDUP_CACHE_ALIAS": "dedup",
         "LOCK_CACHE": "dedup",
+        # The defaults (tests/settings.py loosens the bound for the loaded suite).
         "DEDUP_REDIS_TIMEOUT": 0.05,
-        "DEDUP_REDIS_RETRY_AFTER": 1,
+        "DEDUP_REDIS_RETRY_AFTER": 5,
     }
     with override_settings(CACHES=caches_setting, IDEMPOTENT_ORDERS=values):
         cluster.flushall()
@@ -85,6 +87,12 @@ def _route() -> ClusterRoute:
     route = dedup.redis._routes.get(client)
     assert route is not None
     return route
+
+
+def _counters_master(cluster: RedisClusterServers) -> int:
+    """The master holding the counters' hash (idempotent_orders.stats), the worst one to
+    lose: they are flushed on the consumers' hot path every STATS_FLUSH_INTERVAL."""
+    return cluster.master_of(key_slot(str(caches["dedup"].make_key("stats")).encode()))
 
 
 def _backoffs() -> int:
@@ -140,6 +148,16 @@ def test_a_stale_slot_map_is_read_again_after_a_redirect(on_cluster) -> None:
     assert dedup.flush()
     assert dedup.redis.answer_many("payments", ids) == (set(ids), set())
     assert route.backoffs == 0  # a redirect is not an outage
+
+
+def test_the_counters_are_added_to_their_hash_on_the_cluster(on_cluster) -> None:
+    stats.reset(shared=True)
+    stats.incr("cluster-probe", 3)
+    assert stats.flush()
+    stats.incr("cluster-probe", 2)
+    assert stats.flush()
+    assert stats.read()["cluster-probe"] == 5
+    stats.reset(shared=True)
 
 
 def test_discard_deletes_the_key_on_its_master(on_cluster) -> None:
@@ -251,7 +269,7 @@ def test_storm_on_a_healthy_cluster(on_cluster, answers) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_storm_with_a_master_killed_midway(on_cluster, answers) -> None:
-    victim = 1
+    victim = (_counters_master(on_cluster) + 1) % 3  # not the counters' (next test)
 
     def kill() -> None:
         answers.clear()
@@ -273,7 +291,9 @@ def test_storm_with_a_master_killed_midway(on_cluster, answers) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_storm_with_a_master_frozen_midway(on_cluster, answers) -> None:
-    victim = 2
+    # The master holding the counters' hash (and the one LOCATION names): the fast path,
+    # the counters' flush and the cluster client's own calls all meet it.
+    victim = _counters_master(on_cluster)
 
     def freeze() -> None:
         answers.clear()

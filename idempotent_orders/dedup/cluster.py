@@ -30,10 +30,12 @@ import time
 from typing import Any
 
 from django_redis.pool import ConnectionFactory
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from idempotent_orders.conf import conf
 
@@ -68,7 +70,11 @@ class ClusterConnectionFactory(ConnectionFactory):
     names one node of the cluster (``redis://host:port``; the others are
     discovered), ``SOCKET_TIMEOUT``, ``SOCKET_CONNECT_TIMEOUT``, ``PASSWORD``
     and ``REDIS_CLIENT_KWARGS`` go to the cluster client. One client per URL
-    and process, shared by the threads (it keeps a pool per node).
+    and process, shared by the threads (it keeps a pool per node). Its
+    commands (the counters, the locks; the fast path has its own) are tried
+    once, not retried with backoff (``REDIS_CLIENT_KWARGS={"retry": ...}``
+    says otherwise): a master that stopped answering costs one
+    ``SOCKET_TIMEOUT``.
     """
 
     _clusters: dict[tuple[str, int], Any] = {}
@@ -82,6 +88,9 @@ class ClusterConnectionFactory(ConnectionFactory):
             client = self._clusters.get(key)
             if client is None:
                 kwargs = {k: v for k, v in params.items() if k not in ("url", "parser_class")}
+                # One attempt per command: redis-py's default (3 retries with backoff)
+                # turns a frozen master into seconds per call for the counters and locks.
+                kwargs["retry"] = Retry(NoBackoff(), 0)
                 kwargs.update(getattr(self, "redis_client_cls_kwargs", {}))
                 client = RedisCluster.from_url(params["url"], **kwargs)
                 self._clusters[key] = client
@@ -329,6 +338,16 @@ class ClusterRoute:
                     continue
                 written += 1
         return written
+
+    def add_counts(self, key: bytes, counts: dict[str, int]) -> None:
+        """``HINCRBY key name amount`` for each count, on the hash's master; raises
+        :class:`NodeDown` when it did not answer or refused (the counts are kept)."""
+        address = self._master(key)
+        commands = [("HINCRBY", key, name, int(amount)) for name, amount in counts.items()]
+        for reply in self._exchange(address, commands):
+            if isinstance(reply, ResponseError):
+                self._redirected(address, reply)
+                raise NodeDown(str(reply))
 
     def delete(self, key: bytes) -> None:
         reply = self._exchange(self._master(key), [("DEL", key)])[0]

@@ -401,6 +401,17 @@ class RedisLayer:
                 route = self._routes.setdefault(redis_client, ClusterRoute(redis_client))
         return route
 
+    def add_counts(self, cache: Any, key: str, counts: dict[str, int]) -> bool:
+        """Add ``counts`` to the hash ``key`` (made with the cache's prefix) on a Redis
+        Cluster, bounded as a fast-path call; False when the cache is not a cluster (the
+        caller writes them its own way). Raises :class:`RedisUnavailable` when the
+        hash's master failed or is skipped after failing."""
+        route = self._call("set", self._route, cache)
+        if route is None:
+            return False
+        self._call("set", route.add_counts, str(key).encode(), counts)
+        return True
+
     def cluster_backoffs(self) -> int:
         """How many times a cluster master was backed off, in this process."""
         return sum(route.backoffs for route in list(self._routes.values()))

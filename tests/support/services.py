@@ -296,6 +296,18 @@ class RedisClusterServers:
         out = self.cli(self.ports[index], "--scan", "--pattern", pattern)
         return [k for k in out.splitlines() if k]
 
+    def master_of(self, slot: int) -> int:
+        """The index of the master serving ``slot`` (from each node's ``CLUSTER NODES``)."""
+        for index, port in enumerate(self.ports):
+            for line in self.cli(port, "CLUSTER", "NODES").splitlines():
+                if "myself" not in line:
+                    continue
+                for ranged in line.split()[8:]:
+                    start, _, end = ranged.partition("-")
+                    if int(start) <= slot <= int(end or start):
+                        return index
+        raise LookupError(f"no master serves slot {slot}")
+
     def flushall(self) -> None:
         for port in self.ports:
             self.cli(port, "FLUSHALL")
