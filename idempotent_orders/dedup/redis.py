@@ -47,6 +47,7 @@ from typing import Any
 from django.core.cache import caches
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.sentinel import SentinelManagedConnection
 
 from idempotent_orders.conf import conf
 from idempotent_orders.dedup.cluster import ClusterRoute, NodeDown, is_cluster
@@ -359,6 +360,9 @@ class RedisLayer:
             value = kwargs.get(name)
             kwargs[name] = bound if value is None else min(value, bound)
         connection = pool.connection_class(**kwargs)
+        if isinstance(connection, SentinelManagedConnection):
+            # Its own connect() asks the sentinels for the master; a send would not.
+            connection.connect()
         own.current = (pool, connection, pid, bound)
         return connection
 
@@ -370,13 +374,14 @@ class RedisLayer:
 
     @staticmethod
     def _pool(cache: Any) -> Any:
-        """The connection pool of a django-redis default client; None for any other cache."""
+        """The connection pool of a django-redis default (or Sentinel) client; None for
+        any other cache."""
         try:
-            from django_redis.client import DefaultClient
+            from django_redis.client import DefaultClient, SentinelClient
         except ImportError:  # pragma: no cover - the dedup cache is django-redis
             return None
         client: Any = getattr(cache, "client", None)
-        if type(client) is not DefaultClient:
+        if type(client) not in (DefaultClient, SentinelClient):
             return None
         redis_client = client.get_client(write=True)
         if is_cluster(redis_client):

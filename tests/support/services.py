@@ -341,6 +341,79 @@ class RedisClusterServers:
         self.procs, self.dirs = [], []
 
 
+class RedisSentinel:
+    """A private ``redis-server --sentinel`` watching a :class:`RedisServer` as ``service``
+    (its config file, which the sentinel rewrites, in a temporary directory)."""
+
+    def __init__(self, master: RedisServer, service: str = "io") -> None:
+        self.master = master
+        self.service = service
+        self.port = free_port()
+        self.dir = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        require_program("redis-server", "redis-cli")
+        self.dir = tempfile.mkdtemp(prefix=f"io-sentinel-{self.port}-")
+        config = os.path.join(self.dir, "sentinel.conf")
+        with open(config, "w") as handle:
+            handle.write(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+                f"sentinel down-after-milliseconds {self.service} 5000\n"
+            )
+        self.proc = subprocess.Popen(
+            ["redis-server", config, "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        if not wait_until(self._knows_master, timeout=10, interval=0.05):
+            raise RuntimeError(f"private sentinel did not start on port {self.port}")
+
+    def _knows_master(self) -> bool:
+        try:
+            out = subprocess.run(
+                [
+                    "redis-cli",
+                    "-p",
+                    str(self.port),
+                    "SENTINEL",
+                    "get-master-addr-by-name",
+                    self.service,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=5,
+            ).stdout
+        except subprocess.SubprocessError:
+            return False
+        return str(self.master.port) in out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def cache(self) -> dict[str, Any]:
+        """A django-redis cache through this sentinel, as docs/operations.md configures it."""
+        return {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": f"redis://{self.service}/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [("127.0.0.1", self.port)],
+                "SENTINEL_KWARGS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+                "SOCKET_CONNECT_TIMEOUT": 0.5,
+                "SOCKET_TIMEOUT": 0.5,
+            },
+        }
+
+
 def cluster_cache(url: str, **options: Any) -> dict[str, Any]:
     """A django-redis cache on a Redis Cluster, as docs/operations.md configures it."""
     return {
