@@ -55,6 +55,8 @@ KNOWN_NAMES = {
     "KEY_PREFIX",
     "PASSWORD",
     "REDIS_CLIENT_KWARGS",
+    "SENTINELS",
+    "SENTINEL_KWARGS",
     "SOCKET_CONNECT_TIMEOUT",
     "SOCKET_TIMEOUT",
     # Celery settings, as a Django project spells them (namespace "CELERY").
