@@ -109,6 +109,7 @@ REGISTERED = {
     ("order_model", "check_order_model", ("models",)),
     ("order_model", "check_order_model_history", ("database",)),
     ("order_model", "check_payment_timeout", ("models",)),
+    ("redis_cluster", "check_redis_cluster", ("caches",)),
 }
 
 

@@ -51,7 +51,13 @@ KNOWN_NAMES = {
     "INSTALLED_APPS",
     "SILENCED_SYSTEM_CHECKS",
     # A cache's keys in CACHES (Django's, and django-redis's OPTIONS).
+    "CLIENT_CLASS",
+    "CONNECTION_FACTORY",
     "KEY_PREFIX",
+    "PASSWORD",
+    "REDIS_CLIENT_KWARGS",
+    "SENTINELS",
+    "SENTINEL_KWARGS",
     "SOCKET_CONNECT_TIMEOUT",
     "SOCKET_TIMEOUT",
     # Celery settings, as a Django project spells them (namespace "CELERY").

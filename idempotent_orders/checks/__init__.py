@@ -10,7 +10,9 @@
 - :mod:`~idempotent_orders.checks.http`: the ``Idempotency-Key`` settings
   (E021-E024, W020);
 - :mod:`~idempotent_orders.checks.metrics`: who may read ``/metrics``, and the
-  multiprocess directory (E090-E092, W090).
+  multiprocess directory (E090-E092, W090);
+- :mod:`~idempotent_orders.checks.redis_cluster`: the Redis the fast path and
+  the locks run on, when it is a cluster (W010, W011).
 
 Importing this package (the app's ``ready()`` does) imports each module once,
 which registers its checks with Django. Every name keeps its import path here.
@@ -46,6 +48,7 @@ from idempotent_orders.checks.order_model import (
     check_order_model_history,
     check_payment_timeout,
 )
+from idempotent_orders.checks.redis_cluster import check_redis_cluster
 
 __all__ = [
     "DEFAULT_VISIBILITY_TIMEOUT",
@@ -62,6 +65,7 @@ __all__ = [
     "check_order_model_history",
     "check_outbox_and_locks",
     "check_payment_timeout",
+    "check_redis_cluster",
     "check_redis_layer",
     "check_retention",
     "check_setting_values",

@@ -86,8 +86,9 @@ def lookup(consumer: str, message_id: str) -> Layer:
 
 def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
     """:func:`lookup` for several messages: the Bloom filter is refreshed at most
-    once and Redis is asked once (one ``MGET``) about the ids the filter may hold.
-    ``dedup_answered`` is sent for each message, as :func:`lookup` sends it.
+        once and Redis is asked once (one ``MGET``; on a cluster one per slot, sent to
+    every master at once) about the ids the filter may hold.
+        ``dedup_answered`` is sent for each message, as :func:`lookup` sends it.
     """
     layers: dict[str, Layer] = {}
     maybe: list[str] = list(message_ids)
@@ -107,12 +108,17 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
             layers.update(dict.fromkeys(maybe, Layer.DISABLED))
         else:
             try:
-                hits = redis.contains_many(consumer, maybe)
+                hits, unanswered = redis.answer_many(consumer, maybe)
             except RedisUnavailable:
                 layers.update(dict.fromkeys(maybe, Layer.REDIS_DOWN))
             else:
                 for message_id in maybe:
-                    layers[message_id] = Layer.REDIS_HIT if message_id in hits else Layer.REDIS_MISS
+                    if message_id in hits:
+                        layers[message_id] = Layer.REDIS_HIT
+                    elif message_id in unanswered:  # its cluster master did not answer
+                        layers[message_id] = Layer.REDIS_DOWN
+                    else:
+                        layers[message_id] = Layer.REDIS_MISS
     if _only_counted():
         # The one receiver is the built-in counter: count per layer, not per message.
         for layer, count in Counter(layers[m] for m in message_ids).items():

@@ -23,6 +23,14 @@ partition) costs one timeout, then the database answers and Redis is
 skipped for ``DEDUP_REDIS_RETRY_AFTER`` seconds, as after an error. A cache
 that is not django-redis's default client is reached through the cache,
 bounded only by the cache's own ``SOCKET_TIMEOUT``.
+
+A cache whose client is a Redis Cluster client (``RedisCluster``) goes
+through :class:`~idempotent_orders.dedup.cluster.ClusterRoute`: each key to
+its slot's master, replies read, one ``MGET`` per slot, the same bound per
+call, and a master that fails is skipped alone. A single server that turns
+out to be a cluster node (a client that is not a cluster client) gets no
+reply-less writes: its ``MOVED`` replies are read, logged, and the fast path
+is skipped as after an error (system check W010 says so before).
 """
 
 from __future__ import annotations
@@ -39,8 +47,10 @@ from typing import Any
 from django.core.cache import caches
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.sentinel import SentinelManagedConnection
 
 from idempotent_orders.conf import conf
+from idempotent_orders.dedup.cluster import ClusterRoute, NodeDown, is_cluster
 
 __all__ = ["RedisLayer", "RedisUnavailable"]
 
@@ -75,6 +85,10 @@ class RedisLayer:
         self._no_reply: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         #: This thread's own connection: ``(pool, connection, pid)``.
         self._own = threading.local()
+        #: The route of each Redis Cluster client met (see :mod:`.cluster`).
+        self._routes: weakref.WeakKeyDictionary[Any, ClusterRoute] = weakref.WeakKeyDictionary()
+        #: How many times the whole layer was backed off after a failure.
+        self.backoffs = 0
         self._start_fresh()
         self._exit_hook = False
         os.register_at_fork(after_in_child=self._start_fresh)
@@ -104,9 +118,12 @@ class RedisLayer:
             raise RedisUnavailable("skipped: failed recently")
         try:
             return func(*args, **kwargs)
+        except NodeDown as exc:  # one cluster master, already backed off on its own
+            raise RedisUnavailable(str(exc)) from exc
         except Exception as exc:  # any client/connection error: Redis is advisory
             with self._lock:
                 self._down_until = time.monotonic() + conf.DEDUP_REDIS_RETRY_AFTER
+                self.backoffs += 1
             logger.warning("dedup cache %s failed, using the database: %r", op, exc)
             raise RedisUnavailable(str(exc)) from exc
 
@@ -118,15 +135,41 @@ class RedisLayer:
         self.flush()
         cache = self._cache()
         key = _key(consumer, message_id)
+        route = self._call("get", self._route, cache)
+        if route is not None:
+            found, unanswered = self._call("get", route.lookup, [_raw(cache, key)])
+            if unanswered:
+                raise RedisUnavailable("its cluster node did not answer")
+            return bool(found)
         if self._call("get", self._pool, cache) is None:
             return bool(self._call("get", cache.get, key))
         return bool(self._call("get", self._get, cache, key))
 
     def contains_many(self, consumer: str, message_ids: list[str]) -> set[str]:
-        """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`."""
+        """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`
+        (on a cluster: when a master holding one of them did not answer)."""
+        found, unanswered = self.answer_many(consumer, message_ids)
+        if unanswered:
+            raise RedisUnavailable(f"{len(unanswered)} key(s) not answered")
+        return found
+
+    def answer_many(self, consumer: str, message_ids: list[str]) -> tuple[set[str], set[str]]:
+        """``(found, unanswered)``: the ids whose key exists, and those Redis did not answer
+        for (on a cluster, the ids of a master that failed; the others are answered).
+        Raises :class:`RedisUnavailable` when Redis answered for none."""
         self.flush()
         cache = self._cache()
         keys = {_key(consumer, m): m for m in message_ids}
+        route = self._call("get", self._route, cache)
+        if route is not None:
+            raw = {_raw(cache, key): m for key, m in keys.items()}
+            hits, unanswered = self._call("get", route.lookup, list(raw))
+            if unanswered and len(unanswered) == len(raw):
+                raise RedisUnavailable("no cluster node answered")
+            return {raw[k] for k in hits}, {raw[k] for k in unanswered}
+        return self._contains_many(cache, keys), set()
+
+    def _contains_many(self, cache: Any, keys: dict[str, str]) -> set[str]:
         if self._call("get", self._pool, cache) is None:
             found = self._call("get", cache.get_many, list(keys))
             return {keys[key] for key, value in found.items() if value}
@@ -159,7 +202,12 @@ class RedisLayer:
         with self._writing, self._queue_lock:
             self._queued = [q for q in self._queued if q[1] != key]
         try:
-            caches[conf.DEDUP_CACHE_ALIAS].delete(key)
+            cache = caches[conf.DEDUP_CACHE_ALIAS]
+            route = self._route(cache)
+            if route is not None:
+                route.delete(_raw(cache, key))
+            else:
+                cache.delete(key)
         except Exception:  # advisory: the inbox row says failed, whatever Redis says
             logger.warning("dedup keys: could not delete %s", key, exc_info=True)
 
@@ -229,6 +277,10 @@ class RedisLayer:
         self.flush(self.exit_timeout)
 
     def _set_many(self, cache: Any, keys: list[str], ttl: int) -> None:
+        route = self._route(cache)
+        if route is not None:
+            route.write([_raw(cache, key) for key in keys], ttl)
+            return
         pool = self._pool(cache)
         if pool is None:
             if len(keys) == 1:
@@ -308,6 +360,9 @@ class RedisLayer:
             value = kwargs.get(name)
             kwargs[name] = bound if value is None else min(value, bound)
         connection = pool.connection_class(**kwargs)
+        if isinstance(connection, SentinelManagedConnection):
+            # Its own connect() asks the sentinels for the master; a send would not.
+            connection.connect()
         own.current = (pool, connection, pid, bound)
         return connection
 
@@ -319,15 +374,52 @@ class RedisLayer:
 
     @staticmethod
     def _pool(cache: Any) -> Any:
-        """The connection pool of a django-redis default client; None for any other cache."""
+        """The connection pool of a django-redis default (or Sentinel) client; None for
+        any other cache."""
+        try:
+            from django_redis.client import DefaultClient, SentinelClient
+        except ImportError:  # pragma: no cover - the dedup cache is django-redis
+            return None
+        client: Any = getattr(cache, "client", None)
+        if type(client) not in (DefaultClient, SentinelClient):
+            return None
+        redis_client = client.get_client(write=True)
+        if is_cluster(redis_client):
+            return None  # reached through its route, never its (absent) pool
+        return redis_client.connection_pool
+
+    def _route(self, cache: Any) -> ClusterRoute | None:
+        """The route to the masters when the cache's client is a Redis Cluster client."""
         try:
             from django_redis.client import DefaultClient
         except ImportError:  # pragma: no cover - the dedup cache is django-redis
             return None
         client: Any = getattr(cache, "client", None)
-        if type(client) is not DefaultClient:
+        if not isinstance(client, DefaultClient):
             return None
-        return client.get_client(write=True).connection_pool
+        redis_client = client.get_client(write=True)
+        if not is_cluster(redis_client):
+            return None
+        route = self._routes.get(redis_client)
+        if route is None:
+            with self._lock:
+                route = self._routes.setdefault(redis_client, ClusterRoute(redis_client))
+        return route
+
+    def add_counts(self, cache: Any, key: str, counts: dict[str, int]) -> bool:
+        """Add ``counts`` to the hash ``key`` (made with the cache's prefix) on a Redis
+        Cluster, bounded as a fast-path call; False when the cache is not a cluster (the
+        caller writes them its own way). Raises :class:`RedisUnavailable` when the
+        hash's master failed or is skipped after failing."""
+        route = self._call("set", self._route, cache)
+        if route is None:
+            return False
+        self._call("set", route.add_counts, str(key).encode(), counts)
+        return True
+
+    def cluster_backoffs(self) -> int:
+        """How many times a cluster master was backed off, in this process."""
+        return sum(route.backoffs for route in list(self._routes.values()))
 
     def _takes_no_reply(self, pool: Any) -> bool:
         known = self._no_reply.get(pool)
@@ -355,6 +447,15 @@ class RedisLayer:
             )
             reply = connection.read_response()
             ok = reply in (b"answered", "answered")
+            if ok and _cluster_node(connection):
+                # Its MOVED replies must be read: no reply-less writes to a cluster node.
+                ok = False
+                logger.error(
+                    "dedup cache %r is a node of a Redis Cluster, but its client is not a "
+                    "cluster client: keys of other nodes' slots are refused (MOVED) and "
+                    "the fast path is skipped (system check idempotent_orders.W010)",
+                    conf.DEDUP_CACHE_ALIAS,
+                )
         except ResponseError:
             ok = False
         finally:
@@ -367,8 +468,27 @@ class RedisLayer:
         with self._writing, self._queue_lock:
             self._queued.clear()
         self._down_until = 0.0
+        self.backoffs = 0
         self._no_reply.clear()
         self._drop()
+        for route in list(self._routes.values()):
+            route.close()
+
+
+def _cluster_node(connection: Any) -> bool:
+    """Whether the server on ``connection`` runs in cluster mode (``INFO cluster``)."""
+    connection.send_packed_command([_pack(b"INFO", b"cluster")], check_health=False)
+    try:
+        reply = connection.read_response()
+    except ResponseError:  # INFO refused or renamed: not known to be a cluster node
+        return False
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    return "cluster_enabled:1" in text
+
+
+def _raw(cache: Any, key: str) -> bytes:
+    """``key`` as django-redis stores it (with the cache's prefix and version), encoded."""
+    return str(cache.client.make_key(key)).encode()
 
 
 def _pack(*parts: bytes) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -164,6 +165,267 @@ class RedisServer:
         self.stop()
         time.sleep(down_for)
         self.start()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) is free too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 50000)
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterServers:
+    """A throwaway Redis Cluster of ``masters`` masters (no replicas), each a private
+    ``redis-server`` on its own port and in its own temporary directory.
+
+    A master can be killed (SIGKILL) or frozen (SIGSTOP); :meth:`stop` thaws and
+    kills them all and removes the directories.
+    """
+
+    def __init__(self, masters: int = 3, node_timeout_ms: int = 15000) -> None:
+        self.ports = [cluster_port() for _ in range(masters)]
+        self.node_timeout_ms = node_timeout_ms
+        self.commands: list[list[str]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.dirs: list[str] = []
+        self.frozen: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        """One node's URL: the cluster client discovers the others."""
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> None:
+        require_program("redis-server", "redis-cli")
+        for port in self.ports:
+            workdir = tempfile.mkdtemp(prefix=f"io-cluster-{port}-")
+            self.dirs.append(workdir)
+            self.commands.append(
+                [
+                    "redis-server",
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    os.path.join(workdir, "nodes.conf"),
+                    "--cluster-node-timeout",
+                    str(self.node_timeout_ms),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    workdir,
+                ]
+            )
+            self.procs.append(self._spawn(self.commands[-1]))
+        for port in self.ports:
+            if not wait_until(lambda p=port: self._ping(p), timeout=10, interval=0.05):
+                raise RuntimeError(f"cluster node on port {port} did not start")
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            check=True,
+            timeout=30,
+        )
+        if not wait_until(self.healthy, timeout=20, interval=0.1):
+            raise RuntimeError("the local Redis Cluster did not reach cluster_state:ok")
+
+    @staticmethod
+    def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def revive(self, index: int) -> None:
+        """Start a killed master again (empty, its slots kept) and wait for the cluster."""
+        self.kill(index)
+        self.procs[index] = self._spawn(self.commands[index])
+        port = self.ports[index]
+        if not wait_until(lambda: self._ping(port), timeout=10, interval=0.05):
+            raise RuntimeError(f"cluster node on port {port} did not start again")
+        if not wait_until(self.healthy, timeout=30, interval=0.1):
+            raise RuntimeError("the local Redis Cluster did not recover")
+
+    def _ping(self, port: int) -> bool:
+        try:
+            return self.cli(port, "PING") == "PONG"
+        except subprocess.SubprocessError:
+            return False
+
+    def cli(self, port: int, *args: str) -> str:
+        return subprocess.run(
+            ["redis-cli", "-p", str(port), *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=5,
+        ).stdout.strip()
+
+    def healthy(self) -> bool:
+        try:
+            return all(
+                "cluster_state:ok" in self.cli(port, "CLUSTER", "INFO") for port in self.ports
+            )
+        except subprocess.SubprocessError:
+            return False
+
+    def keys(self, index: int, pattern: str) -> list[str]:
+        """The keys matching ``pattern`` on master ``index``."""
+        out = self.cli(self.ports[index], "--scan", "--pattern", pattern)
+        return [k for k in out.splitlines() if k]
+
+    def master_of(self, slot: int) -> int:
+        """The index of the master serving ``slot`` (from each node's ``CLUSTER NODES``)."""
+        for index, port in enumerate(self.ports):
+            for line in self.cli(port, "CLUSTER", "NODES").splitlines():
+                if "myself" not in line:
+                    continue
+                for ranged in line.split()[8:]:
+                    start, _, end = ranged.partition("-")
+                    if int(start) <= slot <= int(end or start):
+                        return index
+        raise LookupError(f"no master serves slot {slot}")
+
+    def flushall(self) -> None:
+        for port in self.ports:
+            self.cli(port, "FLUSHALL")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL master ``index`` (its slots stay without a master until :meth:`stop`)."""
+        proc = self.procs[index]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def freeze(self, index: int) -> None:
+        """SIGSTOP master ``index``: connections are accepted, nothing is answered."""
+        os.kill(self.procs[index].pid, signal.SIGSTOP)
+        self.frozen.add(index)
+
+    def thaw(self, index: int) -> None:
+        if index in self.frozen and self.procs[index].poll() is None:
+            os.kill(self.procs[index].pid, signal.SIGCONT)
+        self.frozen.discard(index)
+
+    def stop(self) -> None:
+        for index in list(self.frozen):
+            self.thaw(index)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for workdir in self.dirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        self.procs, self.dirs = [], []
+
+
+class RedisSentinel:
+    """A private ``redis-server --sentinel`` watching a :class:`RedisServer` as ``service``
+    (its config file, which the sentinel rewrites, in a temporary directory)."""
+
+    def __init__(self, master: RedisServer, service: str = "io") -> None:
+        self.master = master
+        self.service = service
+        self.port = free_port()
+        self.dir = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        require_program("redis-server", "redis-cli")
+        self.dir = tempfile.mkdtemp(prefix=f"io-sentinel-{self.port}-")
+        config = os.path.join(self.dir, "sentinel.conf")
+        with open(config, "w") as handle:
+            handle.write(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+                f"sentinel down-after-milliseconds {self.service} 5000\n"
+            )
+        self.proc = subprocess.Popen(
+            ["redis-server", config, "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        if not wait_until(self._knows_master, timeout=10, interval=0.05):
+            raise RuntimeError(f"private sentinel did not start on port {self.port}")
+
+    def _knows_master(self) -> bool:
+        try:
+            out = subprocess.run(
+                [
+                    "redis-cli",
+                    "-p",
+                    str(self.port),
+                    "SENTINEL",
+                    "get-master-addr-by-name",
+                    self.service,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=5,
+            ).stdout
+        except subprocess.SubprocessError:
+            return False
+        return str(self.master.port) in out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def cache(self) -> dict[str, Any]:
+        """A django-redis cache through this sentinel, as docs/operations.md configures it."""
+        return {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": f"redis://{self.service}/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [("127.0.0.1", self.port)],
+                "SENTINEL_KWARGS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+                "SOCKET_CONNECT_TIMEOUT": 0.5,
+                "SOCKET_TIMEOUT": 0.5,
+            },
+        }
+
+
+def cluster_cache(url: str, **options: Any) -> dict[str, Any]:
+    """A django-redis cache on a Redis Cluster, as docs/operations.md configures it."""
+    return {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": url,
+        "OPTIONS": {
+            "CONNECTION_FACTORY": "idempotent_orders.dedup.cluster.ClusterConnectionFactory",
+            "SOCKET_CONNECT_TIMEOUT": 0.5,
+            "SOCKET_TIMEOUT": 0.5,
+            **options,
+        },
+    }
 
 
 @contextmanager
