@@ -75,7 +75,11 @@ def main(argv: list[str]) -> None:
         if "scale_out" in chosen:
             from bench.scale_out import chart as scale_chart
 
-            print(f"scale-out chart: {scale_chart(rows, title)}", file=sys.stderr)
+            scale_title = (
+                f"scale-out, {time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores, "
+                f"load {meta['load']:.1f}; one measurement per worker count"
+            )
+            print(f"scale-out chart: {scale_chart(rows, scale_title)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
