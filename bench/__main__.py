@@ -1,6 +1,7 @@
 """``python -m bench``: every section in one run, one table (``python -m bench consumer http``
 runs some). Each run is appended to ``build/bench/results.jsonl``; ``--chart`` also
-writes ``docs/img/benchmarks.png`` (each figure beside its baseline).
+writes ``docs/img/benchmarks.png`` (each figure beside its baseline) and, when the
+scale-out section ran, ``docs/img/scale_out.png`` (its curve).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SECTIONS = [
     "celery_once_peer",
     "memory",
     "outbox",
+    "scale_out",
 ]
 
 
@@ -66,7 +68,18 @@ def main(argv: list[str]) -> None:
     }
     print(f"\nappended to {record(rows, meta)}", file=sys.stderr)
     if "--chart" in flags:
-        print(f"chart: {chart(rows, title)}", file=sys.stderr)
+        # The scale-out rows are a curve of their own, not a figure beside a baseline.
+        others = [r for r in rows if not r.section.startswith("8 ")]
+        if others:
+            print(f"chart: {chart(others, title)}", file=sys.stderr)
+        if "scale_out" in chosen:
+            from bench.scale_out import chart as scale_chart
+
+            scale_title = (
+                f"scale-out, {time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores, "
+                f"load {meta['load']:.1f}; one measurement per worker count"
+            )
+            print(f"scale-out chart: {scale_chart(rows, scale_title)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -476,6 +476,8 @@ class Workers:
         self.logs: list[Path] = []
         self._names = itertools.count()
         self.concurrency = 1
+        #: Put before each worker's command (``ip netns exec NAME``: a worker on another "host").
+        self.prefix: list[str] = []
 
     def spawn(self, concurrency: int = 1) -> subprocess.Popen[bytes]:
         """Start one worker in its own session, so a kill reaches its pool children too."""
@@ -485,6 +487,7 @@ class Workers:
         with log.open("wb") as handle:
             return subprocess.Popen(
                 [
+                    *self.prefix,
                     sys.executable,
                     "-m",
                     "celery",
@@ -567,6 +570,7 @@ class BatchConsumers(Workers):
         with log.open("wb") as handle:
             return subprocess.Popen(
                 [
+                    *self.prefix,
                     sys.executable,
                     "-m",
                     "django",
