@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import Model
@@ -29,7 +30,7 @@ from idempotent_orders.consuming.graph import (
     edge,
     has_transition,
 )
-from idempotent_orders.consuming.running import apply_transition
+from idempotent_orders.consuming.running import FollowUpRow, apply_transition
 from idempotent_orders.consuming.single import release_parked
 from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verification
 from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
@@ -230,6 +231,29 @@ class QueueFulfilment:
             message_id=fulfilment_message_id(instance.pk),
             using=instance._state.db,
         )
+
+    def write_many(self, written: list[tuple[Model, str, TransitionResult]]) -> None:
+        """:meth:`write` for the transitions of one transaction (a batch chunk's): the same
+        rows, written by one multi-row INSERT and handed to the publisher together."""
+        from idempotent_orders.outbox.producer import publish_many_on_commit
+
+        by_db: dict[str | None, list[tuple[str, Any]]] = {}
+        for instance, _name, _result in written:
+            by_db.setdefault(instance._state.db, []).append(
+                (fulfilment_message_id(instance.pk), instance.pk)
+            )
+        for db, messages in by_db.items():
+            publish_many_on_commit("idempotent_orders.fulfil_order", messages, using=db)
+
+    def outbox_row(self, model: type[Model], pk: Any, name: str, target: Any) -> FollowUpRow:
+        """The row :meth:`write` writes for order ``pk``, as data: the one-statement road
+        writes it in its own statement, then hands its id back for the publish."""
+        from idempotent_orders.outbox.producer import outbox_row, published_on_commit
+
+        fields = outbox_row(
+            "idempotent_orders.fulfil_order", pk, message_id=fulfilment_message_id(pk)
+        )
+        return FollowUpRow(fields, lambda db, row_id: published_on_commit(db, row_id))
 
 
 QUEUE_FULFILMENT = QueueFulfilment()

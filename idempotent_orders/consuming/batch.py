@@ -55,7 +55,7 @@ from idempotent_orders.consuming.running import (
     runs_user_code,
     transition_heard,
     transition_starting,
-    transition_written,
+    transitions_written,
     written_values,
 )
 from idempotent_orders.consuming.single import consume_message, release_parked
@@ -464,13 +464,17 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
     _record_outcomes(claimed)
     # Nothing to announce when nobody listens and no follow-up wants the target
     # (the same rule as the single path's, see presume.py).
+    # The follow-ups of the whole chunk are written together (the fulfilment
+    # follow-up: one multi-row outbox INSERT, one hand-off to the publisher).
     heard: dict[str, bool] = {}
-    for order, name, result in transitions:
-        target = result.target
+    announced = []
+    for entry in transitions:
+        target = entry[2].target
         if target not in heard:
             heard[target] = transition_heard(model, target)
         if heard[target]:
-            transition_written(order, name, result)
+            announced.append(entry)
+    transitions_written(announced)
 
 
 def _record_released(released: list[tuple[_Waiting, Verdict]]) -> None:

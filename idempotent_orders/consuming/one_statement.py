@@ -13,7 +13,11 @@ committed on its own (prepared once per database session, see
 
 ``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
 moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
-RETURNING the new row)``.
+RETURNING the new row)``. A follow-up that hands its outbox row over as data
+(``outbox_row``, see :class:`~idempotent_orders.consuming.running.FollowUpRow`) has it
+written by the same statement (``queued AS (INSERT outbox ... WHERE EXISTS (moved)
+ON CONFLICT (message_id) DO NOTHING)``), so the message stays one statement in
+autocommit; any other follow-up puts the statement in a transaction with it.
 
 PostgreSQL checks the WHERE clause on the row version it locks (a concurrent
 writer's committed change included), so the tests hold on the order the
@@ -63,13 +67,23 @@ from idempotent_orders.consuming.graph import (
 from idempotent_orders.consuming.payments import payment_id
 from idempotent_orders.consuming.prepared import PreparedMissing, fetch_one
 from idempotent_orders.consuming.running import (
+    FollowUp,
+    FollowUpRow,
+    follow_up_rows,
     in_transaction_work,
     runs_user_code,
     transition_heard,
     transition_written,
     written_values,
 )
-from idempotent_orders.consuming.sql import build, compiled_read, inbox_template
+from idempotent_orders.consuming.sql import (
+    FOLLOW_UP_FIELDS,
+    build,
+    compiled_read,
+    handed_over,
+    inbox_template,
+    queue_follow_up,
+)
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome, SpentPayment
 
@@ -319,6 +333,7 @@ def _compile(
     seq: bool,
     attnames: tuple[str, ...],
     spends: str = "",
+    queued: tuple[str, ...] = (),
 ) -> _Statement:
     """The statement for a message writing ``value_names`` and testing ``tests``.
 
@@ -327,6 +342,9 @@ def _compile(
     its payment id is recorded as spent
     (:mod:`idempotent_orders.consuming.payments`) in the same statement, and a payment id
     spent already leaves the order alone (the usual path then says why).
+    ``queued`` (the outbox fields a follow-up handed over, or none): its outbox row is
+    inserted by the statement too, when the UPDATE applied (``ON CONFLICT (message_id)
+    DO NOTHING``); the statement returns the row's id (NULL: not written) third.
     """
     template = inbox_template()
     args = _Arguments(conn)
@@ -390,13 +408,19 @@ def _compile(
             f" ON CONFLICT ({unique}) DO NOTHING RETURNING 1),"
         )
         where.append("EXISTS (SELECT 1 FROM spent)")
+    outbox, queued_id = "", ""
+    if queued:
+        outbox = ", " + queue_follow_up(
+            conn, queued, lambda source, f: args.ref(source, f, f.get_db_prep_save)
+        )
+        queued_id = " (SELECT id FROM queued),"
     sql = (
         f"WITH claim AS ({template.insert(inserted)} RETURNING 1),{spent}"
         f" moved AS (UPDATE {table} SET {', '.join(sets)}"
         f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim)"
-        f" RETURNING {returning})"
+        f" RETURNING {returning}){outbox}"
         " SELECT c.n, CASE WHEN c.n = 1 THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END,"
-        " moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
+        f"{queued_id} moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
     )
     return _Statement(sql, tuple(args.sources))
 
@@ -432,6 +456,13 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     # A follow-up (the fulfilment outbox row) is written in the statement's own
     # transaction: the statement, the follow-up and COMMIT, three round trips.
     follow_up = announced and in_transaction_work(model, shape.target)
+    # Unless the follow-up hands its outbox row over as data: the statement writes it
+    # too, and the message is one statement in autocommit (one round trip).
+    handed: tuple[FollowUp, FollowUpRow] | None = None
+    if follow_up:
+        rows = follow_up_rows(model, envelope.order_id, name, shape.target)
+        if rows is not None and len(rows) == 1 and handed_over(rows[0][1].fields):
+            handed, follow_up = rows[0], False
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
@@ -453,7 +484,8 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         if fields.get("payment_id") == payment
         else "payment_id"
     )
-    key = (alias, model, name, tuple(fields), shapes, seq is None, announced, spends)
+    queued = FOLLOW_UP_FIELDS if handed is not None else ()
+    key = (alias, model, name, tuple(fields), shapes, seq is None, announced, spends, queued)
     statement = _statements.get(key)
     if statement is None:
         names = list(
@@ -468,6 +500,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
             seq is not None,
             plan.attnames if announced else (),
             spends,
+            queued,
         )
     now = timezone.now()
     values: dict[str, Any] = {
@@ -485,9 +518,14 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         values[f"set:{field_name}"] = value
     for field_name, value, _ in tests:
         values[f"test:{field_name}"] = value
+    if handed is not None:
+        for field_name, value in handed[1].fields.items():
+            values[f"outbox:{field_name}"] = value
     args = [prepare(values[source], conn) for source, prepare in statement.sources]
     if not follow_up:
-        return _apply(statement, args, conn, model, alias, plan, shape, name, announced)
+        return _apply(
+            statement, args, conn, model, alias, plan, shape, name, announced, handed=handed
+        )
     try:
         with transaction.atomic(using=alias):
             applied = _apply(
@@ -515,11 +553,13 @@ def _apply(
     name: str,
     announced: bool,
     in_transaction: bool = False,
+    handed: tuple[FollowUp, FollowUpRow] | None = None,
 ) -> Outcome | None:
     """Run the statement; on APPLIED announce the transition (follow-ups write here).
 
     ``in_transaction``: in the follow-up's ``atomic`` block, where the statement is
     prepared too (see :func:`~idempotent_orders.consuming.prepared.fetch_one`).
+    ``handed``: the follow-up whose outbox row the statement wrote; told the row's id.
     """
     try:
         row = fetch_one(statement.sql, args, conn, in_transaction=in_transaction)
@@ -529,13 +569,18 @@ def _apply(
         return None
     if row is None or not row[0]:
         return None  # a duplicate: the usual path reads the order and answers it
+    start = 2
+    if handed is not None:
+        start = 3
+        if row[2] is not None:  # NULL: the message id was in the outbox already
+            handed[1].written(alias, row[2])
     if announced:
-        order = build(model, alias, plan, row[2:])
+        order = build(model, alias, plan, row[start:])
         result = TransitionResult(
             TransitionStatus.APPLIED,
             shape.source,
             shape.target,
             order.version,  # type: ignore[attr-defined]
         )
-        transition_written(order, name, result)
+        transition_written(order, name, result, handed=() if handed is None else (handed[0],))
     return Outcome.APPLIED

@@ -16,7 +16,7 @@ import copy
 import dis
 import inspect
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
@@ -94,6 +94,28 @@ class FollowUp(Protocol):
     def write(self, instance: Model, name: str, result: TransitionResult) -> None:
         """Queue it, in the transaction that committed the transition."""
 
+    # Optional: ``write_many(written)``, with ``written`` a list of ``(instance, name,
+    # result)`` of one transaction (a batch chunk's), queues it for each of them at
+    # once (one multi-row INSERT, say); a follow-up without it is written one by one.
+    #
+    # Optional: ``outbox_row(model, pk, name, target)`` returns the outbox row
+    # :meth:`write` would write for order ``pk`` as a :class:`FollowUpRow` (or None),
+    # with no side effect, so that a road may write it in its own statement
+    # (PostgreSQL's one-statement road); without it, :meth:`write` is called.
+
+
+@dataclass(frozen=True)
+class FollowUpRow:
+    """The outbox row a follow-up would write for one transition, handed over as data."""
+
+    #: The row's ``OutboxMessage`` fields by name: ``message_id``, ``task_name``,
+    #: ``payload``, ``options``, ``order_key``, ``traceparent``, ``correlation_id``.
+    fields: Mapping[str, Any]
+    #: Called with ``(database, row id)`` once the road wrote the row, before its commit
+    #: (it schedules the publish after commit). Not called when the message id was in
+    #: the outbox already: that row is the message, as for ``publish_on_commit``.
+    written: Callable[[str, int], None]
+
 
 _follow_ups: list[FollowUp] = []
 
@@ -102,6 +124,23 @@ def register_follow_up(follow_up: FollowUp) -> None:
     """Run ``follow_up`` in the transaction of every transition it wants (idempotent)."""
     if follow_up not in _follow_ups:
         _follow_ups.append(follow_up)
+
+
+def follow_up_rows(
+    model: type[Model], pk: Any, name: str, target: Any
+) -> list[tuple[FollowUp, FollowUpRow]] | None:
+    """The outbox rows of the follow-ups a transition into ``target`` wants, as data;
+    None when one of them does not hand its row over (it is written by ``write``)."""
+    rows = []
+    for follow_up in _follow_ups:
+        if not follow_up.wanted(model, target):
+            continue
+        hook = getattr(follow_up, "outbox_row", None)
+        row = hook(model, pk, name, target) if hook is not None else None
+        if row is None:
+            return None
+        rows.append((follow_up, row))
+    return rows
 
 
 def in_transaction_work(model: type[Model], target: Any) -> bool:
@@ -125,19 +164,64 @@ def transition_heard(model: type[Model], target: Any) -> bool:
 
 
 def transition_written(
-    instance: Model, name: str, result: TransitionResult, *, fsm_sent: bool = False
+    instance: Model,
+    name: str,
+    result: TransitionResult,
+    *,
+    fsm_sent: bool = False,
+    handed: Collection[FollowUp] = (),
 ) -> None:
     """Announce a transition whose UPDATE succeeded: fsm-2's ``post_transition`` (unless the
     model's own method already sent it: ``fsm_sent``) and the follow-ups now, in the
     transaction (they may write in it), and
-    :data:`~idempotent_orders.signals.order_transitioned` after commit.
+    :data:`~idempotent_orders.signals.order_transitioned` after commit. ``handed``: the
+    follow-ups whose row the caller wrote itself (:func:`follow_up_rows`).
     """
     model = type(instance)
     if not fsm_sent and post_transition.has_listeners(model):
         post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
     for follow_up in _follow_ups:
-        if follow_up.wanted(model, result.target):
+        if follow_up not in handed and follow_up.wanted(model, result.target):
             follow_up.write(instance, name, result)
+    _announce_after_commit(instance, name, result)
+
+
+def transitions_written(written: Sequence[tuple[Model, str, TransitionResult]]) -> None:
+    """:func:`transition_written` for the transitions of one transaction (a batch chunk's).
+
+    Each follow-up that has ``write_many`` is handed every transition it wants at
+    once; the others are written one by one, in the order given. fsm-2's
+    ``post_transition`` and :data:`~idempotent_orders.signals.order_transitioned`
+    are sent for each, as :func:`transition_written` sends them.
+    """
+    if not written:
+        return
+    for instance, name, result in written:
+        if post_transition.has_listeners(type(instance)):
+            post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
+    for follow_up in _follow_ups:
+        wants: dict[tuple[type[Model], Any], bool] = {}
+        wanted = []
+        for entry in written:
+            key = (type(entry[0]), entry[2].target)
+            if key not in wants:
+                wants[key] = follow_up.wanted(*key)
+            if wants[key]:
+                wanted.append(entry)
+        if not wanted:
+            continue
+        write_many = getattr(follow_up, "write_many", None)
+        if write_many is not None:
+            write_many(wanted)
+        else:
+            for entry in wanted:
+                follow_up.write(*entry)
+    for instance, name, result in written:
+        _announce_after_commit(instance, name, result)
+
+
+def _announce_after_commit(instance: Model, name: str, result: TransitionResult) -> None:
+    model = type(instance)
     transaction.on_commit(
         lambda: order_transitioned.send(
             sender=model,

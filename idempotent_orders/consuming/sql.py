@@ -14,7 +14,7 @@ run as prepared statements of the session are in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,10 @@ from django.db.models.expressions import DatabaseDefault
 from django.db.models.manager import BaseManager
 
 from idempotent_orders.consuming.prepared import driver_cursor, fetch_one
-from idempotent_orders.models import ProcessedMessage
+from idempotent_orders.models import OutboxMessage, ProcessedMessage
 
 __all__ = [
+    "FOLLOW_UP_FIELDS",
     "ClaimConflict",
     "build",
     "can_claim_and_apply",
@@ -35,7 +36,9 @@ __all__ = [
     # Where they were before they had a module of their own (the HTTP keys import them here).
     "driver_cursor",
     "fetch_one",
+    "handed_over",
     "insert_inbox_rows",
+    "queue_follow_up",
     "read_order",
 ]
 
@@ -447,3 +450,62 @@ def claim_and_apply(
             raise ClaimConflict from None
         raise
     return bool(claimed)
+
+
+#: The outbox fields a follow-up hands over (``FollowUpRow.fields``).
+FOLLOW_UP_FIELDS = (
+    "message_id",
+    "task_name",
+    "payload",
+    "options",
+    "order_key",
+    "traceparent",
+    "correlation_id",
+)
+
+
+def queue_follow_up(
+    conn: Any, queued: Sequence[str], ref: Callable[[str, Field[Any, Any]], str]
+) -> str:
+    """``queued AS (INSERT INTO <outbox> ... SELECT ... WHERE EXISTS (moved) ON CONFLICT
+    (message_id) DO NOTHING RETURNING id)``: a follow-up's row as ``publish_on_commit``
+    writes it (the ``queued`` fields as arguments, ``ref(source, field)`` placing one,
+    the model's defaults as literals, the database's own defaults left to it)."""
+    meta = OutboxMessage._meta
+    sample = OutboxMessage()
+    qn = conn.ops.quote_name
+    columns, selected = [], []
+    for f in meta.concrete_fields:
+        if f.primary_key or f.has_db_default():
+            continue
+        columns.append(qn(str(f.column)))
+        if f.name in queued:
+            placed = ref(f"outbox:{f.name}", f)
+            # A JSON argument is typed: the driver's literal of it is.
+            json = f.get_internal_type() == "JSONField"
+            selected.append(f"{placed}::{f.db_type(conn)}" if json else placed)
+        else:
+            value = f.get_db_prep_save(f.pre_save(sample, True), conn)
+            selected.append(str(conn.ops.compose_sql("%s", [value])).replace("%", "%%"))
+    pk = meta.pk
+    assert pk is not None
+    unique = qn(str(meta.get_field("message_id").column))
+    return (
+        f"queued AS (INSERT INTO {qn(meta.db_table)} ({', '.join(columns)})"
+        f" SELECT {', '.join(selected)} WHERE EXISTS (SELECT 1 FROM moved)"
+        f" ON CONFLICT ({unique}) DO NOTHING RETURNING {qn(str(pk.column))} AS id)"
+    )
+
+
+def handed_over(fields: Mapping[str, Any]) -> bool:
+    """Whether a statement can write a follow-up's row of ``fields``: the fields it writes,
+    each fitting its column (a value too long goes to ``write``, which raises as ever)."""
+    if set(fields) != set(FOLLOW_UP_FIELDS):
+        return False
+    meta = OutboxMessage._meta
+    for name in ("message_id", "task_name", "order_key", "traceparent", "correlation_id"):
+        value = fields[name]
+        limit = getattr(meta.get_field(name), "max_length", None)
+        if value is not None and (not isinstance(value, str) or (limit and len(value) > limit)):
+            return False
+    return True

@@ -8,9 +8,10 @@ committing thread through :func:`~idempotent_orders.outbox.relay_outbox`.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -77,13 +78,7 @@ def publish_on_commit(
         message_id = message.get("message_id")
     message_id = str(message_id) if message_id is not None else uuid.uuid4().hex
     db = using or router.db_for_write(OutboxMessage)
-    trace = tracing.current() if traceparent is None or correlation_id is None else None
-    if traceparent is None:
-        traceparent = trace.traceparent if trace else ""
-    elif not tracing.valid_traceparent(traceparent):
-        raise ValueError(f"not a W3C traceparent: {traceparent!r}")
-    if correlation_id is None:
-        correlation_id = trace.correlation_id if trace else ""
+    traceparent, correlation_id = _trace_fields(traceparent, correlation_id)
     fields = {
         "message_id": message_id,
         "task_name": name,
@@ -91,7 +86,7 @@ def publish_on_commit(
         "options": options,
         "order_key": None if order_key is None else str(order_key),
         "traceparent": traceparent,
-        "correlation_id": str(correlation_id)[:255],
+        "correlation_id": correlation_id,
     }
     conn = connections[db]
     try:
@@ -116,11 +111,203 @@ def publish_on_commit(
         # that row is the message, published once; the repeat changes nothing.
         logger.info("outbox: message %s is queued already; returning its row", message_id)
         return existing
-    if conf.OUTBOX_PUBLISH_ON_COMMIT:
-        transaction.on_commit(
-            partial(_publish_after_commit, row.pk, db, row.order_key is not None), using=db
-        )
+    published_on_commit(db, row.pk, row.order_key is not None)
     return row
+
+
+def outbox_row(
+    task: Task | str,
+    message: Any,
+    *,
+    message_id: str,
+    order_key: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The columns of the row :func:`publish_on_commit` would write, as data (the trace
+    context in effect included), for a caller that writes the row in a statement of its
+    own (``INSERT ... ON CONFLICT (message_id) DO NOTHING``) and then calls
+    :func:`published_on_commit` with the id it got back."""
+    traceparent, correlation_id = _trace_fields(None, None)
+    return {
+        "message_id": str(message_id),
+        "task_name": task if isinstance(task, str) else task.name,
+        "payload": message,
+        "options": options,
+        "order_key": None if order_key is None else str(order_key),
+        "traceparent": traceparent,
+        "correlation_id": correlation_id,
+    }
+
+
+def published_on_commit(db: str, pk: int, keyed: bool = False) -> None:
+    """Publish outbox row ``pk``, written in the current transaction, after its commit
+    (``OUTBOX_PUBLISH_ON_COMMIT``), as :func:`publish_on_commit` does for its row."""
+    if conf.OUTBOX_PUBLISH_ON_COMMIT:
+        transaction.on_commit(partial(_publish_after_commit, pk, db, keyed), using=db)
+
+
+def _trace_fields(traceparent: str | None, correlation_id: Any) -> tuple[str, str]:
+    """The row's ``traceparent`` and ``correlation_id``: as given, else the trace in effect."""
+    trace = tracing.current() if traceparent is None or correlation_id is None else None
+    if traceparent is None:
+        traceparent = trace.traceparent if trace else ""
+    elif not tracing.valid_traceparent(traceparent):
+        raise ValueError(f"not a W3C traceparent: {traceparent!r}")
+    if correlation_id is None:
+        correlation_id = trace.correlation_id if trace else ""
+    return traceparent, str(correlation_id)[:255]
+
+
+def publish_many_on_commit(
+    task: Task | str,
+    messages: Sequence[tuple[str, Any]],
+    *,
+    order_key: str | None = None,
+    traceparent: str | None = None,
+    correlation_id: str | None = None,
+    using: str | None = None,
+    **options: Any,
+) -> dict[str, int]:
+    """:func:`publish_on_commit` for many messages of one task: one INSERT, one hand-off.
+
+    ``messages`` are ``(message_id, message)`` pairs; every row gets the same
+    task, options, ``order_key`` and trace context. The rows are written in the
+    caller's transaction by one multi-row ``INSERT ... ON CONFLICT (message_id)
+    DO NOTHING`` (``INSERT IGNORE`` on MariaDB), in the order given, and after
+    commit their ids are handed to the publisher together (or published by one
+    :func:`relay_outbox` call). Returns ``{message_id: row id}`` of the rows
+    written. A message id already in the outbox (committed, written earlier in
+    this transaction, or earlier in ``messages``) is not written again and not
+    published again, as with :func:`publish_on_commit`: the row that holds it
+    is the message.
+    """
+    db = using or router.db_for_write(OutboxMessage)
+    conn = connections[db]
+    unique: dict[str, Any] = {}
+    for message_id, message in messages:
+        unique.setdefault(str(message_id), message)
+    if not unique:
+        return {}
+    name = task if isinstance(task, str) else task.name
+    traceparent, correlation_id = _trace_fields(traceparent, correlation_id)
+    shared = {
+        "task_name": name,
+        "options": options,
+        "order_key": None if order_key is None else str(order_key),
+        "traceparent": traceparent,
+        "correlation_id": correlation_id,
+    }
+    meta = OutboxMessage._meta
+    too_long = any(
+        len(value) > (meta.get_field(key).max_length or 255)  # type: ignore[union-attr]
+        for key, value in (*shared.items(), *(("message_id", m) for m in unique))
+        if isinstance(value, str)
+    )
+    if too_long or not conn.features.can_return_rows_from_bulk_insert:
+        # The database refuses such a row (MariaDB's INSERT IGNORE would cut it), or
+        # cannot return the ids of a multi-row insert: one row at a time, as before.
+        written: dict[str, int] = {}
+        for message_id, message in unique.items():
+            rows_before = OutboxMessage.objects.using(db).filter(message_id=message_id).exists()
+            row = publish_on_commit(
+                name,
+                message,
+                message_id=message_id,
+                order_key=order_key,
+                traceparent=traceparent,
+                correlation_id=correlation_id,
+                using=db,
+                **options,
+            )
+            if not rows_before:
+                written[message_id] = row.pk
+        return written
+    written = _insert_many_unless_queued(db, shared, unique)
+    if written and conf.OUTBOX_PUBLISH_ON_COMMIT:
+        transaction.on_commit(
+            partial(_publish_many_after_commit, list(written.values()), db, order_key is not None),
+            using=db,
+        )
+    return written
+
+
+def _insert_many_unless_queued(
+    db: str, shared: Mapping[str, Any], messages: Mapping[str, Any]
+) -> dict[str, int]:
+    """One multi-row insert of ``messages`` with the ``shared`` columns, skipping message ids
+    already in the outbox; ``{message_id: id}`` of the rows written, in the order given."""
+    conn = connections[db]
+    meta = OutboxMessage._meta
+    sample = OutboxMessage(message_id="", payload=None, **shared)
+    written = [f for f in meta.concrete_fields if not f.primary_key and not f.has_db_default()]
+    base = {f.attname: f.get_db_prep_save(f.pre_save(sample, True), conn) for f in written}
+    payload_field = meta.get_field("payload")
+    qn = conn.ops.quote_name
+    pk = meta.pk
+    assert pk is not None
+    table = qn(meta.db_table)
+    columns = ", ".join(qn(str(f.column)) for f in written)
+    message_id = qn(str(meta.get_field("message_id").column))
+    returning = f"RETURNING {qn(str(pk.column))}, {message_id}"
+    ids = list(messages)
+    if conn.vendor == "postgresql":
+        # One array for the message ids and one for the payloads (JSON text); the
+        # columns every row shares are one argument each. The statement text is the
+        # same for any number of rows.
+        encoder = payload_field.encoder
+        payloads = [json.dumps(m, cls=encoder) for m in messages.values()]
+        selected: list[str] = []
+        params: list[Any] = []
+        for f in written:
+            if f.attname == "message_id":
+                selected.append("v.message_id")
+            elif f.attname == "payload":
+                selected.append("v.payload")
+            else:
+                selected.append(f"%s::{f.db_type(conn)}")
+                params.append(base[f.attname])
+        sql = (
+            f"INSERT INTO {table} ({columns}) SELECT {', '.join(selected)}"
+            f" FROM unnest(%s::{meta.get_field('message_id').db_type(conn)}[], %s::jsonb[])"
+            f" WITH ORDINALITY AS v(message_id, payload, n) ORDER BY v.n"
+            f" ON CONFLICT ({message_id}) DO NOTHING {returning}"
+        )
+        params += [_text_array(ids), _text_array(payloads)]
+        with conn.cursor() as cursor:
+            cursor.execute(sql, params)
+            found = {mid: pk_ for pk_, mid in cursor.fetchall()}
+    else:
+        rows: list[Any] = []
+        for mid, message in messages.items():
+            for f in written:
+                if f.attname == "message_id":
+                    rows.append(mid)
+                elif f.attname == "payload":
+                    rows.append(f.get_db_prep_save(message, conn))
+                else:
+                    rows.append(base[f.attname])
+        placeholder = "(" + ", ".join(["%s"] * len(written)) + ")"
+        values = ", ".join([placeholder] * len(messages))
+        if conn.vendor == "mysql":
+            # MariaDB >= 10.5 returns only the rows IGNORE let through; the lengths were
+            # checked above, so a repeated message id is all it ignores.
+            sql = f"INSERT IGNORE INTO {table} ({columns}) VALUES {values} {returning}"
+        else:
+            sql = (
+                f"INSERT INTO {table} ({columns}) VALUES {values}"
+                f" ON CONFLICT ({message_id}) DO NOTHING {returning}"
+            )
+        with conn.cursor() as cursor:
+            cursor.execute(sql, rows)
+            found = {mid: pk_ for pk_, mid in cursor.fetchall()}
+    return {mid: found[mid] for mid in ids if mid in found}
+
+
+def _text_array(values: Sequence[str]) -> str:
+    """``values`` (text) as one PostgreSQL array literal: built in one pass, not adapted
+    element by element by the driver."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return "{" + ",".join(quoted) + "}"
 
 
 def _insert_unless_queued(db: str, fields: Mapping[str, Any]) -> OutboxMessage | None:
@@ -151,6 +338,22 @@ def _insert_unless_queued(db: str, fields: Mapping[str, Any]) -> OutboxMessage |
     row._state.adding = False
     row._state.db = db
     return row
+
+
+def _publish_many_after_commit(pks: list[int], db: str, keyed: bool = False) -> None:
+    """:func:`_publish_after_commit` for the rows of one :func:`publish_many_on_commit`."""
+    if conf.OUTBOX_PUBLISHER_THREAD and not connections[db].in_atomic_block:
+        submit = thread.publisher.submit
+        for pk in pks:
+            if not submit(db, pk, keyed):
+                logger.debug("outbox: publisher queue full; the relay will send row %s", pk)
+        return
+    try:
+        relay.relay_outbox(ids=pks, using=db)
+    except Exception:
+        logger.exception(
+            "outbox: immediate publish of %d row(s) failed; the relay will retry", len(pks)
+        )
 
 
 def _publish_after_commit(pk: int, db: str, keyed: bool = False) -> None:
