@@ -54,3 +54,8 @@ def test_the_demo_schedules_exactly_the_recommended_tasks(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert eval(out.stdout) == beat_schedule()  # a dict of str and float literals
+
+
+def test_the_operations_page_shows_the_helper() -> None:
+    page = (ROOT / "docs" / "operations.md").read_text()
+    assert "CELERY_BEAT_SCHEDULE = beat_schedule()" in page
