@@ -12,10 +12,15 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.test import override_settings
 
-from idempotent_orders.models import Outcome
+from idempotent_orders.admin.dashboard import attention
+from idempotent_orders.consuming.single import surface_overdue_parked
+from idempotent_orders.models import Outcome, ParkedMessage
 from tests.support.chaos import build_stream, check_invariants, make_orders, unaccounted
 from tests.support.pgpair import postgres_pair
 from tests.support.redelivery import LateAckQueue, consume_until_done, database
@@ -79,6 +84,8 @@ def test_a_killed_primary_loses_nothing_and_applies_nothing_twice(
         lost = unaccounted(
             [stream.planned[a.index] for a in queue.acks if a.outcome is not Outcome.DUPLICATE]
         )
+        if not synchronous:
+            surfaced = surface_what_is_stuck()
 
     # Recovery: from the kill until a delivery begun after it was applied (on the new primary).
     applied_after = [
@@ -118,6 +125,17 @@ def test_a_killed_primary_loses_nothing_and_applies_nothing_twice(
         # What PostgreSQL says asynchronous replication may do: acknowledged commits vanish.
         assert lost != []
         assert report.violations != []
+        # The orders this leaves waiting show on the dashboard's "held" line and are marked
+        # overdue by beat's pass (both after minutes by default; at once here).
+        parked, held, marked, unmarked = surfaced
+        print(
+            f"surfaced: {parked} parked, {held} on the held line; the pass released "
+            f"{parked - marked - unmarked} that could go ahead and marked {marked} overdue"
+        )
+        assert parked >= 1
+        assert held == parked
+        assert marked >= 1
+        assert unmarked == 0
         return
     # Under synchronous replication the commits the standby had not confirmed were never
     # acknowledged: they were redelivered.
@@ -126,3 +144,17 @@ def test_a_killed_primary_loses_nothing_and_applies_nothing_twice(
     assert lost == []
     assert report.violations == []
     assert report.outcomes == Counter({Outcome.APPLIED: len(stream.planned)})
+
+
+def surface_what_is_stuck() -> tuple[int, int, int, int]:
+    """Parked messages now; the dashboard's "held" count; the rows beat's pass marks overdue;
+    the rows still parked and not marked after it (with PARKED_ATTENTION_AFTER and the
+    timeout at 0: no waiting in a test)."""
+    values = {**settings.IDEMPOTENT_ORDERS, "PARKED_ATTENTION_AFTER": 0}
+    with override_settings(IDEMPOTENT_ORDERS=values):
+        operator = get_user_model().objects.create_superuser("operator", "op@example.com", "pw")
+        parked = ParkedMessage.objects.count()
+        held = {line.key: line.count for line in attention(operator)}["held"]
+        marked = surface_overdue_parked(timeout=0)
+    unmarked = ParkedMessage.objects.filter(overdue_at__isnull=True).count()
+    return parked, held, len(marked), unmarked
