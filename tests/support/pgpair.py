@@ -21,7 +21,7 @@ from typing import Any
 from tests.support.services import free_port, unavailable, wait_until
 
 #: The binaries the pair needs.
-PROGRAMS = ("initdb", "pg_ctl", "pg_basebackup", "postgres", "pg_isready")
+PROGRAMS = ("initdb", "pg_ctl", "pg_basebackup", "postgres")
 
 
 def postgres_bindir() -> Path | None:
