@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_project.databases import database_from_url, sqlite_database
+from idempotent_orders.beat import beat_schedule
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("DEMO_STATE_DIR", BASE_DIR / ".demo"))
@@ -136,21 +137,9 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     "PAYMENT_TIMEOUT": int(os.environ.get("DEMO_PAYMENT_TIMEOUT", 15 * 60)),
 }
 
-# The periodic tasks run on Celery beat (`celery -A demo_project beat`).
-CELERY_BEAT_SCHEDULE = {
-    "idempotent-orders-reconcile": {"task": "idempotent_orders.reconcile", "schedule": 30.0},
-    "idempotent-orders-purge": {"task": "idempotent_orders.purge", "schedule": 3600.0},
-    # Durable timers (unpaid orders expire) and the outbox relay (webhook events queued
-    # for consumption whose on-commit publish did not get through).
-    "idempotent-orders-timers": {"task": "idempotent_orders.fire_due_timers", "schedule": 10.0},
-    "idempotent-orders-relay": {"task": "idempotent_orders.relay_outbox", "schedule": 5.0},
-    # Parked messages still waiting PARKED_TIMEOUT after they arrived (their predecessor
-    # lost, e.g. to a failover) are marked overdue and logged within a minute of it.
-    "idempotent-orders-surface-parked": {
-        "task": "idempotent_orders.surface_overdue_parked",
-        "schedule": 60.0,
-    },
-}
+# The periodic tasks run on Celery beat (`celery -A demo_project beat`): every one the app
+# has, at the recommended intervals (idempotent_orders/beat.py says what each is for).
+CELERY_BEAT_SCHEDULE = beat_schedule()
 
 LOGGING = {
     "version": 1,

@@ -6,10 +6,17 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
-from django.db import IntegrityError, OperationalError, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    transaction,
+)
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
@@ -71,6 +78,7 @@ __all__ = [
     "Outcome",
     "consume_message",
     "parse_envelope",
+    "read_back",
     "redeliver",
     "release_parked",
     "surface_overdue_parked",
@@ -113,6 +121,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
 
     waiting: list[bool] = []
     dead: list[bool] = []
+    began = timezone.now()
     try:
         if can_claim_and_apply():
             applied = presume(envelope, consumer, get_order_model())
@@ -121,8 +130,16 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
                 dedup.remember_on_commit(consumer, envelope.message_id)
                 return applied
         outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
-    except TRANSIENT:
-        raise  # the delivery is retried as it is; nothing was written
+    except TRANSIENT as exc:
+        # Nothing was written, or the connection dropped while the message committed
+        # (in doubt): the inbox row, read back on a new connection, says which.
+        settled = read_back(envelope, consumer, exc, since=began)
+        if settled is None:
+            raise  # nothing of this delivery was committed: it is retried as it is
+        announce(consumer, envelope, settled, "read back after the connection dropped")
+        release_parked(envelope.order_id)
+        dedup.remember_on_commit(consumer, envelope.message_id)
+        return settled
     except Exception as exc:
         # A bug in a body, condition, receiver or validator, or a constraint the
         # database refused: the transaction rolled back. Keep the message, say why.
@@ -161,6 +178,58 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     if not dead:
         dedup.remember_on_commit(consumer, envelope.message_id)
     return outcome
+
+
+def read_back(
+    envelope: Envelope, consumer: str, error: Exception, *, since: datetime
+) -> Outcome | None:
+    """After ``error``: the outcome this delivery committed, read on a new connection; None
+    when it committed nothing or that cannot be told yet (the delivery is then retried).
+
+    Only a lost connection can hide a commit: the COMMIT, or on PostgreSQL the one
+    claim-and-apply statement, was sent and no answer came back. Any other error (a
+    deadlock, a serialization failure, a timeout) rolled back, and so does a caller's
+    transaction around us (its commit is the caller's). The row is this delivery's when it
+    was written since ``since`` with this payload; an older one is a copy's, which the
+    retry answers as a duplicate.
+    """
+    if connection.in_atomic_block or not _connection_lost(error):
+        return None
+    try:
+        connection.close()
+        row = (
+            ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id)
+            .values_list("outcome", "updated_at", "fingerprint")
+            .first()
+        )
+    except DatabaseError:
+        return None
+    if row is None:
+        return None
+    outcome, updated_at, fingerprint = row
+    if not outcome or updated_at < since or fingerprint != envelope.fingerprint:
+        return None
+    return Outcome(outcome)
+
+
+#: SQLSTATEs of a connection that went away (class 08, and the server shutting down).
+_LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
+#: MySQL's "server has gone away" and "lost connection during query".
+_LOST_MYSQL_ERRORS = {2006, 2013}
+
+
+def _connection_lost(error: Exception) -> bool:
+    """Whether ``error`` says the connection went away (so a statement sent may have
+    committed), not that the server refused or rolled something back."""
+    if not isinstance(error, (OperationalError, InterfaceError)):
+        return False
+    if connection.vendor == "mysql":
+        return bool(error.args) and error.args[0] in _LOST_MYSQL_ERRORS
+    if connection.vendor != "postgresql":
+        return False
+    sqlstate = getattr(error.__cause__, "sqlstate", None)
+    # No SQLSTATE: psycopg's own error, the server never answered.
+    return sqlstate is None or sqlstate.startswith(_LOST_SQLSTATE_PREFIXES)
 
 
 def _database_conflict(consumer: str, message_id: str) -> None:
