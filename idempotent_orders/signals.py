@@ -35,7 +35,8 @@ outbox_dead = Signal()
 message_dead = Signal()
 #: Sent for every dedup decision, saying which layer answered.
 #: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
-#: redis-hit, redis-miss, redis-down, disabled, database-conflict), ``consumer``, ``message_id``.
+#: bloom-warming, redis-hit, redis-miss, redis-down, disabled, database-conflict),
+#: ``consumer``, ``message_id``.
 #: Sent synchronously in the consuming process (lookups happen before any transaction).
 dedup_answered = Signal(use_caching=True)
 

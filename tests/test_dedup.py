@@ -153,12 +153,14 @@ def test_process_start_does_not_wait_for_the_window_and_answers_maybe_meanwhile(
     ):
         # The first lookup starts the load and answers before it is done: had it
         # waited, the gate (set only below) would have held it until the timeout.
-        assert dedup.lookup("payments", "seen") is Layer.DISABLED  # "maybe", not "not seen"
+        # Neither "not seen" nor a Redis answer: the database decides while it loads.
+        assert dedup.lookup("payments", "seen") is Layer.BLOOM_WARMING
         assert not gate.is_set()
         assert bloom.warming
         assert bloom.might_contain("payments", "seen")
         assert bloom.might_contain("payments", "anything")  # loading: nothing is "not seen"
-        assert dedup.lookup("payments", "anything") is Layer.DISABLED
+        assert dedup.lookup("payments", "anything") is Layer.BLOOM_WARMING
+        assert dedup.lookup_many("payments", ["a", "b"]) == dict.fromkeys("ab", Layer.BLOOM_WARMING)
         bloom.add("payments", "mine")  # remembered while loading
         bloom.refresh()  # a second refresh starts no second load
         gate.set()
@@ -170,6 +172,32 @@ def test_process_start_does_not_wait_for_the_window_and_answers_maybe_meanwhile(
         assert bloom.might_contain("payments", "mine")
         assert not bloom.might_contain("payments", "never-seen")
         assert dedup.lookup("payments", "never-seen") is Layer.BLOOM_NEGATIVE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_redis_key_never_drops_a_message_while_the_filter_loads(make_order) -> None:
+    """Redis holds ``processed:`` for an id the inbox lacks (the database was restored or
+    failed over, Redis was not): a new process, its filter loading, applies the message."""
+    order = make_order()
+    message = payment(order)
+    dedup.remember("payments", message["message_id"])
+    dedup.flush()
+    assert dedup.redis.contains("payments", message["message_id"])  # the stale key
+    bloom = BloomLayer()
+    gate = threading.Event()
+    with (
+        settings_with(DEDUP_BLOOM_WARM_UP_IN_BACKGROUND=True),
+        _blocked_load(bloom, gate, []),
+        mock.patch.object(dedup, "bloom", bloom),
+    ):
+        try:
+            assert consume_message(message, consumer="payments") is Outcome.APPLIED
+            assert bloom.warming  # it was answered while the filter loaded
+        finally:
+            gate.set()
+            bloom.wait_warm(30)
+    order.refresh_from_db()
+    assert order.status == OrderStatus.PAID
 
 
 def test_a_failed_load_keeps_answering_maybe_and_the_next_refresh_loads_again() -> None:

@@ -44,6 +44,11 @@ class Layer(enum.StrEnum):
 
     #: The local Bloom filter has never seen the id: straight to the database.
     BLOOM_NEGATIVE = "bloom-negative"
+    #: The Bloom filter is still loading (a new process): straight to the database.
+    #: Redis is not asked: a key it holds for an id the inbox lacks (Redis kept, the
+    #: database restored or failed over) would drop the message as a duplicate, and
+    #: only a loaded filter's "maybe" (an id the inbox had) may send a lookup to Redis.
+    BLOOM_WARMING = "bloom-warming"
     #: Bloom said "maybe" and Redis holds the ``processed:`` key: a duplicate, no query.
     REDIS_HIT = "redis-hit"
     #: Bloom said "maybe" (a false positive, or the key expired or was flushed).
@@ -73,6 +78,8 @@ def lookup(consumer: str, message_id: str) -> Layer:
             bloom.refresh()
         except DatabaseError:  # the consumer meets the same error and retries
             logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
+        if bloom.warming:
+            return _announce(Layer.BLOOM_WARMING, consumer, message_id)
         if not bloom.might_contain(consumer, message_id):
             return _announce(Layer.BLOOM_NEGATIVE, consumer, message_id)
     if not redis.enabled:
@@ -98,8 +105,11 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
         except DatabaseError:
             logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
         maybe = []
+        warming = bloom.warming
         for message_id in message_ids:
-            if bloom.might_contain(consumer, message_id):
+            if warming:
+                layers[message_id] = Layer.BLOOM_WARMING
+            elif bloom.might_contain(consumer, message_id):
                 maybe.append(message_id)
             else:
                 layers[message_id] = Layer.BLOOM_NEGATIVE
