@@ -6,7 +6,7 @@ import json
 import os
 import random
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -75,21 +75,31 @@ def use_broker() -> Iterator[None]:
     reset_broker_pools()
 
 
-def _run(broker: str, load: Load, private_redis: RedisServer, *, batches: bool = False) -> None:
-    seed = _env_int("IO_CHAOS_SEED", random.randrange(2**32))
-    rng = random.Random(seed)
-    queue = f"io-chaos-{uuid.uuid4().hex[:10]}"
+def chaos_broker(
+    broker: str, private_redis: RedisServer, queue: str
+) -> tuple[str, Callable[[], None] | None]:
+    """Point this process's Celery at ``broker`` and ``queue``: the broker's URL and how
+    to restart it (None: restarting the shared RabbitMQ is opt-in, `make chaos` and CI
+    set IO_CHAOS_RESTART_RABBITMQ=1)."""
+    restart: Callable[[], None] | None
     if broker == "redis":
         broker_url = private_redis.url
         restart = private_redis.restart
     else:
         broker_url = settings.RABBITMQ_URL
         require_service("rabbitmq", broker_url)
-        # Restarting the shared RabbitMQ is opt-in (`make chaos` and CI set it).
         restart = rabbitmq_restart if os.environ.get("IO_CHAOS_RESTART_RABBITMQ") == "1" else None
     current_app.conf.broker_url = broker_url
     current_app.conf.task_default_queue = queue
     reset_broker_pools()
+    return broker_url, restart
+
+
+def _run(broker: str, load: Load, private_redis: RedisServer, *, batches: bool = False) -> None:
+    seed = _env_int("IO_CHAOS_SEED", random.randrange(2**32))
+    rng = random.Random(seed)
+    queue = f"io-chaos-{uuid.uuid4().hex[:10]}"
+    broker_url, restart = chaos_broker(broker, private_redis, queue)
 
     orders = make_orders(load.orders)
     stream = build_stream(orders, rng=rng, max_copies=load.max_copies)

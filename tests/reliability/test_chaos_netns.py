@@ -19,8 +19,13 @@ import pytest
 from celery import current_app
 from django.conf import settings
 
-from tests.reliability.test_chaos import BOUNDED, private_redis, use_broker  # noqa: F401
-from tests.support.chaos import build_stream, make_orders, rabbitmq_restart, run_chaos
+from tests.reliability.test_chaos import (  # noqa: F401
+    BOUNDED,
+    chaos_broker,
+    private_redis,
+    use_broker,
+)
+from tests.support.chaos import build_stream, make_orders, run_chaos
 from tests.support.netns import (
     PREFIX,
     FaultProxy,
@@ -35,8 +40,6 @@ from tests.support.netns import (
 from tests.support.services import (
     RedisServer,
     Workers,
-    require_service,
-    reset_broker_pools,
     worker_env,
 )
 
@@ -147,17 +150,7 @@ def test_exactly_once_across_network_namespaces(
     seed = int(os.environ.get("IO_CHAOS_SEED", random.randrange(2**32)))
     rng = random.Random(seed)
     queue = f"io-chaos-ns-{uuid.uuid4().hex[:10]}"
-    if broker == "redis":
-        broker_url = private_redis.url
-        restart = private_redis.restart
-    else:
-        broker_url = settings.RABBITMQ_URL
-        require_service("rabbitmq", broker_url)
-        # Restarting the shared RabbitMQ is opt-in, as in test_chaos.py.
-        restart = rabbitmq_restart if os.environ.get("IO_CHAOS_RESTART_RABBITMQ") == "1" else None
-    current_app.conf.broker_url = broker_url
-    current_app.conf.task_default_queue = queue
-    reset_broker_pools()
+    broker_url, restart = chaos_broker(broker, private_redis, queue)
 
     db = connection.settings_dict
     database_url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/x"
