@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 
@@ -597,6 +597,31 @@ def test_a_holder_that_lost_its_claim_commits_nothing_in_its_transaction(
     assert first.content == second.content
     row = IdempotencyKey.objects.get()
     assert (row.state, bytes(row.response_body)) == (KeyState.COMPLETED, second.content)
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)  # outside a transaction, as a request runs
+def test_the_stored_response_commits_the_views_transaction_in_its_round_trip(
+    alice: Any, atomic_requests: bool
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    client = client_for(alice)
+    with CaptureQueriesContext(connection) as queries:
+        first = post(client, "/api/orders/", key="one-trip")
+    assert first.status_code == 201
+    stores = [q["sql"] for q in queries if 'UPDATE "idempotent_orders_idempotencykey"' in q["sql"]]
+    assert len(stores) == 1
+    assert stores[0].rstrip().endswith("; COMMIT")
+    # Committed with the order: another connection sees both.
+    assert Order.objects.count() == 1
+    assert post(client, "/api/orders/", key="one-trip").content == first.content
+    # Inside a transaction the caller owns, the statement commits nothing.
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        assert post(client, "/api/orders/", basket("b"), key="inside").status_code == 201
+        transaction.set_rollback(True)
+    assert not any(q["sql"].rstrip().endswith("COMMIT") for q in queries)
+    assert not IdempotencyKey.objects.filter(key="inside").exists()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -234,15 +234,20 @@ def _rendered(response: HttpResponseBase) -> HttpResponseBase:
 
 
 def _store_if_kept(
-    held: KeyClaim, response: HttpResponseBase, policy: Policy, on_failure: OnFailure
+    held: KeyClaim,
+    response: HttpResponseBase,
+    policy: Policy,
+    on_failure: OnFailure,
+    *,
+    commit: bool = False,
 ) -> bool | None:
     """Store a response worth keeping (a success, a form's redirect, a 5xx under
     ``store``): whether it was stored (False: the claim was lost), or None when the
-    key is to be released."""
+    key is to be released. ``commit``: see :func:`~idempotent_orders.http.replay.store`."""
     status = response.status_code
     failed = status >= 500
     keep = on_failure == "store" if failed else not policy.form or 300 <= status < 400
-    return store(held, response) if keep else None
+    return store(held, response, commit=commit) if keep else None
 
 
 def _failed_answer() -> HttpResponseBase:
@@ -355,8 +360,11 @@ def _run_once(
 ) -> tuple[HttpResponseBase, bool | None]:
     with _atomic_requests(aliases):
         response = _rendered(view())
-        # In a transaction the response commits with the view's writes.
-        stored = _store_if_kept(held, response, policy, on_failure)
+        # In a transaction the response commits with the view's writes; when the
+        # key's database is the only one, the statement storing it commits them.
+        stored = _store_if_kept(
+            held, response, policy, on_failure, commit=aliases == [DEFAULT_DB_ALIAS]
+        )
         if stored is False and aliases:
             # The lease lapsed and another request took the key over: its
             # execution is the one the key answers, so this one must not
