@@ -915,6 +915,80 @@ def test_business_key_same_basket_same_window(alice: Any, bob: Any) -> None:
         create_order(customer=alice, items=[], at=1000.0, **kwargs)
 
 
+def win_the_race_from_another_connection() -> list[int]:
+    """A pre_save hook: before the first order is inserted, another connection inserts
+    and commits one with the same business key. Returns the winner's id once run."""
+    from django.db.models.signals import pre_save
+
+    won: list[int] = []
+    started: list[bool] = []
+
+    def insert(instance: Order) -> None:
+        try:
+            won.append(
+                Order.objects.create(
+                    business_key=instance.business_key, amount=Decimal("1"), currency="CNY"
+                ).pk
+            )
+        finally:
+            connection.close()
+
+    def hook(sender: Any, instance: Order, **kwargs: Any) -> None:
+        if not started:  # once (the winner's own save comes here too)
+            started.append(True)
+            thread = threading.Thread(target=insert, args=(instance,))
+            thread.start()
+            thread.join(30)
+
+    pre_save.connect(hook, sender=Order, weak=False, dispatch_uid="race")
+    return won
+
+
+@pytest.fixture
+def race() -> Any:
+    from django.db.models.signals import pre_save
+
+    yield win_the_race_from_another_connection()
+    pre_save.disconnect(sender=Order, dispatch_uid="race")
+
+
+@pytest.mark.backends("postgresql", "mysql")  # SQLite: the view's BEGIN IMMEDIATE holds the writer
+@pytest.mark.django_db(transaction=True)
+def test_a_keyed_create_takes_no_savepoint_and_a_lost_race_runs_the_view_again(
+    alice: Any, atomic_requests: bool, race: list[int]
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    client = client_for(alice)
+    with CaptureQueriesContext(connection) as queries:
+        response = post(client, "/api/orders/", key="raced")
+    # The first run's INSERT lost to the winner's; the second run found the winner.
+    assert response.status_code == 200, response.content
+    assert json.loads(response.content)["id"] == race[0]
+    assert Order.objects.count() == 1
+    assert not any("SAVEPOINT" in q["sql"] for q in queries)
+    assert post(client, "/api/orders/", key="raced").content == response.content
+    # Without a race, a new order: still no savepoint.
+    with CaptureQueriesContext(connection) as queries:
+        assert post(client, "/api/orders/", basket("calm"), key="calm").status_code == 201
+    assert not any("SAVEPOINT" in q["sql"] for q in queries)
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db(transaction=True)
+def test_create_order_in_a_callers_transaction_survives_a_lost_race(
+    alice: Any, race: list[int]
+) -> None:
+    items = [{"sku": "tea", "quantity": 1}]
+    with transaction.atomic():
+        order, created = create_order(
+            customer=alice, items=items, amount=Decimal("1"), currency="CNY"
+        )
+        # The caller's transaction goes on after the lost race.
+        assert Order.objects.filter(pk=order.pk).exists()
+    assert (order.pk, created) == (race[0], False)
+
+
 # --- forms ---------------------------------------------------------------------------
 
 
