@@ -1145,6 +1145,33 @@ def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
     assert (again.status_code, again.content) == (201, first.content)
 
 
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_a_session_authenticated_replay_writes_and_locks_nothing(alice: Any) -> None:
+    client = client_for(alice)  # logged in by its session cookie
+    first = post(client, "/api/orders/", key="pure-read")
+    assert first.status_code == 201
+
+    def versions() -> list[tuple[str, ...]]:
+        # xmin changes when a row is written, xmax when it is locked or deleted.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT xmin::text, xmax::text FROM idempotent_orders_idempotencykey"
+                " UNION ALL SELECT xmin::text, xmax::text FROM django_session"
+                " UNION ALL SELECT xmin::text, xmax::text FROM idempotent_orders_keyquota"
+            )
+            return sorted(cursor.fetchall())
+
+    before = versions()
+    for _ in range(3):
+        again = post(client, "/api/orders/", key="pure-read")
+        assert (again.status_code, again["Idempotent-Replayed"]) == (201, "true")
+        assert again.content == first.content
+        assert "sessionid" not in again.cookies  # the session was not saved again
+    assert versions() == before
+    assert Order.objects.count() == 1
+
+
 def basket(sku: str) -> dict[str, Any]:
     return {**ORDER, "items": [{"sku": sku, "quantity": 1}]}
 
