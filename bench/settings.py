@@ -35,14 +35,17 @@ IDEMPOTENCY_KEY = {
 # drf-idempotency's default: the database backend (its own table).
 IDEMPOTENCY = {"BACKEND": "drf_idempotency.backends.database.DatabaseBackend"}
 
-# The real-server HTTP bench (gunicorn, bench/http_server.py): the caller is named by a
-# header (no session queries), and django-idempotency-key's middleware is installed
-# for every variant alike (it only acts on the views its decorator marks).
+# The real-server HTTP bench (gunicorn, bench/http_server.py). By default the demo's
+# middleware stack, the caller logged in by its session cookie (database sessions, as
+# the demo has them); BENCH_HTTP_AUTH=header names the caller by a header instead (no
+# session queries: the NON-DEFAULT row). django-idempotency-key's middleware is
+# installed for every variant alike (it only acts on the views its decorator marks).
 if os.environ.get("BENCH_HTTP_SERVER") == "1":
-    MIDDLEWARE = [
-        "bench.http_server.HeaderUserMiddleware",
-        "idempotency_key.middleware.ExemptIdempotencyKeyMiddleware",
-    ]
+    if os.environ.get("BENCH_HTTP_AUTH", "session") == "header":
+        MIDDLEWARE = ["bench.http_server.HeaderUserMiddleware"]
+    else:
+        from demo_project.settings import MIDDLEWARE
+    MIDDLEWARE = [*MIDDLEWARE, "idempotency_key.middleware.ExemptIdempotencyKeyMiddleware"]
 
 # Section 7 (outbox): django-celery-outbox, benchmark-only, driven through its own
 # OutboxCelery app; its StatsD metrics are off (nothing listens for them here).

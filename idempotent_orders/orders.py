@@ -5,17 +5,52 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import IntegrityError, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.db.models import Model
 
 from idempotent_orders import get_order_model
 from idempotent_orders.conf import conf
 from idempotent_orders.models import AbstractOrder
 
-__all__ = ["CREATE_ORDER_FIELDS", "create_order", "missing_create_fields", "order_business_key"]
+__all__ = [
+    "CREATE_ORDER_FIELDS",
+    "RaceLost",
+    "create_order",
+    "missing_create_fields",
+    "order_business_key",
+    "reruns_on_race",
+]
+
+
+class RaceLost(IntegrityError):
+    """:func:`create_order` lost the race for its business key inside a transaction
+    that its owner runs again whole (see :func:`reruns_on_race`)."""
+
+
+#: The database whose outermost ``atomic`` block is run again whole on :class:`RaceLost`.
+_rerun_on: ContextVar[str | None] = ContextVar("idempotent_orders_rerun_on", default=None)
+
+
+@contextmanager
+def reruns_on_race(using: str = DEFAULT_DB_ALIAS) -> Iterator[None]:
+    """Entered by the owner of the outermost ``atomic`` block on ``using``, who runs the
+    block again from its start when it raises :class:`RaceLost` (as after a deadlock).
+
+    Directly in such a block :func:`create_order` inserts without a savepoint (two
+    round trips fewer): a lost race then aborts the whole transaction, and the run
+    after it finds the winner's order. ``@idempotent_view`` runs a view so.
+    """
+    token = _rerun_on.set(using)
+    try:
+        yield
+    finally:
+        _rerun_on.reset(token)
 
 
 def order_business_key(
@@ -80,12 +115,18 @@ def create_order(
     existing = orders.filter(business_key=key).first()
     if existing is not None:
         return existing, False
+    # A savepoint lets a lost race be survived inside the caller's transaction; a
+    # transaction that is run again whole on a lost race needs none.
+    blocks = connections[DEFAULT_DB_ALIAS].atomic_blocks
+    savepoint = not (_rerun_on.get() == DEFAULT_DB_ALIAS and len(blocks) == 1)
     try:
-        with transaction.atomic():
+        with transaction.atomic(savepoint=savepoint):
             order = orders.create(
                 business_key=key, customer=customer, amount=amount, currency=currency
             )
-    except IntegrityError:
+    except IntegrityError as exc:
+        if not savepoint:
+            raise RaceLost(f"another request created the order {key} first") from exc
         # A concurrent caller won the insert. A locking read sees its committed
         # row even inside a REPEATABLE READ snapshot taken before the race.
         with transaction.atomic():

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.utils import timezone
 
@@ -599,6 +599,31 @@ def test_a_holder_that_lost_its_claim_commits_nothing_in_its_transaction(
     assert (row.state, bytes(row.response_body)) == (KeyState.COMPLETED, second.content)
 
 
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)  # outside a transaction, as a request runs
+def test_the_stored_response_commits_the_views_transaction_in_its_round_trip(
+    alice: Any, atomic_requests: bool
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    client = client_for(alice)
+    with CaptureQueriesContext(connection) as queries:
+        first = post(client, "/api/orders/", key="one-trip")
+    assert first.status_code == 201
+    stores = [q["sql"] for q in queries if 'UPDATE "idempotent_orders_idempotencykey"' in q["sql"]]
+    assert len(stores) == 1
+    assert stores[0].rstrip().endswith("; COMMIT")
+    # Committed with the order: another connection sees both.
+    assert Order.objects.count() == 1
+    assert post(client, "/api/orders/", key="one-trip").content == first.content
+    # Inside a transaction the caller owns, the statement commits nothing.
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        assert post(client, "/api/orders/", basket("b"), key="inside").status_code == 201
+        transaction.set_rollback(True)
+    assert not any(q["sql"].rstrip().endswith("COMMIT") for q in queries)
+    assert not IdempotencyKey.objects.filter(key="inside").exists()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_holder_that_lost_its_claim_never_stores_outside_a_transaction(
     alice: Any, flavour: str
@@ -890,6 +915,80 @@ def test_business_key_same_basket_same_window(alice: Any, bob: Any) -> None:
         create_order(customer=alice, items=[], at=1000.0, **kwargs)
 
 
+def win_the_race_from_another_connection() -> list[int]:
+    """A pre_save hook: before the first order is inserted, another connection inserts
+    and commits one with the same business key. Returns the winner's id once run."""
+    from django.db.models.signals import pre_save
+
+    won: list[int] = []
+    started: list[bool] = []
+
+    def insert(instance: Order) -> None:
+        try:
+            won.append(
+                Order.objects.create(
+                    business_key=instance.business_key, amount=Decimal("1"), currency="CNY"
+                ).pk
+            )
+        finally:
+            connection.close()
+
+    def hook(sender: Any, instance: Order, **kwargs: Any) -> None:
+        if not started:  # once (the winner's own save comes here too)
+            started.append(True)
+            thread = threading.Thread(target=insert, args=(instance,))
+            thread.start()
+            thread.join(30)
+
+    pre_save.connect(hook, sender=Order, weak=False, dispatch_uid="race")
+    return won
+
+
+@pytest.fixture
+def race() -> Any:
+    from django.db.models.signals import pre_save
+
+    yield win_the_race_from_another_connection()
+    pre_save.disconnect(sender=Order, dispatch_uid="race")
+
+
+@pytest.mark.backends("postgresql", "mysql")  # SQLite: the view's BEGIN IMMEDIATE holds the writer
+@pytest.mark.django_db(transaction=True)
+def test_a_keyed_create_takes_no_savepoint_and_a_lost_race_runs_the_view_again(
+    alice: Any, atomic_requests: bool, race: list[int]
+) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    client = client_for(alice)
+    with CaptureQueriesContext(connection) as queries:
+        response = post(client, "/api/orders/", key="raced")
+    # The first run's INSERT lost to the winner's; the second run found the winner.
+    assert response.status_code == 200, response.content
+    assert json.loads(response.content)["id"] == race[0]
+    assert Order.objects.count() == 1
+    assert not any("SAVEPOINT" in q["sql"] for q in queries)
+    assert post(client, "/api/orders/", key="raced").content == response.content
+    # Without a race, a new order: still no savepoint.
+    with CaptureQueriesContext(connection) as queries:
+        assert post(client, "/api/orders/", basket("calm"), key="calm").status_code == 201
+    assert not any("SAVEPOINT" in q["sql"] for q in queries)
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db(transaction=True)
+def test_create_order_in_a_callers_transaction_survives_a_lost_race(
+    alice: Any, race: list[int]
+) -> None:
+    items = [{"sku": "tea", "quantity": 1}]
+    with transaction.atomic():
+        order, created = create_order(
+            customer=alice, items=items, amount=Decimal("1"), currency="CNY"
+        )
+        # The caller's transaction goes on after the lost race.
+        assert Order.objects.filter(pk=order.pk).exists()
+    assert (order.pk, created) == (race[0], False)
+
+
 # --- forms ---------------------------------------------------------------------------
 
 
@@ -1044,6 +1143,33 @@ def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
     assert IdempotencyKey.objects.filter(principal=stored.principal).count() == 1
     again = post(client, "/api/orders/", key="replay-once")
     assert (again.status_code, again.content) == (201, first.content)
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_a_session_authenticated_replay_writes_and_locks_nothing(alice: Any) -> None:
+    client = client_for(alice)  # logged in by its session cookie
+    first = post(client, "/api/orders/", key="pure-read")
+    assert first.status_code == 201
+
+    def versions() -> list[tuple[str, ...]]:
+        # xmin changes when a row is written, xmax when it is locked or deleted.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT xmin::text, xmax::text FROM idempotent_orders_idempotencykey"
+                " UNION ALL SELECT xmin::text, xmax::text FROM django_session"
+                " UNION ALL SELECT xmin::text, xmax::text FROM idempotent_orders_keyquota"
+            )
+            return sorted(cursor.fetchall())
+
+    before = versions()
+    for _ in range(3):
+        again = post(client, "/api/orders/", key="pure-read")
+        assert (again.status_code, again["Idempotent-Replayed"]) == (201, "true")
+        assert again.content == first.content
+        assert "sessionid" not in again.cookies  # the session was not saved again
+    assert versions() == before
+    assert Order.objects.count() == 1
 
 
 def basket(sku: str) -> dict[str, Any]:

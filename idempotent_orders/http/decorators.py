@@ -49,6 +49,7 @@ from idempotent_orders.http.principals import get_principal, scope_of
 from idempotent_orders.http.problems import problem_from, problem_response
 from idempotent_orders.http.replay import replay, store
 from idempotent_orders.models import IdempotencyKey, KeyState
+from idempotent_orders.orders import RaceLost, reruns_on_race
 from idempotent_orders.signals import idempotent_request
 
 __all__ = ["IdempotentMixin", "idempotent_view"]
@@ -234,15 +235,20 @@ def _rendered(response: HttpResponseBase) -> HttpResponseBase:
 
 
 def _store_if_kept(
-    held: KeyClaim, response: HttpResponseBase, policy: Policy, on_failure: OnFailure
+    held: KeyClaim,
+    response: HttpResponseBase,
+    policy: Policy,
+    on_failure: OnFailure,
+    *,
+    commit: bool = False,
 ) -> bool | None:
     """Store a response worth keeping (a success, a form's redirect, a 5xx under
     ``store``): whether it was stored (False: the claim was lost), or None when the
-    key is to be released."""
+    key is to be released. ``commit``: see :func:`~idempotent_orders.http.replay.store`."""
     status = response.status_code
     failed = status >= 500
     keep = on_failure == "store" if failed else not policy.form or 300 <= status < 400
-    return store(held, response) if keep else None
+    return store(held, response, commit=commit) if keep else None
 
 
 def _failed_answer() -> HttpResponseBase:
@@ -319,7 +325,9 @@ def _execute(
     return response
 
 
-#: Times a view whose transaction the database chose as a deadlock victim runs again.
+#: Times a view whose transaction the database chose as a deadlock victim (or in which
+#: ``create_order`` lost the race for its order: :class:`~idempotent_orders.orders.RaceLost`)
+#: runs again.
 DEADLOCK_RETRIES = 3
 
 
@@ -334,11 +342,17 @@ def _run_in_transaction(
 
     A deadlock or serialization failure rolled the whole transaction back (the
     key's claim, committed before, stays): the view simply runs again, as a
-    client's retry would, at most :data:`DEADLOCK_RETRIES` times.
+    client's retry would, at most :data:`DEADLOCK_RETRIES` times. So does a
+    view whose ``create_order`` lost its race (it took no savepoint, see
+    :func:`~idempotent_orders.orders.reruns_on_race`): the next run finds the
+    winner's order.
     """
     for attempt in range(DEADLOCK_RETRIES + 1):
         try:
             return _run_once(view, held, policy, on_failure, aliases)
+        except RaceLost:
+            if not aliases or attempt == DEADLOCK_RETRIES:
+                raise
         except OperationalError as exc:
             if not aliases or attempt == DEADLOCK_RETRIES or not is_retryable(exc):
                 raise
@@ -353,10 +367,13 @@ def _run_once(
     on_failure: OnFailure,
     aliases: list[str],
 ) -> tuple[HttpResponseBase, bool | None]:
-    with _atomic_requests(aliases):
+    with _atomic_requests(aliases), reruns_on_race() if aliases else nullcontext():
         response = _rendered(view())
-        # In a transaction the response commits with the view's writes.
-        stored = _store_if_kept(held, response, policy, on_failure)
+        # In a transaction the response commits with the view's writes; when the
+        # key's database is the only one, the statement storing it commits them.
+        stored = _store_if_kept(
+            held, response, policy, on_failure, commit=aliases == [DEFAULT_DB_ALIAS]
+        )
         if stored is False and aliases:
             # The lease lapsed and another request took the key over: its
             # execution is the one the key answers, so this one must not

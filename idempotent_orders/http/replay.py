@@ -1,9 +1,12 @@
 """The response of a claimed key: stored once, replayed to every retry.
 
 The response is stored (status, the headers ``REPLAY_HEADERS`` allows, body
-bytes) by one ``UPDATE`` fenced by the claim's lease owner, and replayed to
-retries with ``Idempotent-Replayed: true``. Streaming responses and bodies over
-``MAX_STORED_RESPONSE_BYTES`` are stored without their body.
+bytes) by one ``UPDATE`` fenced by the claim's lease owner, which releases the
+lease in the same statement, and replayed to retries with
+``Idempotent-Replayed: true``. Streaming responses and bodies over
+``MAX_STORED_RESPONSE_BYTES`` are stored without their body. On PostgreSQL the
+``UPDATE`` that ends a view's transaction is sent with its ``COMMIT``, one round
+trip (:func:`store`'s ``commit``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DataError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.http import HttpResponse, HttpResponseBase
 from django.utils import timezone
 
@@ -44,6 +48,11 @@ _STORE_COLUMNS = (
 )
 #: The stored response's UPDATE, by database alias.
 _store_sql: dict[str, str] = {}
+#: PostgreSQL: the UPDATE that fails when it updated no row (the lease was lost), then
+#: ``COMMIT``, by database alias.
+_store_commit_sql: dict[str, str] = {}
+#: What the database answers to that statement's division by no updated row.
+_LEASE_LOST_SQLSTATE = "22012"
 #: The lower-cased ``REPLAY_HEADERS``, and the setting's value they were made from.
 _replay_headers: tuple[list[str], frozenset[str]] = ([], frozenset())
 
@@ -58,8 +67,39 @@ def _kept_headers(response: HttpResponseBase) -> list[list[str]]:
     return [[k, v] for k, v in response.items() if k.lower() in allowed]
 
 
-def store(held: KeyClaim, response: HttpResponseBase) -> bool:
-    """Store ``response`` under the key; False when the lease was lost to a takeover."""
+def _can_commit(conn: BaseDatabaseWrapper) -> bool:
+    """Whether the UPDATE may end the transaction itself: PostgreSQL through psycopg 3
+    with client-side binding (a simple query may hold two statements), the
+    caller's ``atomic`` block the outermost one, nothing marked for rollback."""
+    if conn.vendor != "postgresql" or conn.settings_dict["OPTIONS"].get("server_side_binding"):
+        return False
+    if len(conn.atomic_blocks) != 1 or conn.needs_rollback or conn.connection is None:
+        return False
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    return bool(is_psycopg3)
+
+
+def _committing(conn: BaseDatabaseWrapper, sql: str) -> str:
+    found = _store_commit_sql.get(conn.alias)
+    if found is None:
+        # A lost lease updates no row, and the division by that count fails the
+        # statement: PostgreSQL then skips the COMMIT after it and the transaction
+        # stays open, aborted, for the caller to roll back.
+        found = _store_commit_sql[conn.alias] = (
+            f"WITH stored AS ({sql}) SELECT 1 / (SELECT COUNT(*) FROM stored)::integer; COMMIT"
+        )
+    return found
+
+
+def store(held: KeyClaim, response: HttpResponseBase, *, commit: bool = False) -> bool:
+    """Store ``response`` under the key; False when the lease was lost to a takeover.
+
+    ``commit``: the caller's outermost ``atomic`` block ends right after this
+    statement, so on PostgreSQL the statement commits it in the same round trip
+    (Django's own commit at the end of the block then finds nothing to commit).
+    A lost lease commits nothing: the transaction is left aborted, to be rolled back.
+    """
     conn = connections[DEFAULT_DB_ALIAS]
     body: bytes | None = None
     omitted = True
@@ -94,18 +134,31 @@ def store(held: KeyClaim, response: HttpResponseBase) -> bool:
         held.owner,
         KeyState.IN_FLIGHT,
     ]
-    if conn.vendor == "postgresql":
+    if commit and _can_commit(conn):
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(_committing(conn, sql), _named(args))
+            stored = True
+        except DataError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != _LEASE_LOST_SQLSTATE:
+                raise
+            stored = False
+    elif conn.vendor == "postgresql":
         # A prepared statement of the session from its second use on.
         stored = fetch_one(sql, args, conn) is not None
     else:
         with conn.cursor() as cursor:
-            cursor.execute(sql, {f"a{n}": value for n, value in enumerate(args)})
+            cursor.execute(sql, _named(args))
             stored = bool(cursor.rowcount)
     if not stored:
         logger.warning(
             "idempotency key %s lost its lease before the response was stored", held.row.pk
         )
     return stored
+
+
+def _named(args: list[Any]) -> dict[str, Any]:
+    return {f"a{n}": value for n, value in enumerate(args)}
 
 
 def replay(row: IdempotencyKey) -> HttpResponse:
