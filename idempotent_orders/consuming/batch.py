@@ -38,6 +38,7 @@ from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.chunk import (
     Item,
     Waiting,
+    as_read,
     claim,
     claim_postgres,
     field_names,
@@ -217,8 +218,10 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         if item.envelope.message_id in claimed_ids:
             outcomes[item.index] = item.outcome
             announce(consumer, item.envelope, item.outcome, item.reason)
-            if item.recorded_outcome is Outcome.FAILED:  # parked, then failed on its release
-                announce(consumer, item.envelope, Outcome.FAILED, item.reason)
+            if item.recorded_outcome is not None and item.outcome is Outcome.PARKED:
+                # Parked, then released within the batch: the release is reported too,
+                # as ``release_parked`` reports it.
+                announce(consumer, item.envelope, item.recorded_outcome, item.reason)
             if Outcome.FAILED in (item.outcome, item.recorded_outcome):
                 dead.add(item.envelope.message_id)  # its redelivery must reach the inbox
         else:
@@ -351,7 +354,7 @@ def _decide_and_write(
         record_outcomes(claimed)
         return
     model = get_order_model()
-    state_name = state_field(model).name
+    state_name, state_attname = state_field(model).name, state_field(model).attname
     names = field_names(model)
     read_version = {pk: o.version for pk, o in orders.items()}
     changed: dict[int, dict[str, Any]] = {}
@@ -393,6 +396,8 @@ def _decide_and_write(
                 # A receiver saved the order in this transaction: the row holds its version.
                 read_version[order.pk] = version
             order.version = version + 1
+            # The next message of the chunk meets the order as a read would give it back.
+            as_read(order, [state_attname, *ran.values])
             values = {names.get(k, k): v for k, v in ran.values.items()}
             changed.setdefault(order.pk, {}).update(
                 values, **stamp, **{state_name: ran.target, "version": version + 1}

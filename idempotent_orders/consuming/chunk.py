@@ -6,6 +6,7 @@ recorded in the inbox (:mod:`~idempotent_orders.consuming.batch` decides between
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from idempotent_orders.signals import message_released
 __all__ = [
     "Item",
     "Waiting",
+    "as_read",
     "claim",
     "claim_postgres",
     "field_names",
@@ -83,6 +85,17 @@ class Item:
     #: The inbox row's body when it keeps more than an excerpt (a failed message, or
     #: one whose body raised under ``on_error``: the whole envelope).
     body: str | None = None
+
+
+def as_read(order: AbstractOrder, attnames: list[str]) -> None:
+    """Set ``attnames`` of ``order`` to what reading the row back would give: ``1``, not
+    ``Level.SUBMITTED``; ``"paid"``, not ``ShopState.PAID``."""
+    for attname in attnames:
+        value = order.__dict__.get(attname)
+        if value is None:
+            continue
+        value = _concrete(type(order), attname).to_python(value)
+        order.__dict__[attname] = value.value if isinstance(value, enum.Enum) else value
 
 
 def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
@@ -477,9 +490,7 @@ def record_released(released: list[tuple[Waiting, Verdict | Exception]], errored
                 updated_at=timezone.now(),
             )
             log_failure(entry.consumer, row.message_id, row.order_id, 1, reason, verdict)
-            transaction.on_commit(
-                functools.partial(released_failed, entry.consumer, row, verdict, reason)
-            )
+            transaction.on_commit(functools.partial(_released_failed, entry.consumer, row, reason))
             continue
         body = {"body": serialise(row.envelope)} if row.message_id in errored else {}
         inbox.update(
@@ -490,18 +501,32 @@ def record_released(released: list[tuple[Waiting, Verdict | Exception]], errored
             **body,
         )
         transaction.on_commit(
-            functools.partial(
-                message_released.send,
-                sender=ParkedMessage,
-                consumer=entry.consumer,
-                message_id=row.message_id,
-                order_id=row.order_id,
-                outcome=verdict.outcome,
-            )
+            functools.partial(_released, entry.consumer, row, verdict.outcome, verdict.reason)
         )
 
 
-def released_failed(consumer: str, row: ParkedMessage, exc: Exception, reason: str) -> None:
+def _released(consumer: str, row: ParkedMessage, outcome: Outcome, reason: str) -> None:
+    """After commit: a parked message released by the chunk, reported as ``release_parked``
+    reports it."""
+    message_released.send(
+        sender=ParkedMessage,
+        consumer=consumer,
+        message_id=row.message_id,
+        order_id=row.order_id,
+        outcome=outcome,
+    )
+    envelope = row.envelope if isinstance(row.envelope, dict) else {}
+    consumed(
+        consumer,
+        row.message_id,
+        outcome,
+        message_type=str(envelope.get("type", "")),
+        order_id=row.order_id,
+        reason=reason,
+    )
+
+
+def _released_failed(consumer: str, row: ParkedMessage, reason: str) -> None:
     """After commit: a released message that failed is forgotten by the fast path (its
     redelivery must reach the inbox) and reported, as ``release_parked`` does."""
     dedup.forget(consumer, row.message_id)

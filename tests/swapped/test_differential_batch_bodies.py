@@ -1,0 +1,246 @@
+"""Transition bodies in one batch chunk, against django-fsm-2 itself and the single road.
+
+A stream of messages for several orders goes three ways: each message's transition called
+directly on the first set of orders (fsm-2 and ``save()``, one transaction per call, as a
+project runs them without the app), each message through ``consume_message`` on the
+second, and the whole stream through one ``consume_batch`` call (one chunk) on the third.
+The rows, the rows the bodies wrote, the fsm-2 signals and the inbox must end the same:
+a body that raises in the middle of the chunk is kept as failed and runs no other
+message's code twice; a condition reads what an earlier message of the same chunk wrote;
+``on_error`` moves the order and keeps the message as rejected; receivers write.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.db import OperationalError
+from django.test import override_settings
+
+from idempotent_orders.consuming import batch as batch_module
+from idempotent_orders.consuming import writing
+from idempotent_orders.consuming.batch import consume_batch
+from idempotent_orders.consuming.failures import MessageFailed
+from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
+from idempotent_orders.signals import message_consumed, order_transitioned
+from tests.shop.models import ConcurrentFlowOrder, FlowOrder, IntOrder, KeyOrder, Payment
+from tests.swapped import test_differential_fsm as fsm_suite
+from tests.swapped.test_differential_fsm import (
+    CONSUMER,
+    Case,
+    Signals,
+    direct,
+    fill,
+    new_order,
+    snapshot,
+)
+
+# The fsm-2 suite's fixtures: its message types, FSMKeyField states and signal recorder.
+message_types = fsm_suite.message_types
+stages = fsm_suite.stages
+signals = fsm_suite.signals
+
+#: ``(order letter, transition, payload)`` in arrival order; ``%`` is the order's tag.
+Step = tuple[str, str, dict[str, Any]]
+
+STREAMS: dict[str, tuple[type[Any], list[Step]]] = {
+    "flow": (
+        FlowOrder,
+        [
+            ("a", "pay", {"payment_id": "p-%", "amount": "10.00"}),
+            ("b", "crash", {}),  # raises in the middle of the chunk
+            # The condition reads the Payment row the body above wrote in this chunk.
+            ("a", "ship", {"tracking_number": "T-%"}),
+            ("c", "pay", {"payment_id": "p-%", "amount": "4.00"}),
+            # paid_in_full reads paid_total, which the message above wrote: not yet.
+            ("c", "settle_up", {}),
+            ("d", "pay", {"payment_id": "p-%", "amount": "10.00"}),
+            ("d", "review", {"fail": True}),  # on_error: moved to "failed", rejected
+            ("c", "pay", {"payment_id": "q-%", "amount": "6.00"}),
+            ("d", "remark", {"text": "after the review"}),
+            ("b", "pay", {"payment_id": "p-%", "amount": "1.00"}),
+            ("e", "pay", {"payment_id": "p-%", "amount": "1.00"}),
+            # The database refuses the body's row (its payment id is taken): failed, alone.
+            ("e", "pay", {"payment_id": "p-%", "amount": "9.00"}),
+            ("e", "pay", {"payment_id": "q-%", "amount": "9.00"}),
+            ("e", "acknowledge", {}),  # a body that calls another transition
+        ],
+    ),
+    # The receiver saves the order itself, twice in the chunk for one order.
+    "concurrent": (
+        ConcurrentFlowOrder,
+        [
+            ("a", "pay", {"payment_id": "p-%", "amount": "4.00"}),
+            ("b", "pay", {"payment_id": "p-%", "amount": "10.00"}),
+            ("a", "pay", {"payment_id": "q-%", "amount": "6.00"}),
+            ("a", "ship", {"tracking_number": "T-%"}),
+        ],
+    ),
+    "integer": (
+        IntOrder,
+        [
+            ("a", "submit", {"text": "first"}),
+            ("b", "approve", {}),  # not allowed yet: parked, never released
+            ("a", "approve", {}),
+            ("b", "decline", {}),
+        ],
+    ),
+    "key": (
+        KeyOrder,
+        [("a", "kpay", {"payment_id": "k-%"}), ("a", "kship", {}), ("b", "kship", {})],
+    ),
+}
+
+
+def _messages(steps: list[Step], orders: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "message_id": f"m-{uuid.uuid4().hex}",
+            "type": f"diff.{name}",
+            "order_id": orders[letter].pk,
+            "payload": fill(payload, orders[letter].business_key),
+        }
+        for letter, name, payload in steps
+    ]
+
+
+class Heard:
+    """The app's own signals per order: what was consumed, what transitioned (after commit)."""
+
+    def __init__(self) -> None:
+        self.consumed: dict[Any, list[str]] = {}
+        self.transitioned: dict[Any, list[tuple[str, Any]]] = {}
+
+    def on_consumed(self, sender: Any, order_id: Any, outcome: Any, **kw: Any) -> None:
+        self.consumed.setdefault(order_id, []).append(str(outcome))
+
+    def on_transitioned(self, sender: Any, order: Any, transition: str, **kw: Any) -> None:
+        self.transitioned.setdefault(order.pk, []).append((transition, kw["target"]))
+
+
+@pytest.fixture
+def heard() -> Iterator[Heard]:
+    recorder = Heard()
+    message_consumed.connect(recorder.on_consumed, weak=False)
+    order_transitioned.connect(recorder.on_transitioned, weak=False)
+    yield recorder
+    message_consumed.disconnect(recorder.on_consumed)
+    order_transitioned.disconnect(recorder.on_transitioned)
+
+
+def _orders(model: type[Any], steps: list[Step]) -> dict[str, Any]:
+    letters = sorted({step[0] for step in steps})
+    return {letter: new_order(Case("stream", model, "")) for letter in letters}
+
+
+def _single(messages: list[dict[str, Any]]) -> list[Outcome]:
+    outcomes = []
+    for message in messages:
+        try:
+            outcomes.append(consume_message(message, consumer=CONSUMER))
+        except MessageFailed:
+            outcomes.append(Outcome.FAILED)
+    return outcomes
+
+
+def _inbox(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    found = ProcessedMessage.objects.filter(
+        consumer=CONSUMER, message_id__in=[m["message_id"] for m in messages]
+    ).values_list("message_id", "status", "outcome")
+    rows = {m: (s, o) for m, s, o in found}
+    return [rows[m["message_id"]] for m in messages]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+def test_a_chunk_of_bodies_ends_as_the_direct_calls(
+    stream: str, message_types: None, stages: None, signals: Signals, heard: Heard
+) -> None:
+    model, steps = STREAMS[stream]
+    oracle, single, batch = _orders(model, steps), _orders(model, steps), _orders(model, steps)
+    signals.seen.clear()
+    for message, (letter, name, _) in zip(_messages(steps, oracle), steps, strict=True):
+        direct(oracle[letter], name, message["payload"])
+        oracle[letter] = model.objects.get(pk=oracle[letter].pk)
+    single_messages, batch_messages = _messages(steps, single), _messages(steps, batch)
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL=model._meta.label):
+        single_outcomes = _single(single_messages)
+        batch_outcomes = consume_batch(batch_messages, consumer=CONSUMER)
+    assert batch_outcomes == single_outcomes
+    assert _inbox(batch_messages) == _inbox(single_messages)
+    for letter in oracle:
+        expected = snapshot(oracle[letter])
+        for path, orders in (("single", single), ("batch", batch)):
+            assert snapshot(orders[letter]) == expected, (path, letter)
+            # Each fsm-2 signal once, as the direct calls sent it: none sent twice by a
+            # chunk that ran again, none missing for a message that raised.
+            seen = signals.seen.get(orders[letter].pk, [])
+            assert seen == signals.seen.get(oracle[letter].pk, []), (path, letter)
+        pk_single, pk_batch = single[letter].pk, batch[letter].pk
+        assert sorted(heard.consumed.get(pk_batch, [])) == sorted(heard.consumed.get(pk_single, []))
+        assert heard.transitioned.get(pk_batch) == heard.transitioned.get(pk_single), letter
+    for message, outcome in zip(batch_messages, batch_outcomes, strict=True):
+        row = ProcessedMessage.objects.get(consumer=CONSUMER, message_id=message["message_id"])
+        if outcome is Outcome.FAILED:
+            assert row.status == InboxStatus.FAILED
+            assert "Error(" in row.error
+            assert " at " in row.error
+            assert json.loads(row.body)["payload"] == message["payload"]
+    if stream == "flow":
+        assert Outcome.FAILED in batch_outcomes  # the stream does what it says
+        assert batch_outcomes.count(Outcome.REJECTED) >= 1
+        assert Payment.objects.filter(order__in=batch.values()).count() == 7
+
+
+class _Deadlock(Exception):
+    sqlstate = "40P01"
+
+
+def _deadlock() -> OperationalError:
+    error = OperationalError("deadlock detected")
+    error.__cause__ = _Deadlock()
+    return error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chunk_run_again_after_a_deadlock_sends_what_the_single_road_sends(
+    message_types: None, signals: Signals, heard: Heard
+) -> None:
+    """The database rolled the transaction back after the bodies ran: both roads run it
+    again, and the receivers with it (their writes were rolled back too), so fsm-2's
+    signals come once per attempt on both; what is sent after commit comes once."""
+    steps: list[Step] = [("a", "pay", {"payment_id": "p-%", "amount": "10.00"})]
+    single, batch = _orders(FlowOrder, steps), _orders(FlowOrder, steps)
+    signals.seen.clear()
+    once = {"single": True, "batch": True}
+
+    def failing(real: Any, road: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if once[road]:
+                once[road] = False
+                raise _deadlock()
+            return real(*args, **kwargs)
+
+        return call
+
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+        with mock.patch.object(writing, "commit", failing(writing.commit, "single")):
+            assert _single(_messages(steps, single)) == [Outcome.APPLIED]
+        with mock.patch.object(
+            batch_module, "update_orders", failing(batch_module.update_orders, "batch")
+        ):
+            assert consume_batch(_messages(steps, batch), consumer=CONSUMER) == [Outcome.APPLIED]
+    assert once == {"single": False, "batch": False}
+    seen_single = signals.seen[single["a"].pk]
+    assert [s[0] for s in seen_single] == ["pre", "post", "pre", "post"]
+    assert signals.seen[batch["a"].pk] == seen_single
+    assert snapshot(batch["a"]) == snapshot(single["a"])
+    assert heard.consumed[batch["a"].pk] == heard.consumed[single["a"].pk] == ["applied"]
+    assert heard.transitioned[batch["a"].pk] == heard.transitioned[single["a"].pk]
+    assert len(heard.transitioned[batch["a"].pk]) == 1
