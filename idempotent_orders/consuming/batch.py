@@ -64,7 +64,7 @@ from idempotent_orders.consuming.failures import (
     is_retryable,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.payments import payment_id, spend
+from idempotent_orders.consuming.payments import Reservation, payment_id, spend
 from idempotent_orders.consuming.running import (
     advance,
     call_transition,
@@ -367,6 +367,20 @@ def _decide_and_write(
     stamp = written_values(model, {})
 
     spends: list[SpentPayment] = []
+    # Where the project's code runs, the chunk's payment ids are spent before it does.
+    reservation = (
+        Reservation(
+            consumer,
+            [
+                (payment, i.envelope.order_id, i.envelope.message_id)
+                for i in live
+                if i.envelope.handler.money
+                and (payment := payment_id(i.envelope.payload)) is not None
+            ],
+        )
+        if user
+        else None
+    )
     #: Messages whose body raised under fsm-2's ``on_error`` (kept as rejected).
     errored: set[str] = set()
 
@@ -374,11 +388,16 @@ def _decide_and_write(
         """The verdict's effect on the order, in memory (written by one UPDATE later);
         the verdict it ends with (a payment spent already, a body's ``on_error``)."""
         payment = payment_id(env.payload) if verdict.transition and env.handler.money else None
-        if payment is not None and user:
-            # Recorded first, as the single path does: a payment spent already runs no body.
-            owner = spend(payment, order.pk, consumer, env.message_id)
+        paid = None
+        if payment is not None and reservation is not None:
+            # Spent first, as the single path does: a payment spent already runs no body.
+            known, owner = reservation.owner(payment)
+            if not known:  # not among the chunk's own (a message parked before it)
+                owner = spend(payment, order.pk, consumer, env.message_id)
             if owner is not None:
                 verdict = spent_verdict(env, order, Spent(payment, owner))
+            else:
+                paid = payment
         elif payment is not None:
             spends.append(
                 SpentPayment(
@@ -407,7 +426,7 @@ def _decide_and_write(
             if ran.error is not None:
                 reason = on_error_reason(env, consumer, order, verdict.transition, ran)
                 errored.add(env.message_id)
-                return Verdict(Outcome.REJECTED, reason)
+                verdict = Verdict(Outcome.REJECTED, reason)
         elif verdict.transition:
             transition_starting(order, verdict.transition)
             values = {**stamp, **verdict.values}
@@ -419,6 +438,8 @@ def _decide_and_write(
         elif verdict.outcome is not Outcome.PARKED and verdict.advance_to is not None:
             order.last_seq = verdict.advance_to
             changed.setdefault(order.pk, {})["last_seq"] = verdict.advance_to
+        if paid is not None and reservation is not None:
+            reservation.used(paid, order.pk, env.message_id)
         return verdict
 
     def judge(order: AbstractOrder, env: Envelope) -> Verdict | Exception:
@@ -480,6 +501,8 @@ def _decide_and_write(
             queue.append(Waiting(consumer, env, item=item))
         release(order)
 
+    if reservation is not None:
+        reservation.settle()
     if spends:
         # A payment id spent already (or twice in this chunk) fails the insert: the
         # chunk rolls back and its messages go one by one, each told why.

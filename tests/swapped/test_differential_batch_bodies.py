@@ -244,3 +244,72 @@ def test_a_chunk_run_again_after_a_deadlock_sends_what_the_single_road_sends(
     assert heard.consumed[batch["a"].pk] == heard.consumed[single["a"].pk] == ["applied"]
     assert heard.transitioned[batch["a"].pk] == heard.transitioned[single["a"].pk]
     assert len(heard.transitioned[batch["a"].pk]) == 1
+
+
+def _charges(order: Any) -> dict[str, Any]:
+    """:func:`snapshot` with the charge ids as their stream names them (``CH``, ``CH2``)."""
+    taken = snapshot(order)
+    return {**taken, "payments": [(p.split("-")[0], a) for p, a in taken["payments"]]}
+
+
+def _named(signals: Signals, order: Any) -> list[tuple[Any, ...]]:
+    """The order's fsm-2 signals, the charge ids as the stream names them."""
+    return [
+        (*s[:5], {k: str(v).split("-")[0] for k, v in s[5].items()}, s[6])
+        for s in signals.seen.get(order.pk, [])
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_payment_spent_within_a_chunk_of_bodies_is_spent_once(
+    message_types: None, signals: Signals
+) -> None:
+    """A money message's payment is spent before its body runs, as on the single road: a
+    second message with the same payment is a duplicate on its order and money to give
+    back on another, and its body never runs (no fsm-2 signal, no Payment row)."""
+    from idempotent_orders.consuming import registry as handlers
+
+    handlers.register("diff.money", transition="pay", money=True)
+    steps: list[Step] = [
+        ("a", "money", {"payment_id": "CH", "amount": "4.00"}),
+        ("b", "money", {"payment_id": "CH", "amount": "10.00"}),  # another order: refund
+        ("a", "money", {"payment_id": "CH", "amount": "4.00"}),  # same order: duplicate
+        ("c", "crash", {}),
+        ("c", "money", {"payment_id": "CH2", "amount": "10.00"}),
+        ("b", "money", {"payment_id": "CH3", "amount": "10.00"}),
+    ]
+    runs = {}
+    for road in ("single", "batch"):
+        orders = _orders(FlowOrder, steps)
+        messages = _messages(steps, orders)
+        for message in messages:  # one charge id per road, shared by its orders
+            if "payment_id" in message["payload"]:
+                message["payload"]["payment_id"] += f"-{orders['a'].business_key}"
+        with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+            if road == "single":
+                outcomes = _single(messages)
+            else:
+                outcomes = consume_batch(messages, consumer=CONSUMER)
+        runs[road] = (orders, messages, outcomes)
+    (s_orders, s_messages, s_outcomes), (b_orders, b_messages, b_outcomes) = (
+        runs["single"],
+        runs["batch"],
+    )
+    assert b_outcomes == s_outcomes
+    assert s_outcomes[:3] == [Outcome.APPLIED, Outcome.REJECTED, Outcome.DUPLICATE]
+    assert _inbox(b_messages) == _inbox(s_messages)
+    for letter in s_orders:
+        assert _charges(b_orders[letter]) == _charges(s_orders[letter]), letter
+        assert _named(signals, b_orders[letter]) == _named(signals, s_orders[letter]), letter
+    from idempotent_orders.models import SpentPayment
+
+    for road, (orders, _, _) in runs.items():
+        spent = sorted(
+            (p.split("-")[0], o)
+            for p, o in SpentPayment.objects.filter(
+                order_id__in=[o.pk for o in orders.values()]
+            ).values_list("payment_id", "order_id")
+        )
+        by_letter = {o.pk: letter for letter, o in orders.items()}
+        runs[road] = sorted((p, by_letter[o]) for p, o in spent)  # type: ignore[assignment]
+    assert runs["batch"] == runs["single"] == [("CH", "a"), ("CH2", "c"), ("CH3", "b")]
