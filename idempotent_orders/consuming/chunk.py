@@ -98,26 +98,58 @@ def as_read(order: AbstractOrder, attnames: list[str]) -> None:
         order.__dict__[attname] = value.value if isinstance(value, enum.Enum) else value
 
 
+class _Savepoint:
+    """A savepoint taken just before the first statement sent while it is installed
+    (``connection.execute_wrapper``): code that sends none costs no round trip."""
+
+    def __init__(self) -> None:
+        self.sid: str | None = None
+        self.taking = False
+
+    def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, *args: Any) -> Any:
+        if self.sid is None and not self.taking:
+            self.taking = True  # the SAVEPOINT statement itself passes through here
+            try:
+                self.sid = transaction.savepoint()
+            finally:
+                self.taking = False
+        return execute(sql, params, *args)
+
+
 def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
     """Run ``step`` (a message's decision and transition: the project's code) in a
     savepoint of the chunk's transaction; return what it raised instead of raising.
 
-    What raised rolls back only this savepoint, and ``order`` is put back as it was
-    in memory, so the chunk goes on and no other message's code runs twice. An error
-    after which the delivery is simply run again (a lost connection, a deadlock)
-    still propagates: the whole chunk rolls back.
+    What raised rolls back only this savepoint (and drops the ``on_commit`` callbacks
+    registered since), and ``order`` is put back as it was in memory, so the chunk
+    goes on and no other message's code runs twice. The savepoint is taken at the
+    first statement ``step`` sends through Django's connection, so a body that writes
+    only the order's own fields costs no round trip. An error after which the
+    delivery is simply run again (a lost connection, a deadlock) still propagates:
+    the whole chunk rolls back.
     """
     before = snapshot_of(order)
     version: int = order.version
+    savepoint = _Savepoint()
+    callbacks = len(connection.run_on_commit)
     try:
-        with transaction.atomic():
-            return step()
+        with connection.execute_wrapper(savepoint):
+            done = step()
     except TRANSIENT:
         restore(order, before, version)
         raise
     except Exception as exc:
         restore(order, before, version)
+        # As atomic() does: the flag a failed query set is lowered first (the rollback is
+        # itself a query), and the transaction goes on from the savepoint.
+        transaction.set_rollback(False)
+        if savepoint.sid is not None:
+            transaction.savepoint_rollback(savepoint.sid)
+        del connection.run_on_commit[callbacks:]
         return exc
+    if savepoint.sid is not None:
+        transaction.savepoint_commit(savepoint.sid)
+    return done
 
 
 def claim(consumer: str, items: list[Item], known: set[int]) -> dict[str, int]:
