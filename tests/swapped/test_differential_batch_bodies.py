@@ -19,8 +19,10 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django_fsm.signals import pre_transition
 
 from idempotent_orders.consuming import batch as batch_module
 from idempotent_orders.consuming import writing
@@ -313,3 +315,76 @@ def test_a_payment_spent_within_a_chunk_of_bodies_is_spent_once(
         by_letter = {o.pk: letter for letter, o in orders.items()}
         runs[road] = sorted((p, by_letter[o]) for p, o in spent)  # type: ignore[assignment]
     assert runs["batch"] == runs["single"] == [("CH", "a"), ("CH2", "c"), ("CH3", "b")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_body_that_sends_no_statement_takes_no_savepoint(message_types: None) -> None:
+    """The savepoint is taken at the first statement a message's code sends: ``remark``
+    only sets a field (none), ``pay`` records a Payment row (one each)."""
+    steps: list[Step] = [
+        ("a", "remark", {"text": "one"}),
+        ("b", "remark", {"text": "two"}),
+        ("c", "pay", {"payment_id": "p-%", "amount": "4.00"}),
+        ("d", "pay", {"payment_id": "p-%", "amount": "4.00"}),
+    ]
+    orders = _orders(FlowOrder, steps)
+    messages = _messages(steps, orders)
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+        with CaptureQueriesContext(connection) as remarks:
+            assert consume_batch(messages[:2], consumer=CONSUMER) == [Outcome.APPLIED] * 2
+        with CaptureQueriesContext(connection) as payments:
+            assert consume_batch(messages[2:], consumer=CONSUMER) == [Outcome.APPLIED] * 2
+
+    def savepoints(captured: CaptureQueriesContext) -> int:
+        return sum(q["sql"].lstrip().upper().startswith("SAVEPOINT") for q in captured)
+
+    assert savepoints(remarks) == 0
+    assert savepoints(payments) == 2
+    assert FlowOrder.objects.get(pk=orders["b"].pk).note == "two"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("road", ["single", "batch"])
+def test_what_a_failed_message_registered_on_commit_is_dropped(
+    road: str, message_types: None
+) -> None:
+    """A receiver's ``on_commit`` callback goes with its message's rolled-back work, as
+    a direct call's goes with its transaction; the chunk's other messages keep theirs."""
+    ran: list[str] = []
+
+    def receiver(sender: Any, instance: Any, name: str, **kw: Any) -> None:
+        transaction.on_commit(lambda: ran.append(name))
+
+    steps: list[Step] = [("a", "remark", {"text": "kept"}), ("b", "crash", {})]
+    orders = _orders(FlowOrder, steps)
+    messages = _messages(steps, orders)
+    pre_transition.connect(receiver, weak=False)
+    try:
+        with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+            if road == "single":
+                outcomes = _single(messages)
+            else:
+                outcomes = consume_batch(messages, consumer=CONSUMER)
+    finally:
+        pre_transition.disconnect(receiver)
+    assert outcomes == [Outcome.APPLIED, Outcome.FAILED]
+    assert ran == ["remark"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_body_that_writes_null_writes_it_in_a_chunk(
+    message_types: None, django_user_model: Any
+) -> None:
+    """NULL in the chunk's one UPDATE means "unchanged" except where a body wrote it."""
+    from idempotent_orders.consuming import registry as handlers
+
+    handlers.register("diff.unassign", transition="unassign")
+    buyer = django_user_model.objects.create(username=f"u-{uuid.uuid4().hex[:8]}")
+    steps: list[Step] = [("a", "unassign", {}), ("b", "remark", {"text": "kept"})]
+    orders = _orders(FlowOrder, steps)
+    FlowOrder.objects.filter(pk__in=[o.pk for o in orders.values()]).update(customer=buyer)
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+        outcomes = consume_batch(_messages(steps, orders), consumer=CONSUMER)
+    assert outcomes == [Outcome.APPLIED, Outcome.APPLIED]
+    assert FlowOrder.objects.get(pk=orders["a"].pk).customer_id is None
+    assert FlowOrder.objects.get(pk=orders["b"].pk).customer_id == buyer.pk
