@@ -110,7 +110,7 @@ class _Savepoint:
         if self.sid is None and not self.taking:
             self.taking = True  # the SAVEPOINT statement itself passes through here
             try:
-                self.sid = transaction.savepoint()
+                self.sid = connection.savepoint()
             finally:
                 self.taking = False
         return execute(sql, params, *args)
@@ -144,11 +144,11 @@ def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
         # itself a query), and the transaction goes on from the savepoint.
         transaction.set_rollback(False)
         if savepoint.sid is not None:
-            transaction.savepoint_rollback(savepoint.sid)
+            connection.savepoint_rollback(savepoint.sid)
         del connection.run_on_commit[callbacks:]
         return exc
     if savepoint.sid is not None:
-        transaction.savepoint_commit(savepoint.sid)
+        connection.savepoint_commit(savepoint.sid)
     return done
 
 
