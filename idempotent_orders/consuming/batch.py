@@ -20,18 +20,15 @@ keys, as the single path does.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import OperationalError, connection, transaction
 from django.db.models import (
     Case,
-    F,
     Model,
     Value,
     When,
@@ -40,18 +37,37 @@ from django.db.models import (
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.chunk import (
     Item,
+    Waiting,
+    as_read,
     claim,
     claim_postgres,
+    field_names,
+    guarded,
     lock_orders,
+    parked_before,
+    record_outcomes,
+    record_released,
+    settle,
     update_orders,
 )
-from idempotent_orders.consuming.decision import Verdict, announce, decide, unknown_order
-from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
-from idempotent_orders.consuming.failures import RETRYABLE, TRANSIENT, MessageFailed, is_retryable
-from idempotent_orders.consuming.graph import TransitionResult, state_field
-from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.decision import (
+    Verdict,
+    announce,
+    decide,
+    unknown_order,
+)
+from idempotent_orders.consuming.envelope import Envelope, parse_envelope, serialise
+from idempotent_orders.consuming.failures import (
+    RETRYABLE,
+    TRANSIENT,
+    MessageFailed,
+    is_retryable,
+)
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
+from idempotent_orders.consuming.payments import Reservation, payment_id, spend
 from idempotent_orders.consuming.running import (
     advance,
+    call_transition,
     runs_user_code,
     transition_heard,
     transition_starting,
@@ -59,7 +75,7 @@ from idempotent_orders.consuming.running import (
     written_values,
 )
 from idempotent_orders.consuming.single import consume_message, release_parked
-from idempotent_orders.consuming.writing import park
+from idempotent_orders.consuming.writing import Spent, on_error_reason, park, spent_verdict
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
 from idempotent_orders.models import (
     AbstractOrder,
@@ -69,7 +85,6 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
-from idempotent_orders.signals import message_released
 
 __all__ = ["consume_batch"]
 
@@ -121,9 +136,9 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             repeats.append((index, envelope))
             continue
         items[envelope.message_id] = Item(index=index, envelope=envelope)
-    if items and not _plain(get_order_model(), items.values()):
-        # A transition with a body or a receiver runs one message at a time, in
-        # arrival order, on the single path: each sees what the previous ones wrote.
+    user = _runs_user_code(get_order_model(), items.values())
+    if user is None:
+        # A message type bound to a transition the model lacks: the single path says why.
         rest = sorted([(i.index, i.envelope) for i in items.values()] + repeats, key=lambda x: x[0])
         outcomes.update(_one_by_one([(index, messages[index]) for index, _ in rest], consumer))
         return outcomes
@@ -145,7 +160,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         for attempt in range(attempts):
             fresh = {m: Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
             try:
-                claimed, settled = _transact(consumer, fresh)
+                claimed, settled = _transact(consumer, fresh, user)
             except OperationalError as exc:
                 if attempt + 1 == attempts or not is_retryable(exc):
                     raise
@@ -153,9 +168,10 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             except TRANSIENT:
                 raise
             except Exception:
-                # A validator raised (or the database refused a row): the chunk rolled
-                # back whole. Each message goes alone, so the bad one is recorded as
-                # failed and the good ones commit.
+                # A validator raised (or the database refused a row) where no project
+                # code ran (a chunk that runs some keeps each message's failure in a
+                # savepoint of its own): the chunk rolled back whole. Each message goes
+                # alone, so the bad one is recorded as failed and the good ones commit.
                 logger.warning(
                     "a batch of %d rolled back on an error; consuming its messages one by one",
                     len(items),
@@ -202,6 +218,12 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         if item.envelope.message_id in claimed_ids:
             outcomes[item.index] = item.outcome
             announce(consumer, item.envelope, item.outcome, item.reason)
+            if item.recorded_outcome is not None and item.outcome is Outcome.PARKED:
+                # Parked, then released within the batch: the release is reported too,
+                # as ``release_parked`` reports it.
+                announce(consumer, item.envelope, item.recorded_outcome, item.reason)
+            if Outcome.FAILED in (item.outcome, item.recorded_outcome):
+                dead.add(item.envelope.message_id)  # its redelivery must reach the inbox
         else:
             outcomes[item.index] = Outcome.DUPLICATE
             announce(consumer, item.envelope, Outcome.DUPLICATE, "already in the inbox")
@@ -233,15 +255,16 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     return outcomes
 
 
-def _plain(model: type[Model], items: Any) -> bool:
-    """Whether every message of the chunk drives a transition with nothing of the
-    project's to run: no body, no fsm-2 receiver (see ``runs_user_code``).
+def _runs_user_code(model: type[Model], items: Any) -> bool | None:
+    """Whether a message of the chunk drives a transition with something of the
+    project's to run: a body, an fsm-2 receiver (see ``runs_user_code``); None when
+    one names a transition the model lacks.
     """
     names = {item.envelope.handler.transition for item in items}
     try:
-        return not any(runs_user_code(model, name) for name in names)
+        return any(runs_user_code(model, name) for name in names)
     except UnknownTransition:
-        return False  # the single path records why
+        return None
 
 
 def _one_by_one(messages: list[tuple[int, Any]], consumer: str) -> dict[int, Outcome]:
@@ -255,8 +278,9 @@ def _one_by_one(messages: list[tuple[int, Any]], consumer: str) -> dict[int, Out
     return outcomes
 
 
-def _transact(consumer: str, items: dict[str, Item]) -> tuple[list[Item], set[int]]:
-    """Claim, decide and write one chunk in one transaction.
+def _transact(consumer: str, items: dict[str, Item], user: bool) -> tuple[list[Item], set[int]]:
+    """Claim, decide and write one chunk in one transaction (``user``: the project's code
+    runs, each message's in a savepoint).
 
     Returns the claimed items and the orders it locked that have no parked
     message when it commits (``has_parked`` false).
@@ -289,29 +313,17 @@ def _transact(consumer: str, items: dict[str, Item]) -> tuple[list[Item], set[in
             item.pk = new_ids[item.envelope.message_id]
         if not lock_first:
             orders = lock_orders({i.envelope.order_id for i in claimed} & known)
-        _decide_and_write(consumer, claimed, orders)
+        _decide_and_write(consumer, claimed, orders, user)
     return claimed, {pk for pk, order in orders.items() if not order.has_parked}
 
 
-@dataclass
-class _Waiting:
-    """A parked message of a locked order: parked earlier (``row``) or earlier in this batch."""
-
-    consumer: str
-    envelope: Envelope | None
-    row: ParkedMessage | None = None
-    item: Item | None = None
-    #: Why it cannot be read (a handler was unregistered since it was parked).
-    unreadable: str = ""
-
-
-def _waiting_key(vendor: str) -> Callable[[tuple[int, _Waiting]], tuple[Any, ...]]:
+def _waiting_key(vendor: str) -> Callable[[tuple[int, Waiting]], tuple[Any, ...]]:
     """The order ``release_parked`` takes parked rows in: ``ORDER BY seq, id`` as the
     database sorts it (NULL last on PostgreSQL, first elsewhere), batch items last.
     """
     nulls_last = vendor == "postgresql"
 
-    def key(entry: tuple[int, _Waiting]) -> tuple[Any, ...]:
+    def key(entry: tuple[int, Waiting]) -> tuple[Any, ...]:
         position, waiting = entry
         seq = waiting.envelope.seq if waiting.envelope is not None else None
         if seq is None and waiting.row is not None:
@@ -321,25 +333,9 @@ def _waiting_key(vendor: str) -> Callable[[tuple[int, _Waiting]], tuple[Any, ...
     return key
 
 
-def _parked_before(orders: Mapping[int, AbstractOrder]) -> dict[int, list[_Waiting]]:
-    """The parked messages of the locked orders that have any, as ``release_parked`` reads them."""
-    flagged = [pk for pk, order in orders.items() if order.has_parked]
-    waiting: dict[int, list[_Waiting]] = {}
-    if not flagged:
-        return waiting
-    for row in ParkedMessage.objects.filter(order_id__in=flagged).order_by("seq", "id"):
-        try:
-            envelope: Envelope | None = parse_envelope(row.envelope, consumer=row.consumer)
-            unreadable = ""
-        except InvalidMessage as exc:
-            envelope, unreadable = None, exc.message
-        waiting.setdefault(row.order_id, []).append(
-            _Waiting(row.consumer, envelope, row=row, unreadable=unreadable)
-        )
-    return waiting
-
-
-def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, AbstractOrder]) -> None:
+def _decide_and_write(
+    consumer: str, claimed: list[Item], orders: dict[int, AbstractOrder], user: bool
+) -> None:
     """Decide each claimed message with the engine, in arrival order, then write them all.
 
     The single path releases an order's parked messages after each message it
@@ -347,39 +343,91 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
     batch is decided: messages parked before the batch and messages of the
     batch itself that can now go ahead are decided in ``release_parked``'s
     order. What is still waiting at the end is parked.
+
+    ``user``: the project's code runs (a body, a condition, a receiver). Each
+    message's decision and transition then run in a savepoint of their own, so
+    one that raises is kept as failed and rolls back only its own writes, as the
+    single path keeps it, and no other message's code runs again.
     """
     live = [i for i in claimed if i.order_exists]
     if not live:
-        _record_outcomes(claimed)
+        record_outcomes(claimed)
         return
     model = get_order_model()
-    state_name = state_field(model).name
+    state_name, state_attname = state_field(model).name, state_field(model).attname
+    names = field_names(model)
     read_version = {pk: o.version for pk, o in orders.items()}
     changed: dict[int, dict[str, Any]] = {}
     transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
-    waiting = _parked_before(orders)
-    released: list[tuple[_Waiting, Verdict]] = []
+    waiting = parked_before(orders)
+    released: list[tuple[Waiting, Verdict | Exception]] = []
     order_key = _waiting_key(connection.vendor)
     # ``updated_at`` (when the model has one): one moment for the whole chunk,
     # the moment of its one UPDATE.
     stamp = written_values(model, {})
 
     spends: list[SpentPayment] = []
+    # Where the project's code runs, the chunk's payment ids are spent before it does.
+    reservation = (
+        Reservation(
+            consumer,
+            [
+                (payment, i.envelope.order_id, i.envelope.message_id)
+                for i in live
+                if i.envelope.handler.money
+                and (payment := payment_id(i.envelope.payload)) is not None
+            ],
+        )
+        if user
+        else None
+    )
+    #: Messages whose body raised under fsm-2's ``on_error`` (kept as rejected).
+    errored: set[str] = set()
 
-    def take(order: AbstractOrder, verdict: Verdict, env: Envelope | None) -> None:
-        """The verdict's effect on the order, in memory (written by one UPDATE later)."""
-        if verdict.transition and env is not None and env.handler.money:
-            payment = payment_id(env.payload)
-            if payment is not None:
-                spends.append(
-                    SpentPayment(
-                        payment_id=payment,
-                        order_id=order.pk,
-                        consumer=consumer,
-                        message_id=env.message_id,
-                    )
+    def take(order: AbstractOrder, verdict: Verdict, env: Envelope) -> Verdict:
+        """The verdict's effect on the order, in memory (written by one UPDATE later);
+        the verdict it ends with (a payment spent already, a body's ``on_error``)."""
+        payment = payment_id(env.payload) if verdict.transition and env.handler.money else None
+        paid = None
+        if payment is not None and reservation is not None:
+            # Spent first, as the single path does: a payment spent already runs no body.
+            known, owner = reservation.owner(payment)
+            if not known:  # not among the chunk's own (a message parked before it)
+                owner = spend(payment, order.pk, consumer, env.message_id)
+            if owner is not None:
+                verdict = spent_verdict(env, order, Spent(payment, owner))
+            else:
+                paid = payment
+        elif payment is not None:
+            spends.append(
+                SpentPayment(
+                    payment_id=payment,
+                    order_id=order.pk,
+                    consumer=consumer,
+                    message_id=env.message_id,
                 )
-        if verdict.transition:
+            )
+        if verdict.transition and user and runs_user_code(model, verdict.transition):
+            # The model's own method: conditions, body and fsm-2's signals, as a direct call.
+            version: int = order.version
+            ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+            if ran.saved:
+                # A receiver saved the order in this transaction: the row holds its version.
+                read_version[order.pk] = version
+            order.version = version + 1
+            # The next message of the chunk meets the order as a read would give it back.
+            as_read(order, [state_attname, *ran.values])
+            values = {names.get(k, k): v for k, v in ran.values.items()}
+            changed.setdefault(order.pk, {}).update(
+                values, **stamp, **{state_name: ran.target, "version": version + 1}
+            )
+            result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+            transitions.append((order, verdict.transition, result))
+            if ran.error is not None:
+                reason = on_error_reason(env, consumer, order, verdict.transition, ran)
+                errored.add(env.message_id)
+                verdict = Verdict(Outcome.REJECTED, reason)
+        elif verdict.transition:
             transition_starting(order, verdict.transition)
             values = {**stamp, **verdict.values}
             result = advance(order, verdict.transition, values)
@@ -390,6 +438,18 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
         elif verdict.outcome is not Outcome.PARKED and verdict.advance_to is not None:
             order.last_seq = verdict.advance_to
             changed.setdefault(order.pk, {})["last_seq"] = verdict.advance_to
+        if paid is not None and reservation is not None:
+            reservation.used(paid, order.pk, env.message_id)
+        return verdict
+
+    def judge(order: AbstractOrder, env: Envelope) -> Verdict | Exception:
+        """``decide`` and, unless the message must wait, ``take``; what raised, returned."""
+
+        def step() -> Verdict:
+            verdict = decide(order, env)
+            return verdict if verdict.outcome is Outcome.PARKED else take(order, verdict, env)
+
+        return guarded(order, step) if user else step()
 
     def release(order: AbstractOrder) -> None:
         """``release_parked`` for one order: the first that can go ahead, again and again."""
@@ -398,17 +458,16 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
         while queue and progressed:
             progressed = False
             for position, entry in sorted(enumerate(queue), key=order_key):
+                verdict: Verdict | Exception
                 if entry.envelope is None:
                     verdict = Verdict(Outcome.REJECTED, entry.unreadable)
                 else:
-                    verdict = decide(order, entry.envelope)
-                    if verdict.outcome is Outcome.PARKED:
+                    verdict = judge(order, entry.envelope)
+                    if isinstance(verdict, Verdict) and verdict.outcome is Outcome.PARKED:
                         continue
-                    take(order, verdict, entry.envelope)
                 del queue[position]
                 if entry.item is not None:  # parked earlier in this batch: its row is final
-                    entry.item.recorded_outcome, entry.item.reason = verdict.outcome, verdict.reason
-                    entry.item.recorded = False
+                    settle(consumer, entry.item, verdict)
                 else:
                     released.append((entry, verdict))
                 progressed = True
@@ -422,7 +481,12 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
             item.order_exists, item.recorded = False, False
             continue
         # Each message meets the order as the batch's earlier messages left it.
-        verdict = decide(order, env)
+        judged = judge(order, env)
+        if isinstance(judged, Exception):
+            settle(consumer, item, judged)
+            item.outcome, item.recorded_outcome = Outcome.FAILED, None
+            continue
+        verdict = judged
         item.outcome, item.reason = verdict.outcome, verdict.reason
         item.recorded = item.outcome is Outcome.APPLIED
         if verdict.outcome is Outcome.PARKED:
@@ -434,11 +498,11 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
                 item.outcome = Outcome.REJECTED
                 item.reason = f"another message is already parked with seq {env.seq}"
                 continue
-            queue.append(_Waiting(consumer, env, item=item))
-        else:
-            take(order, verdict, env)
+            queue.append(Waiting(consumer, env, item=item))
         release(order)
 
+    if reservation is not None:
+        reservation.settle()
     if spends:
         # A payment id spent already (or twice in this chunk) fails the insert: the
         # chunk rolls back and its messages go one by one, each told why.
@@ -460,8 +524,12 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
         model._default_manager.filter(pk__in=flag).update(has_parked=True)
         for pk in flag:
             orders[pk].has_parked = True
-    _record_released(released)
-    _record_outcomes(claimed)
+    for item in claimed:
+        if item.envelope.message_id in errored:
+            # Rejected by its body under on_error: the row keeps the whole envelope.
+            item.body = serialise(item.envelope.as_dict())
+    record_released(released, errored)
+    record_outcomes(claimed)
     # Nothing to announce when nobody listens and no follow-up wants the target
     # (the same rule as the single path's, see presume.py).
     # The follow-ups of the whole chunk are written together (the fulfilment
@@ -474,53 +542,6 @@ def _decide_and_write(consumer: str, claimed: list[Item], orders: dict[int, Abst
             heard[target] = transition_heard(model, target)
         if heard[target]:
             announced.append(entry)
-    transitions_written(announced)
-
-
-def _record_released(released: list[tuple[_Waiting, Verdict]]) -> None:
-    """Messages parked before the batch and released in it: claim the parked row, record."""
-    for entry, verdict in released:
-        assert entry.row is not None
-        ParkedMessage.objects.filter(pk=entry.row.pk).delete()
-        ProcessedMessage.objects.filter(
-            consumer=entry.consumer, message_id=entry.row.message_id
-        ).update(
-            outcome=verdict.outcome,
-            status=verdict.inbox_status,
-            error=verdict.reason,
-            attempts=F("attempts") + 1,
-        )
-        transaction.on_commit(
-            functools.partial(
-                message_released.send,
-                sender=ParkedMessage,
-                consumer=entry.consumer,
-                message_id=entry.row.message_id,
-                order_id=entry.row.order_id,
-                outcome=verdict.outcome,
-            )
-        )
-
-
-def _record_outcomes(claimed: list[Item]) -> None:
-    """Correct the inbox rows whose outcome is not the ``applied`` they were inserted with."""
-    rows = []
-    for item in claimed:
-        if item.recorded:
-            continue
-        outcome = item.recorded_outcome or item.outcome
-        rows.append(
-            ProcessedMessage(
-                pk=item.pk,
-                outcome=outcome,
-                status=InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE,
-                error=item.reason,
-                body=(
-                    serialise(item.envelope.as_dict())[:BODY_EXCERPT]
-                    if outcome is Outcome.REJECTED
-                    else ""
-                ),
-            )
-        )
-    if rows:
-        ProcessedMessage.objects.bulk_update(rows, ["outcome", "status", "error", "body"])
+    # fsm-2's post_transition: sent by the model's own methods where they ran; a
+    # transition committed without them has no receiver (``runs_user_code``).
+    transitions_written(announced, fsm_sent=True)

@@ -1,17 +1,20 @@
 """A batch chunk's rows and statements: the message item, the claim of the chunk's inbox
-rows, the lock of its orders, and the one conditional UPDATE of every order it changed
-(:mod:`~idempotent_orders.consuming.batch` decides between them).
+rows, the lock of its orders and their parked messages, the savepoint each message's own
+code runs in, the one conditional UPDATE of every order it changed, and the outcomes
+recorded in the inbox (:mod:`~idempotent_orders.consuming.batch` decides between them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import (
     BooleanField,
     Case,
@@ -28,20 +31,40 @@ from django.db.models import (
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from idempotent_orders import get_order_model
-from idempotent_orders.consuming.decision import unknown_order
-from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, serialise
+from idempotent_orders import dedup, get_order_model
+from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
+from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
+from idempotent_orders.consuming.failures import TRANSIENT, describe, failed_body, log_failure
+from idempotent_orders.consuming.running import restore, snapshot_of
 from idempotent_orders.consuming.sql import _names as _inbox_names
 from idempotent_orders.consuming.sql import _on_conflict, inbox_template, insert_inbox_values
-from idempotent_orders.exceptions import ConcurrentUpdate
+from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
     AbstractOrder,
     InboxStatus,
     Outcome,
+    ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.signals import message_released
 
-__all__ = ["Item", "claim", "claim_postgres", "lock_orders", "update_orders"]
+__all__ = [
+    "Item",
+    "Waiting",
+    "as_read",
+    "claim",
+    "claim_postgres",
+    "field_names",
+    "guarded",
+    "lock_orders",
+    "parked_before",
+    "record_outcomes",
+    "record_released",
+    "settle",
+    "update_orders",
+]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,6 +82,74 @@ class Item:
     recorded: bool = True
     #: The order exists: its parked successors are worth a look after commit.
     order_exists: bool = True
+    #: The inbox row's body when it keeps more than an excerpt (a failed message, or
+    #: one whose body raised under ``on_error``: the whole envelope).
+    body: str | None = None
+
+
+def as_read(order: AbstractOrder, attnames: list[str]) -> None:
+    """Set ``attnames`` of ``order`` to what reading the row back would give: ``1``, not
+    ``Level.SUBMITTED``; ``"paid"``, not ``ShopState.PAID``."""
+    for attname in attnames:
+        value = order.__dict__.get(attname)
+        if value is None:
+            continue
+        value = _concrete(type(order), attname).to_python(value)
+        order.__dict__[attname] = value.value if isinstance(value, enum.Enum) else value
+
+
+class _Savepoint:
+    """A savepoint taken just before the first statement sent while it is installed
+    (``connection.execute_wrapper``): code that sends none costs no round trip."""
+
+    def __init__(self) -> None:
+        self.sid: str | None = None
+        self.taking = False
+
+    def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, *args: Any) -> Any:
+        if self.sid is None and not self.taking:
+            self.taking = True  # the SAVEPOINT statement itself passes through here
+            try:
+                self.sid = connection.savepoint()
+            finally:
+                self.taking = False
+        return execute(sql, params, *args)
+
+
+def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
+    """Run ``step`` (a message's decision and transition: the project's code) in a
+    savepoint of the chunk's transaction; return what it raised instead of raising.
+
+    What raised rolls back only this savepoint (and drops the ``on_commit`` callbacks
+    registered since), and ``order`` is put back as it was in memory, so the chunk
+    goes on and no other message's code runs twice. The savepoint is taken at the
+    first statement ``step`` sends through Django's connection, so a body that writes
+    only the order's own fields costs no round trip. An error after which the
+    delivery is simply run again (a lost connection, a deadlock) still propagates:
+    the whole chunk rolls back.
+    """
+    before = snapshot_of(order)
+    version: int = order.version
+    savepoint = _Savepoint()
+    callbacks = len(connection.run_on_commit)
+    try:
+        with connection.execute_wrapper(savepoint):
+            done = step()
+    except TRANSIENT:
+        restore(order, before, version)
+        raise
+    except Exception as exc:
+        restore(order, before, version)
+        # As atomic() does: the flag a failed query set is lowered first (the rollback is
+        # itself a query), and the transaction goes on from the savepoint.
+        transaction.set_rollback(False)
+        if savepoint.sid is not None:
+            connection.savepoint_rollback(savepoint.sid)
+        del connection.run_on_commit[callbacks:]
+        return exc
+    if savepoint.sid is not None:
+        connection.savepoint_commit(savepoint.sid)
+    return done
 
 
 def claim(consumer: str, items: list[Item], known: set[int]) -> dict[str, int]:
@@ -267,8 +358,8 @@ def _update_orders_from_values(
 ) -> None:
     """PostgreSQL: the same conditional UPDATE as ``UPDATE ... FROM unnest(<arrays>)``.
 
-    NULL in a row means "unchanged", so a transition cannot write NULL on this
-    path (the single path can); the built-in columns are never nullable.
+    NULL in a row means "unchanged", except in a column that some order of the
+    chunk sets to NULL: a boolean array then says which rows write it.
 
     Building a CASE per column per order costs more in Python than the
     statement costs the database; arrays cost next to nothing.
@@ -295,12 +386,30 @@ def _update_orders_from_values(
                 value = prepared[key]
             array.append(value)
     params: list[Any] = [_array(ids), _array(versions), *map(_array, arrays)]
+    # A column some order sets to NULL (a transition body may) carries one more
+    # array, which says per row whether the column is written.
+    nulled = [
+        f.name
+        for f in fields
+        if any(f.name in values and values[f.name] is None for values in changed.values())
+    ]
+    params += [
+        _array(["t" if name in values else "f" for values in changed.values()]) for name in nulled
+    ]
     table = qn(model._meta.db_table)
     pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
-    sets = ", ".join(f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})" for c in columns)
-    aliases = ", ".join(qn("new_" + c) for c in columns)
+    sets = ", ".join(
+        f"{qn(c)} = CASE WHEN v.{qn('set_' + c)} THEN v.{qn('new_' + c)} ELSE o.{qn(c)} END"
+        if f.name in nulled
+        else f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})"
+        for f, c in zip(fields, columns, strict=True)
+    )
+    masks = [str(f.column) for f in fields if f.name in nulled]
+    aliases = ", ".join([qn("new_" + c) for c in columns] + [qn("set_" + c) for c in masks])
     unnest = ", ".join(
-        ["%s::bigint[]", "%s::bigint[]"] + [f"%s::{f.db_type(connection)}[]" for f in fields]
+        ["%s::bigint[]", "%s::bigint[]"]
+        + [f"%s::{f.db_type(connection)}[]" for f in fields]
+        + ["%s::boolean[]"] * len(masks)
     )
     sql = (
         f"UPDATE {table} AS o SET {sets}"
@@ -342,3 +451,151 @@ def _concrete(model: type[Model], name: str) -> Field[Any, Any]:
     found = model._meta.get_field(name)
     assert isinstance(found, Field)
     return found
+
+
+@dataclass
+class Waiting:
+    """A parked message of a locked order: parked earlier (``row``) or earlier in this batch."""
+
+    consumer: str
+    envelope: Envelope | None
+    row: ParkedMessage | None = None
+    item: Item | None = None
+    #: Why it cannot be read (a handler was unregistered since it was parked).
+    unreadable: str = ""
+
+
+def parked_before(orders: Mapping[int, AbstractOrder]) -> dict[int, list[Waiting]]:
+    """The parked messages of the locked orders that have any, as ``release_parked`` reads them."""
+    flagged = [pk for pk, order in orders.items() if order.has_parked]
+    waiting: dict[int, list[Waiting]] = {}
+    if not flagged:
+        return waiting
+    for row in ParkedMessage.objects.filter(order_id__in=flagged).order_by("seq", "id"):
+        try:
+            envelope: Envelope | None = parse_envelope(row.envelope, consumer=row.consumer)
+            unreadable = ""
+        except InvalidMessage as exc:
+            envelope, unreadable = None, exc.message
+        waiting.setdefault(row.order_id, []).append(
+            Waiting(row.consumer, envelope, row=row, unreadable=unreadable)
+        )
+    return waiting
+
+
+def field_names(model: type[Model]) -> dict[str, str]:
+    """Field names by attname (``kstate_id`` -> ``kstate``), as the chunk's UPDATE takes them."""
+    return {f.attname: f.name for f in model._meta.concrete_fields}
+
+
+def settle(consumer: str, item: Item, verdict: Verdict | Exception) -> None:
+    """What a message of the batch ends with once decided in its turn; a failure is
+    kept as a ``failed`` row (its outcome stays what it reported: ``parked``)."""
+    item.recorded = False
+    if isinstance(verdict, Exception):
+        item.recorded_outcome, item.reason = Outcome.FAILED, describe(verdict)
+        item.body = failed_body(item.envelope.as_dict())
+        log_failure(
+            consumer, item.envelope.message_id, item.envelope.order_id, 1, item.reason, verdict
+        )
+    else:
+        item.recorded_outcome, item.reason = verdict.outcome, verdict.reason
+
+
+def record_released(released: list[tuple[Waiting, Verdict | Exception]], errored: set[str]) -> None:
+    """Messages parked before the batch and released in it: claim the parked row, record.
+
+    One whose code raised leaves the park as ``failed``, as ``release_parked`` keeps it.
+    """
+    for entry, verdict in released:
+        assert entry.row is not None
+        row = entry.row
+        ParkedMessage.objects.filter(pk=row.pk).delete()
+        inbox = ProcessedMessage.objects.filter(consumer=entry.consumer, message_id=row.message_id)
+        if isinstance(verdict, Exception):
+            reason = describe(verdict)
+            inbox.update(
+                status=InboxStatus.FAILED,
+                outcome="",
+                error=reason,
+                body=failed_body(row.envelope),
+                updated_at=timezone.now(),
+            )
+            log_failure(entry.consumer, row.message_id, row.order_id, 1, reason, verdict)
+            transaction.on_commit(functools.partial(_released_failed, entry.consumer, row, reason))
+            continue
+        body = {"body": serialise(row.envelope)} if row.message_id in errored else {}
+        inbox.update(
+            outcome=verdict.outcome,
+            status=verdict.inbox_status,
+            error=verdict.reason,
+            attempts=F("attempts") + 1,
+            **body,
+        )
+        transaction.on_commit(
+            functools.partial(_released, entry.consumer, row, verdict.outcome, verdict.reason)
+        )
+
+
+def _released(consumer: str, row: ParkedMessage, outcome: Outcome, reason: str) -> None:
+    """After commit: a parked message released by the chunk, reported as ``release_parked``
+    reports it."""
+    message_released.send(
+        sender=ParkedMessage,
+        consumer=consumer,
+        message_id=row.message_id,
+        order_id=row.order_id,
+        outcome=outcome,
+    )
+    envelope = row.envelope if isinstance(row.envelope, dict) else {}
+    consumed(
+        consumer,
+        row.message_id,
+        outcome,
+        message_type=str(envelope.get("type", "")),
+        order_id=row.order_id,
+        reason=reason,
+    )
+
+
+def _released_failed(consumer: str, row: ParkedMessage, reason: str) -> None:
+    """After commit: a released message that failed is forgotten by the fast path (its
+    redelivery must reach the inbox) and reported, as ``release_parked`` does."""
+    dedup.forget(consumer, row.message_id)
+    envelope = row.envelope if isinstance(row.envelope, dict) else {}
+    consumed(
+        consumer,
+        row.message_id,
+        Outcome.FAILED,
+        message_type=str(envelope.get("type", "")),
+        order_id=row.order_id,
+        reason=reason,
+    )
+
+
+def record_outcomes(claimed: list[Item]) -> None:
+    """Correct the inbox rows whose outcome is not the ``applied`` they were inserted with."""
+    rows = []
+    for item in claimed:
+        if item.recorded:
+            continue
+        outcome = item.recorded_outcome or item.outcome
+        if outcome is Outcome.FAILED:
+            status, recorded = InboxStatus.FAILED, ""
+        else:
+            status = InboxStatus.REJECTED if outcome is Outcome.REJECTED else InboxStatus.DONE
+            recorded = outcome
+        body = item.body
+        if body is None:
+            body = (
+                serialise(item.envelope.as_dict())[:BODY_EXCERPT]
+                if outcome is Outcome.REJECTED
+                else ""
+            )
+        rows.append(
+            ProcessedMessage(
+                pk=item.pk, outcome=recorded, status=status, error=item.reason, body=body
+            )
+        )
+    if rows:
+        ProcessedMessage.objects.bulk_update(rows, ["outcome", "status", "error", "body"])

@@ -28,6 +28,8 @@ __all__ = [
     "MessageFailed",
     "dead_letter",
     "describe",
+    "failed_body",
+    "log_failure",
     "record_failure",
     "retryable",
 ]
@@ -92,6 +94,26 @@ def describe(exc: BaseException) -> str:
     return text
 
 
+def failed_body(envelope: dict[str, Any]) -> str:
+    """What a failed inbox row keeps of its message: the whole envelope, as JSON."""
+    return json.dumps(envelope, ensure_ascii=True, sort_keys=True, default=repr)
+
+
+def log_failure(
+    consumer: str, message_id: str, order_id: Any, attempts: int, reason: str, exc: BaseException
+) -> None:
+    """The error logged for a message kept as failed."""
+    logger.error(
+        "message %s (%s) failed (attempt %d): %s",
+        message_id,
+        consumer,
+        attempts,
+        reason,
+        extra={"message_id": message_id, "order_id": order_id},
+        exc_info=exc,
+    )
+
+
 def retryable(consumer: str, message_id: str) -> tuple[bool | None, str]:
     """What a new delivery of ``message_id`` does, from its inbox row, and the row's
     fingerprint. True: run it again (failed, or requeued by an operator); None: it is
@@ -128,7 +150,7 @@ def record_failure(
     from idempotent_orders import get_order_model
 
     reason = describe(exc)
-    body = json.dumps(envelope, ensure_ascii=True, sort_keys=True, default=repr)
+    body = failed_body(envelope)
     attempts = 1
     with transaction.atomic():
         exists = (
@@ -167,15 +189,7 @@ def record_failure(
                 .first()
                 or 1
             )
-    logger.error(
-        "message %s (%s) failed (attempt %d): %s",
-        message_id,
-        consumer,
-        attempts,
-        reason,
-        extra={"message_id": message_id, "order_id": order_id},
-        exc_info=exc,
-    )
+    log_failure(consumer, message_id, order_id, attempts, reason, exc)
     return MessageFailed(consumer, message_id, reason, attempts)
 
 

@@ -10,7 +10,7 @@ is a duplicate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import connection
@@ -18,7 +18,7 @@ from django.db import connection
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.models import SpentPayment
 
-__all__ = ["claim_and_spend", "payment_id", "spend", "spent_by"]
+__all__ = ["Reservation", "claim_and_spend", "payment_id", "spend", "spent_by"]
 
 
 def payment_id(payload: Mapping[str, Any]) -> str | None:
@@ -104,3 +104,69 @@ def claim_and_spend(
     if not claimed:
         return False, None
     return True, None if recorded else spent_by(payment)
+
+
+class Reservation:
+    """A batch chunk's payment ids, recorded as spent before any of its messages runs.
+
+    One multi-row ``INSERT`` (conflicts ignored) and one ``SELECT`` for the whole chunk
+    instead of :func:`spend` per message. Each id goes in under the first message of the
+    chunk that carries it; the unique index then makes a concurrent spender of the same
+    id wait for the chunk's commit, as :func:`spend` does, before any body runs. A row
+    the chunk inserted and no message used is deleted by :meth:`settle`; one used by
+    another message of the chunk is handed to it.
+    """
+
+    def __init__(self, consumer: str, wanted: Iterable[tuple[str, Any, str]]) -> None:
+        """``wanted``: ``(payment id, order id, message id)`` in arrival order."""
+        self.consumer = consumer
+        first: dict[str, tuple[Any, str]] = {}
+        for payment, order_id, message_id in wanted:
+            first.setdefault(payment, (order_id, message_id))
+        #: The order each id was spent on before the chunk, or by a message of it.
+        self.owners: dict[str, Any] = {}
+        #: Ids the chunk inserted that no message used yet: the row as inserted.
+        self.free: dict[str, tuple[Any, str]] = {}
+        #: Ids a message other than the one it was inserted under used.
+        self.moved: dict[str, tuple[Any, str]] = {}
+        if not first:
+            return
+        SpentPayment.objects.bulk_create(
+            [
+                SpentPayment(payment_id=p, order_id=o, consumer=consumer, message_id=m)
+                for p, (o, m) in sorted(first.items())  # one lock order for every chunk
+            ],
+            ignore_conflicts=True,
+        )
+        found = SpentPayment.objects.filter(payment_id__in=list(first)).values_list(
+            "payment_id", "order_id", "consumer", "message_id"
+        )
+        for payment, order_id, consumer_, message_id in found:
+            if (consumer_, message_id) == (consumer, first[payment][1]):
+                self.free[payment] = (order_id, message_id)
+            else:
+                self.owners[payment] = order_id
+
+    def owner(self, payment: str) -> tuple[bool, Any]:
+        """``(known, owner)``: whether the chunk knows ``payment``, and the order it was
+        spent on (None: free to spend). An id it does not know is spent with :func:`spend`.
+        """
+        if payment in self.owners:
+            return True, self.owners[payment]
+        return payment in self.free, None
+
+    def used(self, payment: str, order_id: Any, message_id: str) -> None:
+        """``payment`` paid ``order_id`` (the message's transaction kept it)."""
+        inserted = self.free.pop(payment, None)
+        if inserted is not None and inserted != (order_id, message_id):
+            self.moved[payment] = (order_id, message_id)
+        self.owners[payment] = order_id
+
+    def settle(self) -> None:
+        """Delete the rows no message used; hand the others to the message that used them."""
+        if self.free:
+            SpentPayment.objects.filter(payment_id__in=list(self.free)).delete()
+        for payment, (order_id, message_id) in self.moved.items():
+            SpentPayment.objects.filter(payment_id=payment).update(
+                order_id=order_id, message_id=message_id
+            )

@@ -186,18 +186,21 @@ def transition_written(
     _announce_after_commit(instance, name, result)
 
 
-def transitions_written(written: Sequence[tuple[Model, str, TransitionResult]]) -> None:
+def transitions_written(
+    written: Sequence[tuple[Model, str, TransitionResult]], *, fsm_sent: bool = False
+) -> None:
     """:func:`transition_written` for the transitions of one transaction (a batch chunk's).
 
     Each follow-up that has ``write_many`` is handed every transition it wants at
     once; the others are written one by one, in the order given. fsm-2's
-    ``post_transition`` and :data:`~idempotent_orders.signals.order_transitioned`
-    are sent for each, as :func:`transition_written` sends them.
+    ``post_transition`` (unless the model's own methods sent it: ``fsm_sent``) and
+    :data:`~idempotent_orders.signals.order_transitioned` are sent for each, as
+    :func:`transition_written` sends them.
     """
     if not written:
         return
     for instance, name, result in written:
-        if post_transition.has_listeners(type(instance)):
+        if not fsm_sent and post_transition.has_listeners(type(instance)):
             post_transition.send(**_fsm_signal(instance, name, result.source, result.target))
     for follow_up in _follow_ups:
         wants: dict[tuple[type[Model], Any], bool] = {}
@@ -378,7 +381,8 @@ def _tracked(model: type[Model]) -> list[Any]:
     return [f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"]
 
 
-def _snapshot(instance: Model) -> dict[str, Any]:
+def snapshot_of(instance: Model) -> dict[str, Any]:
+    """The instance's fields, as :func:`call_transition` compares and :func:`restore` sets them."""
     state = instance.__dict__
     taken: dict[str, Any] = {}
     for f in _tracked(type(instance)):
@@ -388,7 +392,7 @@ def _snapshot(instance: Model) -> dict[str, Any]:
 
 
 def restore(instance: Model, snapshot: Mapping[str, Any], version: int) -> None:
-    """Put ``instance`` back as :func:`_snapshot` saw it (protected state fields too)."""
+    """Put ``instance`` back as :func:`snapshot_of` saw it (protected state fields too)."""
     for attname, value in snapshot.items():
         if value is _DEFERRED:
             instance.__dict__.pop(attname, None)
@@ -417,7 +421,7 @@ def call_transition(
     """
     model = type(instance)
     field = state_field(model)
-    before = snapshot if snapshot is not None else _snapshot(instance)
+    before = snapshot if snapshot is not None else snapshot_of(instance)
     source = field.get_state(instance)
     for column, value in (fields or {}).items():
         setattr(instance, column, value)
@@ -511,7 +515,7 @@ def apply_transition(
     if not checked.applied:
         return checked
     version: int = instance.version  # type: ignore[attr-defined]
-    before = _snapshot(instance)
+    before = snapshot_of(instance)
     # Only the project's code can write other rows; without any, no savepoint is needed.
     atomic = (
         transaction.atomic(using=instance._state.db)

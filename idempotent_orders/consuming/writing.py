@@ -34,6 +34,7 @@ from idempotent_orders.consuming.failures import (
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
 from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend
 from idempotent_orders.consuming.running import (
+    Ran,
     advance,
     call_transition,
     commit,
@@ -55,7 +56,15 @@ from idempotent_orders.models import (
     ProcessedMessage,
 )
 
-__all__ = ["Conflict", "Duplicate", "Spent", "park", "spent_verdict", "write"]
+__all__ = [
+    "Conflict",
+    "Duplicate",
+    "Spent",
+    "on_error_reason",
+    "park",
+    "spent_verdict",
+    "write",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -242,15 +251,24 @@ def run(
     # fsm-2's on_error: the body raised and the order moved to the error state,
     # which is committed, as fsm-2 and a save() would. The message is kept as
     # rejected, with what was raised.
-    reason = (
-        f"{verdict.transition} raised {describe(ran.error)}; "
-        f"the order moved to its on_error state {ran.target}"
-    )
+    reason = on_error_reason(envelope, consumer, order, verdict.transition, ran)
     ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id).update(
         outcome=Outcome.REJECTED,
         status=InboxStatus.REJECTED,
         error=reason,
         body=serialise(envelope.as_dict()),
+    )
+    return Outcome.REJECTED
+
+
+def on_error_reason(
+    envelope: Envelope, consumer: str, order: AbstractOrder, name: str, ran: Ran
+) -> str:
+    """Why a message whose body raised under fsm-2's ``on_error`` is kept as rejected
+    (logged here); its inbox row keeps the whole envelope as its body."""
+    assert ran.error is not None
+    reason = (
+        f"{name} raised {describe(ran.error)}; the order moved to its on_error state {ran.target}"
     )
     logger.warning(
         "message %s (%s): %s",
@@ -259,7 +277,7 @@ def run(
         reason,
         extra={"message_id": envelope.message_id, "order_id": order.pk},
     )
-    return Outcome.REJECTED
+    return reason
 
 
 def claim_and_apply_one(

@@ -174,6 +174,11 @@ class FlowOrder(Order):
     def settle_up(self) -> None:
         self.note = "settled up"
 
+    @transition(field="flow", source="*", target=None)
+    def unassign(self) -> None:
+        """Targetless: the body writes NULL into a column."""
+        self.customer = None
+
     @transition(field="flow", source="paid", target=None)
     def acknowledge(self) -> None:
         """Targetless, and its body calls another transition (a real shop's shape)."""
