@@ -88,3 +88,78 @@ def test_the_admin_queries_use_the_partial_and_message_id_indexes() -> None:
         assert "(message_id=?)" in plan, plan
     for name, plan in plans.items():
         assert name in plan, plan
+
+
+# -- the leaner inbox (migration 0011) ---------------------------------------------------
+
+#: 0001's full indexes that 0011 keeps on MariaDB only, and the partial one it adds.
+FULL_STATUS, FULL_OUTCOME = "idempotent__status_88dabc_idx", "idempotent__outcome_353f4e_idx"
+RARE_OUTCOME, CREATED = "io_inbox_outcome_rare", "idempotent__created_aece4c_idx"
+
+
+def _expected_inbox_indexes(partial: bool) -> tuple[set[str], set[str]]:
+    """(present, absent) among the indexes 0011 touches (and created_at's, kept)."""
+    if partial:
+        return {RARE_OUTCOME, CREATED}, {FULL_STATUS, FULL_OUTCOME}
+    return {FULL_STATUS, FULL_OUTCOME, CREATED}, {RARE_OUTCOME}
+
+
+@pytest.mark.django_db
+def test_the_inbox_keeps_only_the_indexes_its_queries_need() -> None:
+    from django.db import connection
+
+    inbox = _index_names("idempotent_orders_processedmessage")
+    present, absent = _expected_inbox_indexes(connection.features.supports_partial_indexes)
+    assert present <= inbox, present - inbox
+    assert not absent & inbox, absent & inbox
+
+
+@pytest.mark.backends("postgresql")  # the planner the figures in docs/operations.md are from
+@pytest.mark.django_db
+def test_the_queries_the_dropped_indexes_served_use_the_leaner_ones() -> None:
+    from django.db import connection
+    from django.utils import timezone
+
+    from idempotent_orders import leases
+    from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
+
+    inbox = ProcessedMessage.objects
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a few test rows
+        plans = [
+            # The admin's outcome filter on a rare outcome: its page, newest first,
+            # and the paginator's capped count.
+            (RARE_OUTCOME, inbox.filter(outcome=Outcome.PARKED).order_by("-id")[:100].explain()),
+            (RARE_OUTCOME, inbox.filter(outcome=Outcome.STALE).values("id")[:10001].explain()),
+            # The reconciler: expired leases, oldest first (0010's partial index).
+            ("io_inbox_stuck", leases.expired()[:100].explain()),
+            # The metrics' and the dashboard's counts by status.
+            (
+                "io_inbox_stuck",
+                inbox.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now())
+                .values("id")
+                .explain(),
+            ),
+            ("io_inbox_attention", inbox.filter(status=InboxStatus.DEAD).values("id").explain()),
+        ]
+    for name, plan in plans:
+        assert name in plan, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_0011_reverses_to_the_full_indexes_and_forward_again() -> None:
+    from django.db import connection
+
+    partial = connection.features.supports_partial_indexes
+    app = "idempotent_orders"
+    try:
+        call_command("migrate", app, "0010", verbosity=0)
+        inbox = _index_names("idempotent_orders_processedmessage")
+        assert {FULL_STATUS, FULL_OUTCOME, CREATED} <= inbox
+        assert RARE_OUTCOME not in inbox
+    finally:
+        call_command("migrate", app, verbosity=0)
+    present, absent = _expected_inbox_indexes(partial)
+    inbox = _index_names("idempotent_orders_processedmessage")
+    assert present <= inbox, present - inbox
+    assert not absent & inbox, absent & inbox

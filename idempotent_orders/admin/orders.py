@@ -327,11 +327,30 @@ class OrderAdminMixin(_ModelAdmin):
                     order.delete()
 
 
+class CurrencyFilter(admin.SimpleListFilter):
+    """The currencies of the latest orders, read from the newest end of the primary key.
+    Django's own filter of a field's values is a ``SELECT DISTINCT`` over every order
+    (0.56 s at 2M orders); any other currency is still one ``?currency=XYZ`` away."""
+
+    title = "currency"
+    parameter_name = "currency"
+    #: How many of the newest orders the choices come from.
+    recent = 1000
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        newest = model_admin.get_queryset(request).order_by("-pk")[: self.recent]
+        return [(c, c) for c in sorted(set(newest.values_list("currency", flat=True)))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(currency=value) if value else queryset
+
+
 class OrderAdmin(OrderAdminMixin, admin.ModelAdmin):
     """The admin of the default ``idempotent_orders.Order``."""
 
     list_display = ["id", "status", "version", "last_seq", "amount", "currency", "updated_at"]
-    list_filter = ["status", "currency"]
+    list_filter = ["status", CurrencyFilter]
     # Exact, on the unique index: a LIKE over the order table is a scan (2.2 s at 2M orders).
     search_fields = ["business_key__exact"]
     search_help_text = "An exact business key."
