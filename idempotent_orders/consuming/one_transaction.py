@@ -243,13 +243,25 @@ def claim_and_apply_at_once(
 def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
     mode = getattr(connection, "transaction_mode", None)
     queued_id: int | None = None
-    with connection.cursor() as cursor:
+    connection.ensure_connection()
+    # Straight to the driver unless something must see the queries (query logging, an
+    # execute wrapper): Django's cursor wrapper costs more than a statement here.
+    watched = connection.queries_logged or connection.execute_wrappers
+    if not watched:
+        connection.validate_thread_sharing()
+    with (
+        (
+            connection.cursor() if watched else contextlib.closing(connection.connection.cursor())
+        ) as cursor,
+        connection.wrap_database_errors,
+    ):
         cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
+        refused = (IntegrityError, connection.Database.IntegrityError)
         try:
             for step, sql, args in statements:
                 try:
-                    cursor.execute(sql, args)
-                except IntegrityError:
+                    cursor.execute(sql if watched else _qmark(sql), args)
+                except refused:
                     if step == "inbox":
                         return _undone(cursor, AtOnce(claimed=False))
                     if step == "spent":
@@ -266,6 +278,17 @@ def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
                 cursor.execute("ROLLBACK")
             raise
     return AtOnce(queued_id=queued_id)
+
+
+_qmarks: dict[str, str] = {}
+
+
+def _qmark(sql: str) -> str:
+    """``sql`` with sqlite3's own placeholders (the texts here hold no other ``%``)."""
+    found = _qmarks.get(sql)
+    if found is None:
+        found = _qmarks[sql] = sql.replace("%s", "?")
+    return found
 
 
 def _undone(cursor: Any, result: AtOnce) -> AtOnce:
