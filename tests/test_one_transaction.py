@@ -8,6 +8,7 @@ and COMMIT on SQLite), and anything that would not apply rolls all of it back.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import one_transaction, writing
+from idempotent_orders.consuming import one_transaction, single, writing
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     Order,
@@ -47,11 +48,19 @@ def fulfil() -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MariaDB's road without a read first declines: the order is read, then written."""
+    monkeypatch.setattr(single, "presume_at_once", lambda *args: None)
+
+
 def _statements(queries: CaptureQueriesContext) -> list[str]:
     return [q["sql"] for q in queries.captured_queries]
 
 
 def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil: None) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    OutboxMessage.objects.all().delete()
     order = make_order()
     heard: list[Any] = []
 
@@ -66,13 +75,15 @@ def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil:
         order_transitioned.disconnect(receiver)
     sql = _statements(queries)
     assert not any("SAVEPOINT" in s for s in sql), sql
-    writes = [s for s in sql if not s.startswith("SELECT")]
     if connection.vendor == "mysql":
-        # One text: the transaction, its four writes and COMMIT (one round trip).
-        assert len(writes) == 1, writes
-        assert writes[0].startswith("START TRANSACTION; INSERT INTO `idempotent_orders_process")
-        assert writes[0].endswith("; COMMIT")
+        # One text and no read first: the transaction, its writes with the decision's
+        # tests in the UPDATE, the order as written, and COMMIT (one round trip).
+        assert len(sql) == 1, sql
+        assert sql[0].startswith("START TRANSACTION; INSERT INTO `idempotent_orders_process")
+        assert "BINARY `status` = 'pending_payment'" in sql[0]
+        assert sql[0].endswith("; COMMIT")
     else:
+        writes = [s for s in sql if not s.startswith("SELECT")]
         assert [s.split(" ", 2)[:2] for s in writes] == [
             ["BEGIN", "IMMEDIATE"],
             ["INSERT", "INTO"],
@@ -97,9 +108,9 @@ def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil:
         1,
     )
     assert inbox.created_at is not None
-    assert list(SpentPayment.objects.values_list("payment_id", "order_id")) == [
-        (f"pay-{order.pk}", order.pk)
-    ]
+    assert list(
+        SpentPayment.objects.filter(order_id=order.pk).values_list("payment_id", "order_id")
+    ) == [(f"pay-{order.pk}", order.pk)]
     queued = OutboxMessage.objects.get()
     assert (queued.message_id, queued.task_name, queued.payload, queued.status) == (
         f"fulfil-{order.pk}",
@@ -134,7 +145,7 @@ def test_the_follow_up_is_published_after_the_commit(make_order) -> None:
 
 
 def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
-    make_order, fulfil: None, monkeypatch: pytest.MonkeyPatch
+    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order = make_order()
     real = writing.claim_and_apply_at_once
@@ -159,7 +170,7 @@ def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
 
 
 def test_a_claim_that_loses_to_the_inbox_writes_nothing(
-    make_order, fulfil: None, monkeypatch: pytest.MonkeyPatch
+    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order = make_order()
     message = payment(order)
@@ -230,3 +241,57 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
         assert consume_message(payment(other), consumer="payments") is Outcome.APPLIED
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     assert Order.objects.get(pk=other.pk).status == OrderStatus.PAID
+
+
+@pytest.mark.backends("mysql")
+@pytest.mark.parametrize(
+    ("change", "message", "outcome", "tried"),
+    [
+        ({"amount": Decimal("99.00")}, {}, Outcome.REJECTED, True),
+        # An amount of more places than the column's never equals it: not even tried.
+        ({}, {"payload": {"amount": "12.501"}}, Outcome.REJECTED, False),
+        ({}, {"payload": {"amount": "12.5" + "0" * 70 + "1"}}, Outcome.REJECTED, False),
+        ({}, {"payload": {"amount": "12.500"}}, Outcome.APPLIED, True),
+        ({"currency": "EUR"}, {}, Outcome.REJECTED, True),
+        ({"currency": "cny"}, {}, Outcome.REJECTED, True),
+        ({"payment_id": "someone-else"}, {}, Outcome.REJECTED, True),
+        ({"status": OrderStatus.PAID}, {}, Outcome.DUPLICATE, True),
+        ({"last_seq": 3}, {"seq": 2}, Outcome.STALE, True),
+        ({}, {"seq": 5}, Outcome.PARKED, True),
+    ],
+)
+def test_mariadb_tests_the_decision_in_the_update_and_leaves_a_refused_order_alone(
+    make_order,
+    fulfil: None,
+    change: dict[str, Any],
+    message: dict[str, Any],
+    outcome: Outcome,
+    tried: bool,
+) -> None:
+    order = make_order()
+    Order.objects.filter(pk=order.pk).update(**change)
+    before = Order.objects.get(pk=order.pk)
+    sent = payment(order)
+    sent = {**sent, **message, "payload": {**sent["payload"], **message.get("payload", {})}}
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    OutboxMessage.objects.all().delete()
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(sent, consumer="payments") is outcome
+    sql = _statements(queries)
+    assert sql[0].startswith("START TRANSACTION") is tried  # tried first
+    after = Order.objects.get(pk=order.pk)
+    inbox = ProcessedMessage.objects.get(order_id=order.pk)
+    assert inbox.outcome == outcome
+    if outcome is Outcome.APPLIED:
+        assert len(sql) == 1, sql
+        assert (after.status, after.version) == (OrderStatus.PAID, 1)
+        return
+    # Undone, then read and decided as usual.
+    assert any(s.startswith("SELECT `idempotent_orders_order`") for s in sql[tried:]), sql
+    assert (after.status, after.version, after.payment_id) == (
+        before.status,
+        before.version,
+        before.payment_id,
+    )
+    assert not OutboxMessage.objects.exists()
+    assert SpentPayment.objects.filter(order_id=order.pk).exists() is False

@@ -30,15 +30,43 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import IntegrityError, connection
-from django.db.models import Field, Model
+from django.db import DataError, IntegrityError, connection
+from django.db.models import CharField, DecimalField, Field, Model, TextField
+from django.utils import timezone
 
-from idempotent_orders.consuming.sql import FOLLOW_UP_FIELDS, inbox_template
-from idempotent_orders.models import OutboxMessage, SpentPayment
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
+from idempotent_orders.consuming.one_statement import GUARDS, _shape
+from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.running import (
+    FollowUp,
+    FollowUpRow,
+    follow_up_rows,
+    in_transaction_work,
+    runs_user_code,
+    transition_heard,
+    transition_written,
+    written_values,
+)
+from idempotent_orders.consuming.sql import (
+    FOLLOW_UP_FIELDS,
+    build,
+    compiled_read,
+    handed_over,
+    inbox_template,
+)
+from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
 
-__all__ = ["AtOnce", "can_claim_and_apply_at_once", "claim_and_apply_at_once"]
+__all__ = [
+    "AtOnce",
+    "can_claim_and_apply_at_once",
+    "can_presume_at_once",
+    "claim_and_apply_at_once",
+    "presume_at_once",
+]
 
 #: MySQL's error number for a duplicate key.
 _DUPLICATE_KEY = 1062
@@ -256,7 +284,7 @@ def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
         connection.wrap_database_errors,
     ):
         cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
-        refused = (IntegrityError, connection.Database.IntegrityError)
+        refused = (IntegrityError, connection.Database.IntegrityError)  # type: ignore[attr-defined]
         try:
             for step, sql, args in statements:
                 try:
@@ -296,7 +324,9 @@ def _undone(cursor: Any, result: AtOnce) -> AtOnce:
     return result
 
 
-def _mysql(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
+def _mysql(
+    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
+) -> AtOnce:
     texts = ["START TRANSACTION"]
     args: list[Any] = []
     steps = ["begin"]
@@ -323,6 +353,8 @@ def _mysql(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
                     if steps[at] == "queued":
                         count, last = cursor.fetchone()
                         queued_id = last if count == 1 else None
+                    elif steps[at] == "read" and read is not None:
+                        read.append(cursor.fetchone())
                     if not cursor.nextset():
                         break
                     at += 1
@@ -340,3 +372,155 @@ def _mysql(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
                 return AtOnce(moved=False)
             raise
     return AtOnce(queued_id=queued_id)
+
+
+# -- MariaDB: the decision's tests in the UPDATE, no read first ------------------------------
+
+
+def can_presume_at_once() -> bool:
+    """Whether :func:`presume_at_once` may run now: MariaDB/MySQL where
+    :func:`can_claim_and_apply_at_once` holds."""
+    return connection.vendor == "mysql" and can_claim_and_apply_at_once()
+
+
+def _test_value(field: Field[Any, Any], value: Any) -> Any:
+    """``value`` as the test sends it; None when the test could not be exact.
+
+    A decimal goes as a literal of the column's own scale: one that the column cannot
+    hold exactly (more digits) never equals it, and the usual road says why; a literal
+    of more digits than the server keeps would be compared as a float.
+    """
+    if not isinstance(field, DecimalField):
+        return value
+    try:
+        exact = value.quantize(Decimal(1).scaleb(-(field.decimal_places or 0)))
+    except InvalidOperation:  # more digits than a decimal context keeps: never the column's
+        return None
+    if exact != value or len(exact.as_tuple().digits) > (field.max_digits or 65):
+        return None
+    return exact
+
+
+def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+    """MariaDB's counterpart of PostgreSQL's one statement
+    (:func:`~idempotent_orders.consuming.one_statement.presume`): the message's writes as
+    one transaction sent in one text, with the tests
+    :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
+    :data:`~idempotent_orders.consuming.one_statement.GUARDS`) in the UPDATE's WHERE
+    clause instead of a read of the order first: one round trip.
+
+    InnoDB checks the WHERE clause on the row version it locks, so the tests hold on the
+    order the UPDATE writes. Text is compared bytewise (``BINARY``), whatever the column's
+    collation, so a test is never looser than the Python validator. Anything else (the tests
+    fail, a duplicate, a spent payment, a value a column refuses) rolls all of it back and
+    returns None: the usual road reads, decides and says why. On APPLIED the inbox row, the
+    transition and its follow-up's outbox row are committed; the caller announces the outcome.
+    """
+    guard = GUARDS.get(envelope.handler.validate)
+    if guard is None:
+        return None
+    name = envelope.handler.transition
+    shape = _shape(model, name)
+    if shape is None or runs_user_code(model, name):
+        return None  # the model's own method must run: read, run, write
+    handed: tuple[FollowUp, FollowUpRow] | None = None
+    if in_transaction_work(model, shape.target):
+        rows = follow_up_rows(model, envelope.order_id, name, shape.target)
+        if rows is None or len(rows) != 1 or not handed_over(rows[0][1].fields):
+            return None
+        handed = rows[0]
+    alias, plan = compiled_read(model, "pk")
+    if plan is None or alias != connection.alias:
+        return None
+    guessed = guard(model, envelope.payload)
+    if guessed is None:
+        return None
+    fields, tests = guessed
+    meta = model._meta
+    assert meta.pk is not None
+    qn = connection.ops.quote_name
+    state = qn(str(state_field(model).column))
+    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
+    seq = envelope.seq
+    values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
+    sets = [f"{state} = %s", f"{version} = {version} + 1"]
+    args: list[Any] = [shape.target]
+    for field_name, value in values.items():
+        field = _field(model, field_name)
+        sets.append(f"{qn(str(field.column))} = %s")
+        args.append(field.get_db_prep_save(value, connection))
+    where = [f"{qn(str(meta.pk.column))} = %s", f"BINARY {state} = %s"]
+    args += [meta.pk.get_db_prep_value(envelope.order_id, connection), shape.source]
+    where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
+    if seq is not None:
+        where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
+        args.append(seq - 1)
+    for field_name, value, empty in tests:
+        field = _field(model, field_name)
+        sent = _test_value(field, value)
+        if sent is None:
+            return None
+        column = qn(str(field.column))
+        text = isinstance(field, CharField | TextField)
+        test = f"BINARY {column} = %s" if text else f"{column} = %s"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+        args.append(field.get_db_prep_save(sent, connection))
+    update = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    texts = _texts_for(model)
+    now = timezone.now()
+    inbox = {
+        "consumer": consumer,
+        "message_id": envelope.message_id,
+        "message_type": envelope.message_type,
+        "order_id": envelope.order_id,
+        "seq": seq,
+        "fingerprint": envelope.fingerprint,
+    }
+    statements: list[tuple[str, str, Sequence[Any]]] = [
+        ("inbox", texts.inbox, inbox_template().params(inbox, now))
+    ]
+    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    if payment is not None:
+        spent = [payment, envelope.order_id, consumer, envelope.message_id]
+        statements.append(("spent", texts.spent, spent))
+    statements.append(("update", update, args))
+    announced = transition_heard(model, shape.target)
+    if announced:  # the order as written, read in its own transaction (MariaDB: no RETURNING)
+        statements.append(("read", plan.sql, [args[len(values) + 1]]))
+    if handed is not None:
+        queued = [f.get_db_prep_save(handed[1].fields[f.name], connection) for f in texts.queued]
+        statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
+    read: list[Any] = []
+    try:
+        done = _mysql(statements, read)
+    except (IntegrityError, DataError):
+        return None  # rolled back: the usual road decides, and says why
+    if not done.applied:
+        return None
+    if handed is not None and done.queued_id is not None:
+        handed[1].written(alias, done.queued_id)
+    if announced:
+        order = build(model, alias, plan, read[0])
+        result = TransitionResult(
+            TransitionStatus.APPLIED,
+            shape.source,
+            shape.target,
+            order.version,  # type: ignore[attr-defined]
+        )
+        transition_written(order, name, result, handed=() if handed is None else (handed[0],))
+    return Outcome.APPLIED
+
+
+def _field(model: type[Model], name: str) -> Field[Any, Any]:
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+def _texts_for(model: type[Model]) -> _Texts:
+    """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
+    key = (connection.alias, model, "presume")
+    texts = _texts.get(key)
+    if texts is None:
+        texts = _texts[key] = _compile(model, str(state_field(model).column), 1, [], [])
+    return texts

@@ -108,6 +108,7 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
         mock.patch.object(writing, "claim_and_apply", _raise),
         mock.patch.object(services, "presume", _raise),
         mock.patch.object(writing, "claim_and_apply_at_once", _raise),
+        mock.patch.object(services, "presume_at_once", _raise),
     ),
     # A one-statement claim-and-apply (or MariaDB's and SQLite's one transaction)
     # committed; nothing after it happened.
@@ -117,6 +118,7 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
         mock.patch.object(
             writing, "claim_and_apply_at_once", _after_written(writing.claim_and_apply_at_once)
         ),
+        mock.patch.object(services, "presume_at_once", _after_applied(services.presume_at_once)),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.
     "after_commit": lambda: mock.patch.object(services.dedup, "remember", _raise),
