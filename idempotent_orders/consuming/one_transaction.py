@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import DataError, IntegrityError, connection
+from django.db import DataError, IntegrityError, OperationalError, connection
 from django.db.models import CharField, DecimalField, Field, Model, TextField
 from django.utils import timezone
 
 from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
 from idempotent_orders.consuming.one_statement import GUARDS, _shape
 from idempotent_orders.consuming.payments import payment_id
@@ -495,6 +496,12 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
         done = _mysql(statements, read)
     except (IntegrityError, DataError):
         return None  # rolled back: the usual road decides, and says why
+    except OperationalError as exc:
+        if not is_retryable(exc):
+            raise
+        # Rolled back whole (the inbox row's foreign-key lock and a concurrent UPDATE of
+        # the order can cross): the usual road reads, decides and writes it again.
+        return None
     if not done.applied:
         return None
     if handed is not None and done.queued_id is not None:
