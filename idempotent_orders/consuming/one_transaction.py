@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import DataError, IntegrityError, OperationalError, connection
+from django.db import DatabaseError, DataError, IntegrityError, OperationalError, connection
 from django.db.models import CharField, DecimalField, Field, Model, TextField
 from django.utils import timezone
 
@@ -69,8 +69,10 @@ __all__ = [
     "presume_at_once",
 ]
 
-#: MySQL's error number for a duplicate key.
+#: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
+#: returning two rows.
 _DUPLICATE_KEY = 1062
+_GUARD_FAILED = 1242
 #: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
 _MULTI_STATEMENTS = 1 << 16
 
@@ -363,15 +365,15 @@ def _mysql(
             # A statement failed: the ones after it (COMMIT among them) did not run.
             with contextlib.suppress(Exception):
                 cursor.execute("ROLLBACK")
-            code = exc.args[0] if isinstance(exc, IntegrityError) and exc.args else None
+            code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
             step = steps[at + 1] if at + 1 < len(steps) else ""
             if code == _DUPLICATE_KEY and step == "inbox":
                 return AtOnce(claimed=False)
             if code == _DUPLICATE_KEY and step == "spent":
                 return AtOnce(spent=False)
-            if step == "guard":
+            if code == _GUARD_FAILED and step == "guard":
                 return AtOnce(moved=False)
-            raise
+            raise  # a lost connection among them: the caller reads back what committed
     return AtOnce(queued_id=queued_id)
 
 
