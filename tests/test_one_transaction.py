@@ -295,3 +295,14 @@ def test_mariadb_tests_the_decision_in_the_update_and_leaves_a_refused_order_alo
     )
     assert not OutboxMessage.objects.exists()
     assert SpentPayment.objects.filter(order_id=order.pk).exists() is False
+
+
+def test_a_connection_out_of_autocommit_is_never_sent_a_transaction_of_its_own() -> None:
+    # A transaction may be open (AUTOCOMMIT off): START TRANSACTION would commit it.
+    assert one_transaction.can_claim_and_apply_at_once()
+    transaction.set_autocommit(False)
+    try:
+        assert not one_transaction.can_claim_and_apply_at_once()
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)

@@ -97,8 +97,9 @@ class AtOnce:
 
 def can_claim_and_apply_at_once() -> bool:
     """Whether :func:`claim_and_apply_at_once` may run now: SQLite, or MariaDB/MySQL with
-    multi statements on, outside any transaction."""
-    if connection.in_atomic_block:
+    multi statements on, outside any transaction (in autocommit: with ``AUTOCOMMIT``
+    off a transaction may be open, and ``START TRANSACTION`` would commit it)."""
+    if connection.in_atomic_block or not connection.get_autocommit():
         return False
     if connection.vendor == "sqlite":
         return True
