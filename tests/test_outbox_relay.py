@@ -102,3 +102,25 @@ def test_a_batch_publishes_through_one_producer_checkout(monkeypatch: pytest.Mon
         publish_on_commit(award_points, message())
     assert relay_outbox(batch_size=10).published == 5
     assert len(checkouts) == 1
+
+
+@pytest.mark.backends("sqlite")
+@pytest.mark.django_db(transaction=True)
+@override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE)
+def test_sqlite_claims_a_leased_batch_in_one_write_transaction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SQLite has one write lock: a consumer committing meanwhile waits for it once per
+    # batch, not once per row.
+    monkeypatch.setattr(award_points, "apply_async", lambda **kw: None)
+    for _ in range(5):
+        publish_on_commit(award_points, message())
+    with CaptureQueriesContext(connection) as queries:
+        assert relay_outbox(batch_size=5).published == 5
+    sql = [q["sql"].lstrip().upper() for q in queries.captured_queries]
+    # The five claims (the batch's mark, one UPDATE, comes after the publishes).
+    claims = [n for n, s in enumerate(sql) if s.startswith("UPDATE") and "CLAIMED_UNTIL" in s][:5]
+    begins = [n for n, s in enumerate(sql) if s.startswith("BEGIN")]
+    assert claims == list(range(claims[0], claims[0] + 5)), sql
+    assert [n for n in begins if n < claims[-1]] == [claims[0] - 1], sql
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 5

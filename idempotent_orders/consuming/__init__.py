@@ -21,13 +21,15 @@ the ones above it (``tests/test_structure.py`` keeps it so):
    dead-lettered.
 10. :mod:`~idempotent_orders.consuming.one_statement`: PostgreSQL's one-statement
     road for transitions with nothing of the project's to run.
-11. :mod:`~idempotent_orders.consuming.writing`: the read-decide-write road's
+11. :mod:`~idempotent_orders.consuming.one_transaction`: MariaDB's and SQLite's road
+    for a decided message: its writes sent as one transaction of their own.
+12. :mod:`~idempotent_orders.consuming.writing`: the read-decide-write road's
     transaction (claim, run the transition, the conditional UPDATE, park).
-12. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
-13. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
+13. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
+14. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
     and one UPDATE.
-14. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
-15. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
+15. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
+16. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
     ``aconsume_batch``, the road from async code (a worker thread per message).
 
 The dedup layers in front of the database are :mod:`idempotent_orders.dedup`.
@@ -45,6 +47,7 @@ LAYERS = (
     "payments",
     "failures",
     "one_statement",
+    "one_transaction",
     "writing",
     "single",
     "chunk",

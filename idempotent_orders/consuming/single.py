@@ -47,6 +47,7 @@ from idempotent_orders.consuming.failures import (
     retryable,
 )
 from idempotent_orders.consuming.one_statement import presume
+from idempotent_orders.consuming.one_transaction import can_presume_at_once, presume_at_once
 from idempotent_orders.consuming.sql import (
     can_claim_and_apply,
     read_order,
@@ -123,12 +124,15 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     dead: list[bool] = []
     began = timezone.now()
     try:
+        applied = None
         if can_claim_and_apply():
             applied = presume(envelope, consumer, get_order_model())
-            if applied is not None:
-                announce(consumer, envelope, applied, "")
-                dedup.remember_on_commit(consumer, envelope.message_id)
-                return applied
+        elif can_presume_at_once():
+            applied = presume_at_once(envelope, consumer, get_order_model())
+        if applied is not None:
+            announce(consumer, envelope, applied, "")
+            dedup.remember_on_commit(consumer, envelope.message_id)
+            return applied
         outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
     except TRANSIENT as exc:
         # Nothing was written, or the connection dropped while the message committed

@@ -32,12 +32,19 @@ from idempotent_orders.consuming.failures import (
     describe,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
-from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend
+from idempotent_orders.consuming.one_transaction import (
+    can_claim_and_apply_at_once,
+    claim_and_apply_at_once,
+)
+from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend, spent_by
 from idempotent_orders.consuming.running import (
+    FollowUp,
+    FollowUpRow,
     Ran,
     advance,
     call_transition,
     commit,
+    follow_up_rows,
     in_transaction_work,
     runs_user_code,
     transition_written,
@@ -47,6 +54,7 @@ from idempotent_orders.consuming.sql import (
     ClaimConflict,
     can_claim_and_apply,
     claim_and_apply,
+    handed_over,
 )
 from idempotent_orders.models import (
     AbstractOrder,
@@ -128,6 +136,19 @@ def write(
     ):
         # No body, no receiver, nothing else to write: one statement commits it.
         return claim_and_apply_one(envelope, consumer, order, verdict, unflagged)
+    if (
+        verdict.transition
+        and parked is None
+        and not retrying
+        and order._state.db == connection.alias
+        and can_claim_and_apply_at_once()
+        and not runs_user_code(model, verdict.transition)
+    ):
+        handed = _handed(model, order.pk, verdict.transition)
+        if handed is not None:
+            # Every write known before the transaction: sent as one (MariaDB, SQLite).
+            follow_up = handed[0] if handed else None
+            return apply_at_once(envelope, consumer, order, verdict, unflagged, follow_up)
     body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
     # The payment id the transition spends (recorded with the claim where it can be).
     payment = (
@@ -324,6 +345,78 @@ def claim_and_apply_one(
     if not claimed:
         raise Duplicate
     transition_written(order, e.name, advance(order, e.name, values))
+    return Outcome.APPLIED
+
+
+def _handed(model: type[Any], pk: Any, name: str) -> list[tuple[FollowUp, FollowUpRow]] | None:
+    """The follow-up a transition queues, as its outbox row (none, or one); None when one
+    must be written by its own ``write`` (or there are several)."""
+    rows = follow_up_rows(model, pk, name, edge(model, name).target)
+    if rows is None or len(rows) > 1 or not all(handed_over(r[1].fields) for r in rows):
+        return None
+    return rows
+
+
+def apply_at_once(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    verdict: Verdict,
+    unflagged: dict[str, Any],
+    handed: tuple[FollowUp, FollowUpRow] | None,
+) -> Outcome:
+    """MariaDB and SQLite: the claim, the spent payment, the transition's conditional
+    UPDATE and the follow-up's outbox row, sent as one transaction of their own
+    (:mod:`~idempotent_orders.consuming.one_transaction`). Raises as :func:`write` does."""
+    model = type(order)
+    e = edge(model, verdict.transition)
+    values = written_values(model, verdict.values)
+    conditions = dict(unflagged)
+    if envelope.seq is not None:
+        conditions["last_seq"] = envelope.seq - 1
+    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    done = claim_and_apply_at_once(
+        inbox={
+            "consumer": consumer,
+            "message_id": envelope.message_id,
+            "message_type": envelope.message_type,
+            "status": verdict.inbox_status,
+            "outcome": Outcome.APPLIED,
+            "order_id": order.pk,
+            "seq": envelope.seq,
+            "error": verdict.reason,
+            "body": "",
+            "fingerprint": envelope.fingerprint,
+        },
+        now=timezone.now(),
+        order=order,
+        state_column=str(state_field(model).column),
+        sources=sorted(e.sources),
+        target=e.target,
+        version=order.version,
+        values=values,
+        conditions=conditions,
+        payment=payment,
+        follow_up=None if handed is None else handed[1].fields,
+    )
+    if not done.claimed:
+        raise Duplicate
+    if not done.spent:
+        assert payment is not None
+        owner = spent_by(payment)
+        if owner is None:  # gone since: decide again
+            raise Conflict
+        raise Spent(payment, owner)
+    if not done.moved:
+        raise Conflict
+    if handed is not None and done.queued_id is not None:
+        handed[1].written(connection.alias, done.queued_id)
+    transition_written(
+        order,
+        e.name,
+        advance(order, e.name, values),
+        handed=() if handed is None else (handed[0],),
+    )
     return Outcome.APPLIED
 
 

@@ -11,6 +11,7 @@ hands each row to :mod:`~idempotent_orders.outbox.sender` and each failure to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -144,15 +145,19 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
         .values_list("pk", "claimed_until")[:size]
     )
     claimed = []
-    for pk, seen in candidates:
-        # Conditional on the lease we read: of two relays, one wins each row.
-        won = (
-            OutboxMessage.objects.using(db)
-            .filter(pk=pk, status=OutboxStatus.PENDING, claimed_until=seen)
-            .update(claimed_until=until)
-        )
-        if won:
-            claimed.append(pk)
+    # SQLite has one write lock for the whole database: the batch's claims take it once
+    # (one transaction), not once per row, so a consumer committing meanwhile waits once.
+    together = connections[db].vendor == "sqlite" and len(candidates) > 1
+    with transaction.atomic(using=db) if together else contextlib.nullcontext():
+        for pk, seen in candidates:
+            # Conditional on the lease we read: of two relays, one wins each row.
+            won = (
+                OutboxMessage.objects.using(db)
+                .filter(pk=pk, status=OutboxStatus.PENDING, claimed_until=seen)
+                .update(claimed_until=until)
+            )
+            if won:
+                claimed.append(pk)
     rows = list(OutboxMessage.objects.using(db).filter(pk__in=claimed).order_by("id"))
     # A row claimed but held back by its key goes back to the pool with its lease lifted.
     heads = _heads(db, rows)

@@ -50,13 +50,16 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from django.conf import settings
+from django.test.utils import override_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 from idempotent_orders.consuming import batch as batch_module
+from idempotent_orders.consuming import writing
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders.models import Order, ParkedMessage, ProcessedMessage
+from idempotent_orders.models import Order, OutboxMessage, ParkedMessage, ProcessedMessage
 
 pytestmark = [pytest.mark.backends("sqlite", "postgresql", "mysql")]
 
@@ -259,8 +262,8 @@ def _start(run: str, name: str, stream: Stream) -> Side:
     return Side(name, f"{run}{name[0]}-", orders, last_inbox or 0, last_parked or 0)
 
 
-def run_single(stream: Stream, run: str) -> Side:
-    side = _start(run, "single", stream)
+def run_single(stream: Stream, run: str, name: str = "single") -> Side:
+    side = _start(run, name, stream)
     for index in stream.deliveries:
         msg = stream.messages[index]
         consume_message(
@@ -435,3 +438,41 @@ def test_batch_under_any_chunking_ends_where_one_by_one_ends(
 ) -> None:
     """Examples: IO_HYPOTHESIS_EXAMPLES / IO_HYPOTHESIS_PROFILE (tests/reliability/conftest.py)."""
     assert_same_state(stream)
+
+
+def _with_follow_ups(stream: Stream, side: Side) -> dict[str, Any]:
+    """:func:`snapshot` and the orders (by index) whose fulfilment follow-up was queued."""
+    index = {f"fulfil-{o.pk}": n for n, o in enumerate(side.orders)}
+    queued = OutboxMessage.objects.filter(message_id__in=index)
+    return {
+        **snapshot(stream, side),
+        "follow-ups": sorted(index[m] for m in queued.values_list("message_id", flat=True)),
+    }
+
+
+@pytest.mark.backends("sqlite", "mysql")
+@pytest.mark.parametrize("fulfil", [True, False], ids=["default", "follow-up-off"])
+@given(stream=streams())
+def test_the_one_transaction_road_ends_where_the_atomic_road_ends(
+    stream: Stream, fulfil: bool, transactional_db: None
+) -> None:
+    """MariaDB and SQLite send a decided message's writes as one transaction of their own
+    (``one_transaction``); with that road off, Django's ``atomic`` and the ORM write them.
+    One by one, both must leave the same state, follow-ups included."""
+    config = {
+        **settings.IDEMPOTENT_ORDERS,
+        "FULFIL_AFTER_PAYMENT": fulfil,
+        "OUTBOX_PUBLISH_ON_COMMIT": False,
+    }
+    run = uuid.uuid4().hex[:8]
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        fast = _with_follow_ups(stream, run_single(stream, run, "one"))
+        with mock.patch.object(writing, "can_claim_and_apply_at_once", return_value=False):
+            slow = _with_follow_ups(stream, run_single(stream, run, "atomic"))
+    if fast != slow:
+        diff = "\n".join(
+            difflib.unified_diff(
+                list(_lines(fast)), list(_lines(slow)), "one transaction", "atomic", lineterm=""
+            )
+        )
+        raise AssertionError(f"the roads differ for\n{stream!r}\n{diff}")

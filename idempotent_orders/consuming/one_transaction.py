@@ -1,0 +1,536 @@
+"""MariaDB's and SQLite's road for a decided message: its writes as one transaction of its own.
+
+Once :func:`~idempotent_orders.consuming.decision.decide` said "apply" and nothing of the
+project's runs in the transaction (no body, no fsm-2 receiver; a follow-up only as the
+outbox row it hands over, see :class:`~idempotent_orders.consuming.running.FollowUpRow`),
+what the transaction writes is known before it starts: the inbox row, the spent
+payment, the conditional UPDATE of the order (``WHERE pk AND state AND version``, as
+:func:`~idempotent_orders.consuming.running.commit` writes it) and the follow-up's
+outbox row. :func:`claim_and_apply_at_once` sends them together:
+
+- MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
+  unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
+  UPDATE order; <guard>; INSERT IGNORE outbox; SELECT its id; COMMIT``: one round trip
+  where Django's ``atomic`` and the ORM take eight. The server stops at the first
+  statement that fails, so a duplicate (the inbox's unique index), a spent payment
+  (its unique index) or an order that moved (the guard fails when the UPDATE matched
+  no row) never reaches ``COMMIT``; the transaction is rolled back and the caller
+  decides again, as after the usual road's conditional UPDATE.
+- SQLite: the same statements one after another on the driver's cursor between
+  ``BEGIN`` (with the database's own ``transaction_mode``) and ``COMMIT``, with no ORM
+  or savepoint in between.
+
+Taken only outside a caller's transaction (``START TRANSACTION`` would commit it), so
+the after-commit work (the publish of the outbox row, the fast-path mark) runs once
+this returns, as after PostgreSQL's one statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.db import DatabaseError, DataError, IntegrityError, OperationalError, connection
+from django.db.models import CharField, DecimalField, Field, Model, TextField
+from django.utils import timezone
+
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.failures import is_retryable
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
+from idempotent_orders.consuming.one_statement import GUARDS, _shape
+from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.running import (
+    FollowUp,
+    FollowUpRow,
+    follow_up_rows,
+    in_transaction_work,
+    runs_user_code,
+    transition_heard,
+    transition_written,
+    written_values,
+)
+from idempotent_orders.consuming.sql import (
+    FOLLOW_UP_FIELDS,
+    build,
+    compiled_read,
+    handed_over,
+    inbox_template,
+)
+from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
+
+__all__ = [
+    "AtOnce",
+    "can_claim_and_apply_at_once",
+    "can_presume_at_once",
+    "claim_and_apply_at_once",
+    "presume_at_once",
+]
+
+#: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
+#: returning two rows.
+_DUPLICATE_KEY = 1062
+_GUARD_FAILED = 1242
+#: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
+_MULTI_STATEMENTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class AtOnce:
+    """What :func:`claim_and_apply_at_once` did. Only ``applied`` committed anything."""
+
+    #: False: the inbox holds the message already (nothing written).
+    claimed: bool = True
+    #: False: the payment id was spent already (rolled back).
+    spent: bool = True
+    #: False: the order changed since it was read (rolled back).
+    moved: bool = True
+    #: The follow-up's outbox row id; None when its message id was in the outbox already.
+    queued_id: int | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.claimed and self.spent and self.moved
+
+
+def can_claim_and_apply_at_once() -> bool:
+    """Whether :func:`claim_and_apply_at_once` may run now: SQLite, or MariaDB/MySQL with
+    multi statements on, outside any transaction (in autocommit: with ``AUTOCOMMIT``
+    off a transaction may be open, and ``START TRANSACTION`` would commit it)."""
+    if connection.in_atomic_block or not connection.get_autocommit():
+        return False
+    if connection.vendor == "sqlite":
+        return True
+    if connection.vendor != "mysql":
+        return False
+    connection.ensure_connection()
+    return bool(getattr(connection.connection, "client_flag", 0) & _MULTI_STATEMENTS)
+
+
+@dataclass(frozen=True)
+class _Texts:
+    """The statements of one kind of message, with ``%s`` placeholders."""
+
+    inbox: str
+    spent: str
+    update: str
+    queue: str
+    #: The outbox columns filled per message (the others are the model's defaults).
+    queued: tuple[Field[Any, Any], ...]
+    queued_defaults: tuple[Any, ...]
+    value_fields: tuple[Field[Any, Any], ...]
+    condition_fields: tuple[Field[Any, Any], ...]
+
+
+_texts: dict[tuple[Any, ...], _Texts] = {}
+
+
+def _compile(
+    model: type[Model],
+    state_column: str,
+    sources: int,
+    values: Sequence[str],
+    conditions: Sequence[str],
+) -> _Texts:
+    qn = connection.ops.quote_name
+    mysql = connection.vendor == "mysql"
+    template = inbox_template()
+    inbox = template.head + ", ".join(["%s"] * len(template.fields)) + ")"
+    smeta = SpentPayment._meta
+    spent_columns = ", ".join(
+        qn(str(smeta.get_field(name).column))  # type: ignore[union-attr]
+        for name in ("payment_id", "order", "consumer", "message_id")
+    )
+    spent = f"INSERT INTO {qn(smeta.db_table)} ({spent_columns}) VALUES (%s, %s, %s, %s)"
+    meta = model._meta
+    assert meta.pk is not None
+    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
+    sets = [f"{qn(state_column)} = %s", f"{version} = {version} + 1"]
+    value_fields = []
+    for name in values:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        sets.append(f"{qn(str(field.column))} = %s")
+        value_fields.append(field)
+    where = [
+        f"{qn(str(meta.pk.column))} = %s",
+        f"{qn(state_column)} IN ({', '.join(['%s'] * sources)})",
+        f"{version} = %s",
+    ]
+    condition_fields = []
+    for name in conditions:
+        field = meta.get_field(name)
+        assert isinstance(field, Field)
+        where.append(f"{qn(str(field.column))} = %s")
+        condition_fields.append(field)
+    update = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    ometa = OutboxMessage._meta
+    sample = OutboxMessage()
+    written = [f for f in ometa.concrete_fields if not f.primary_key and not f.has_db_default()]
+    queued = tuple(f for f in written if f.name in FOLLOW_UP_FIELDS)
+    defaults = tuple(
+        f.get_db_prep_save(f.pre_save(sample, True), connection)
+        for f in written
+        if f.name not in FOLLOW_UP_FIELDS
+    )
+    columns = ", ".join(
+        qn(str(f.column))
+        for f in (*queued, *(f for f in written if f.name not in FOLLOW_UP_FIELDS))
+    )
+    placeholders = ", ".join(["%s"] * len(written))
+    table = qn(ometa.db_table)
+    if mysql:
+        # The lengths were checked (``handed_over``): a repeated message id is all
+        # IGNORE lets through, and then the row that holds it is the message.
+        queue = f"INSERT IGNORE INTO {table} ({columns}) VALUES ({placeholders})"
+    else:
+        unique = qn(str(ometa.get_field("message_id").column))
+        pk = qn(str(ometa.pk.column if ometa.pk else "id"))
+        queue = (
+            f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
+            f" ON CONFLICT ({unique}) DO NOTHING RETURNING {pk}"
+        )
+    return _Texts(
+        inbox,
+        spent,
+        update,
+        queue,
+        queued,
+        defaults,
+        tuple(value_fields),
+        tuple(condition_fields),
+    )
+
+
+#: Fails (more than one row in a scalar subquery) unless the UPDATE before it matched
+#: one row: the statements after it, ``COMMIT`` included, never run.
+_GUARD = (
+    "SELECT (SELECT 1 FROM (SELECT 1 AS one UNION ALL SELECT 2) AS io_guard"
+    " WHERE ROW_COUNT() <> 1 AND one > 0)"
+)
+
+
+def claim_and_apply_at_once(
+    *,
+    inbox: Mapping[str, Any],
+    now: Any,
+    order: Model,
+    state_column: str,
+    sources: Sequence[Any],
+    target: Any,
+    version: int,
+    values: Mapping[str, Any],
+    conditions: Mapping[str, Any],
+    payment: str | None,
+    follow_up: Mapping[str, Any] | None,
+) -> AtOnce:
+    """Claim the message, spend its payment, apply the transition and queue the follow-up
+    in one transaction of its own; committed only when all of it applied.
+
+    ``inbox``: the inbox row's per-message columns (as
+    :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` takes them).
+    ``UPDATE <order> SET <state>=:target, version=version+1, <values> WHERE pk=:pk AND
+    <state> IN :sources AND version=:version AND <conditions>``. ``payment``: the
+    payment id recorded as spent (None: the message spends none). ``follow_up``: the
+    outbox row's :data:`~idempotent_orders.consuming.sql.FOLLOW_UP_FIELDS`, or None.
+    Call only where :func:`can_claim_and_apply_at_once` holds.
+    """
+    model = type(order)
+    key = (connection.alias, model, state_column, len(sources), tuple(values), tuple(conditions))
+    texts = _texts.get(key)
+    if texts is None:
+        texts = _texts[key] = _compile(
+            model, state_column, len(sources), list(values), list(conditions)
+        )
+    prep = connection
+    meta = model._meta
+    assert meta.pk is not None
+    order_args: list[Any] = [target]
+    order_args += [
+        f.get_db_prep_save(v, prep)
+        for f, v in zip(texts.value_fields, values.values(), strict=True)
+    ]
+    order_args += [meta.pk.get_db_prep_value(order.pk, prep), *sources, version]
+    order_args += [
+        f.get_db_prep_save(v, prep)
+        for f, v in zip(texts.condition_fields, conditions.values(), strict=True)
+    ]
+    statements: list[tuple[str, str, Sequence[Any]]] = [
+        ("inbox", texts.inbox, inbox_template().params(inbox, now))
+    ]
+    if payment is not None:
+        spent = [payment, order.pk, inbox["consumer"], inbox["message_id"]]
+        statements.append(("spent", texts.spent, spent))
+    statements.append(("update", texts.update, order_args))
+    if follow_up is not None:
+        queued = [f.get_db_prep_save(follow_up[f.name], prep) for f in texts.queued]
+        statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
+    if connection.vendor == "mysql":
+        return _mysql(statements)
+    return _sqlite(statements)
+
+
+def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
+    mode = getattr(connection, "transaction_mode", None)
+    queued_id: int | None = None
+    connection.ensure_connection()
+    # Straight to the driver unless something must see the queries (query logging, an
+    # execute wrapper): Django's cursor wrapper costs more than a statement here.
+    watched = connection.queries_logged or connection.execute_wrappers
+    if not watched:
+        connection.validate_thread_sharing()
+    with (
+        (
+            connection.cursor() if watched else contextlib.closing(connection.connection.cursor())
+        ) as cursor,
+        connection.wrap_database_errors,
+    ):
+        cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
+        refused = (IntegrityError, connection.Database.IntegrityError)  # type: ignore[attr-defined]
+        try:
+            for step, sql, args in statements:
+                try:
+                    cursor.execute(sql if watched else _qmark(sql), args)
+                except refused:
+                    if step == "inbox":
+                        return _undone(cursor, AtOnce(claimed=False))
+                    if step == "spent":
+                        return _undone(cursor, AtOnce(spent=False))
+                    raise
+                if step == "update" and cursor.rowcount != 1:
+                    return _undone(cursor, AtOnce(moved=False))
+                if step == "queue":
+                    row = cursor.fetchone()
+                    queued_id = None if row is None else row[0]
+            cursor.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                cursor.execute("ROLLBACK")
+            raise
+    return AtOnce(queued_id=queued_id)
+
+
+_qmarks: dict[str, str] = {}
+
+
+def _qmark(sql: str) -> str:
+    """``sql`` with sqlite3's own placeholders (the texts here hold no other ``%``)."""
+    found = _qmarks.get(sql)
+    if found is None:
+        found = _qmarks[sql] = sql.replace("%s", "?")
+    return found
+
+
+def _undone(cursor: Any, result: AtOnce) -> AtOnce:
+    cursor.execute("ROLLBACK")
+    return result
+
+
+def _mysql(
+    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
+) -> AtOnce:
+    texts = ["START TRANSACTION"]
+    args: list[Any] = []
+    steps = ["begin"]
+    for step, sql, values in statements:
+        texts.append(sql)
+        args.extend(values)
+        steps.append(step)
+        if step == "update":
+            texts.append(_GUARD)
+            steps.append("guard")
+    queues = "queue" in steps
+    if queues:
+        texts.append("SELECT ROW_COUNT(), LAST_INSERT_ID()")
+        steps.append("queued")
+    texts.append("COMMIT")
+    steps.append("commit")
+    queued_id: int | None = None
+    at = 0
+    with connection.cursor() as cursor:
+        try:
+            with connection.wrap_database_errors:
+                cursor.execute("; ".join(texts), args)
+                while True:
+                    if steps[at] == "queued":
+                        count, last = cursor.fetchone()
+                        queued_id = last if count == 1 else None
+                    elif steps[at] == "read" and read is not None:
+                        read.append(cursor.fetchone())
+                    if not cursor.nextset():
+                        break
+                    at += 1
+        except BaseException as exc:
+            # A statement failed: the ones after it (COMMIT among them) did not run.
+            with contextlib.suppress(Exception):
+                cursor.execute("ROLLBACK")
+            code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
+            step = steps[at + 1] if at + 1 < len(steps) else ""
+            if code == _DUPLICATE_KEY and step == "inbox":
+                return AtOnce(claimed=False)
+            if code == _DUPLICATE_KEY and step == "spent":
+                return AtOnce(spent=False)
+            if code == _GUARD_FAILED and step == "guard":
+                return AtOnce(moved=False)
+            raise  # a lost connection among them: the caller reads back what committed
+    return AtOnce(queued_id=queued_id)
+
+
+# -- MariaDB: the decision's tests in the UPDATE, no read first ------------------------------
+
+
+def can_presume_at_once() -> bool:
+    """Whether :func:`presume_at_once` may run now: MariaDB/MySQL where
+    :func:`can_claim_and_apply_at_once` holds."""
+    return connection.vendor == "mysql" and can_claim_and_apply_at_once()
+
+
+def _test_value(field: Field[Any, Any], value: Any) -> Any:
+    """``value`` as the test sends it; None when the test could not be exact.
+
+    A decimal goes as a literal of the column's own scale: one that the column cannot
+    hold exactly (more digits) never equals it, and the usual road says why; a literal
+    of more digits than the server keeps would be compared as a float.
+    """
+    if not isinstance(field, DecimalField):
+        return value
+    try:
+        exact = value.quantize(Decimal(1).scaleb(-(field.decimal_places or 0)))
+    except InvalidOperation:  # more digits than a decimal context keeps: never the column's
+        return None
+    if exact != value or len(exact.as_tuple().digits) > (field.max_digits or 65):
+        return None
+    return exact
+
+
+def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+    """MariaDB's counterpart of PostgreSQL's one statement
+    (:func:`~idempotent_orders.consuming.one_statement.presume`): the message's writes as
+    one transaction sent in one text, with the tests
+    :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
+    :data:`~idempotent_orders.consuming.one_statement.GUARDS`) in the UPDATE's WHERE
+    clause instead of a read of the order first: one round trip.
+
+    InnoDB checks the WHERE clause on the row version it locks, so the tests hold on the
+    order the UPDATE writes. Text is compared bytewise (``BINARY``), whatever the column's
+    collation, so a test is never looser than the Python validator. Anything else (the tests
+    fail, a duplicate, a spent payment, a value a column refuses) rolls all of it back and
+    returns None: the usual road reads, decides and says why. On APPLIED the inbox row, the
+    transition and its follow-up's outbox row are committed; the caller announces the outcome.
+    """
+    guard = GUARDS.get(envelope.handler.validate)
+    if guard is None:
+        return None
+    name = envelope.handler.transition
+    shape = _shape(model, name)
+    if shape is None or runs_user_code(model, name):
+        return None  # the model's own method must run: read, run, write
+    handed: tuple[FollowUp, FollowUpRow] | None = None
+    if in_transaction_work(model, shape.target):
+        rows = follow_up_rows(model, envelope.order_id, name, shape.target)
+        if rows is None or len(rows) != 1 or not handed_over(rows[0][1].fields):
+            return None
+        handed = rows[0]
+    alias, plan = compiled_read(model, "pk")
+    if plan is None or alias != connection.alias:
+        return None
+    guessed = guard(model, envelope.payload)
+    if guessed is None:
+        return None
+    fields, tests = guessed
+    meta = model._meta
+    assert meta.pk is not None
+    qn = connection.ops.quote_name
+    state = qn(str(state_field(model).column))
+    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
+    seq = envelope.seq
+    values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
+    sets = [f"{state} = %s", f"{version} = {version} + 1"]
+    args: list[Any] = [shape.target]
+    for field_name, value in values.items():
+        field = _field(model, field_name)
+        sets.append(f"{qn(str(field.column))} = %s")
+        args.append(field.get_db_prep_save(value, connection))
+    where = [f"{qn(str(meta.pk.column))} = %s", f"BINARY {state} = %s"]
+    args += [meta.pk.get_db_prep_value(envelope.order_id, connection), shape.source]
+    where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
+    if seq is not None:
+        where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
+        args.append(seq - 1)
+    for field_name, value, empty in tests:
+        field = _field(model, field_name)
+        sent = _test_value(field, value)
+        if sent is None:
+            return None
+        column = qn(str(field.column))
+        text = isinstance(field, CharField | TextField)
+        test = f"BINARY {column} = %s" if text else f"{column} = %s"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+        args.append(field.get_db_prep_save(sent, connection))
+    update = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    texts = _texts_for(model)
+    now = timezone.now()
+    inbox = {
+        "consumer": consumer,
+        "message_id": envelope.message_id,
+        "message_type": envelope.message_type,
+        "order_id": envelope.order_id,
+        "seq": seq,
+        "fingerprint": envelope.fingerprint,
+    }
+    statements: list[tuple[str, str, Sequence[Any]]] = [
+        ("inbox", texts.inbox, inbox_template().params(inbox, now))
+    ]
+    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    if payment is not None:
+        spent = [payment, envelope.order_id, consumer, envelope.message_id]
+        statements.append(("spent", texts.spent, spent))
+    statements.append(("update", update, args))
+    announced = transition_heard(model, shape.target)
+    if announced:  # the order as written, read in its own transaction (MariaDB: no RETURNING)
+        statements.append(("read", plan.sql, [args[len(values) + 1]]))
+    if handed is not None:
+        queued = [f.get_db_prep_save(handed[1].fields[f.name], connection) for f in texts.queued]
+        statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
+    read: list[Any] = []
+    try:
+        done = _mysql(statements, read)
+    except (IntegrityError, DataError):
+        return None  # rolled back: the usual road decides, and says why
+    except OperationalError as exc:
+        if not is_retryable(exc):
+            raise
+        # Rolled back whole (the inbox row's foreign-key lock and a concurrent UPDATE of
+        # the order can cross): the usual road reads, decides and writes it again.
+        return None
+    if not done.applied:
+        return None
+    if handed is not None and done.queued_id is not None:
+        handed[1].written(alias, done.queued_id)
+    if announced:
+        order = build(model, alias, plan, read[0])
+        result = TransitionResult(
+            TransitionStatus.APPLIED,
+            shape.source,
+            shape.target,
+            order.version,  # type: ignore[attr-defined]
+        )
+        transition_written(order, name, result, handed=() if handed is None else (handed[0],))
+    return Outcome.APPLIED
+
+
+def _field(model: type[Model], name: str) -> Field[Any, Any]:
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+def _texts_for(model: type[Model]) -> _Texts:
+    """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
+    key = (connection.alias, model, "presume")
+    texts = _texts.get(key)
+    if texts is None:
+        texts = _texts[key] = _compile(model, str(state_field(model).column), 1, [], [])
+    return texts
