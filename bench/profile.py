@@ -10,7 +10,8 @@ trace: every ``Query`` or ``Sync`` the client sends is one round trip), and the 
 for the outbox publisher thread. ``--cprofile`` adds cProfile's top functions.
 
 ``--duplicates``: where a duplicate's time goes instead, on the default configuration
-(``bench.consumer.default_configuration``, as section 1 runs it). ``BENCH_RUNS`` (3)
+(``bench.consumer.default_configuration``, as section 1 runs it; ``--batch``: through
+``consume_batch``, new messages and copies alike). ``BENCH_RUNS`` (3)
 rounds of N new messages then their N copies, each round timed without wrappers
 (the ratio of a copy's rate to a new message's, round by round and its median), then
 the last round's copies once more with each step wrapped: its share of a duplicate's
@@ -318,9 +319,15 @@ DUPLICATE_STEPS = (
     ("idempotent_orders.dedup", "bloom", "refresh", "Bloom filter: refresh"),
     ("idempotent_orders.dedup", "bloom", "might_contain", "Bloom filter: lookup"),
     ("idempotent_orders.dedup.redis", "RedisLayer", "flush", "Redis: this process's keys first"),
-    ("idempotent_orders.dedup.redis", "RedisLayer", "_send", "Redis: GET round trip"),
-    ("idempotent_orders.signals", "dedup_answered", "send", "signal dedup_answered + counter"),
-    ("idempotent_orders.signals", "message_consumed", "send", "signal message_consumed + counter"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_send", "Redis: GET, sent and its reply"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_post", "Redis: GET sent"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_reply", "Redis: GET's reply awaited, read"),
+    ("idempotent_orders.dedup", "", "_announce", "dedup_answered: the layer counted"),
+    ("idempotent_orders.consuming.single", "", "announce", "message_consumed: sent, counted"),
+    # The batch road (--batch): each message parsed, one MGET for the chunk's "maybe"s.
+    ("idempotent_orders.consuming.batch", "", "parse_envelope", "parse the envelope"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_get_many", "Redis: MGET round trip"),
+    ("idempotent_orders.consuming.batch", "", "announce", "message_consumed: sent, counted"),
 )
 
 
@@ -334,15 +341,18 @@ def _patch_duplicate_steps() -> None:
             setattr(owner, attr, _timed(step, getattr(owner, attr)))
 
 
-def run_duplicates(cprofile: bool) -> None:
-    """``--duplicates``: duplicates against new messages, round by round, then the steps."""
+def run_duplicates(cprofile: bool, use_batch: bool) -> None:
+    """``--duplicates``: duplicates against new messages, round by round, then the steps;
+    with ``--batch`` both through ``consume_batch`` (``BENCH_BATCH_SIZE`` a call)."""
     import statistics
 
     from django.test import override_settings
 
     from bench.common import RUNS, make_orders
-    from bench.consumer import default_configuration, differences, one_by_one
-    from idempotent_orders import dedup, get_order_model
+    from bench.consumer import default_configuration, differences, in_batches, one_by_one
+
+    road = in_batches if use_batch else one_by_one
+    from idempotent_orders import dedup, get_order_model, stats
     from idempotent_orders.outbox import flush_publisher
 
     config = default_configuration()
@@ -354,17 +364,25 @@ def run_duplicates(cprofile: bool) -> None:
         for run_no in range(RUNS):
             messages = [payment(o, f"d{run_no}-") for o in make_orders(N, model=model)]
             start = time.perf_counter()
-            one_by_one(messages)
+            road(messages)
             new = time.perf_counter() - start
             flush_publisher()  # the follow-ups' publishing is not a duplicate's time
             dedup.flush()
-            start = time.perf_counter()
-            one_by_one(messages)
-            dup = time.perf_counter() - start
+            before = stats.local()
+            start, cpu = time.perf_counter(), time.thread_time()
+            road(messages)
+            dup, dup_cpu = time.perf_counter() - start, time.thread_time() - cpu
             ratios.append(new / dup)
+            answered = {
+                k: v - before.get(k, 0)
+                for k, v in stats.local().items()
+                if k.startswith("layer:") and v != before.get(k, 0)
+            }
             print(
                 f"round {run_no + 1}: new {new / N * 1e3:.3f} ms, duplicate"
-                f" {dup / N * 1e6:.1f} us per message: duplicates {new / dup:.1f}x new"
+                f" {dup / N * 1e6:.1f} us ({dup_cpu / N * 1e6:.1f} us of CPU) per message:"
+                f" duplicates {new / dup:.1f}x new;"
+                f" the copies answered by {answered}"
             )
         _patch_duplicate_steps()
         _spent.clear()
@@ -375,13 +393,13 @@ def run_duplicates(cprofile: bool) -> None:
             profiler = cProfile.Profile()
             profiler.enable()
         start = time.perf_counter()
-        one_by_one(messages)
+        road(messages)
         elapsed = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
         note = ", ".join(differences(config)) or "none"
     print(
-        f"\n{model.__name__}, consume_message, {N} duplicates (Bloom 'maybe', Redis hit),"
+        f"\n{model.__name__}, {road.__name__}, {N} duplicates (Bloom 'maybe', Redis hit),"
         f" default configuration (PostgreSQL); settings not at their defaults: {note}"
     )
     print(
@@ -410,7 +428,7 @@ def run_duplicates(cprofile: bool) -> None:
 def main() -> None:
     setup()
     if "--duplicates" in sys.argv:
-        run_duplicates("--cprofile" in sys.argv)
+        run_duplicates("--cprofile" in sys.argv, "--batch" in sys.argv)
         return
     from django.conf import settings
     from django.test import override_settings
