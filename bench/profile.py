@@ -9,6 +9,14 @@ the consuming thread, the statements and round trips per message (libpq's protoc
 trace: every ``Query`` or ``Sync`` the client sends is one round trip), and the same
 for the outbox publisher thread. ``--cprofile`` adds cProfile's top functions.
 
+``--duplicates``: where a duplicate's time goes instead, on the default configuration
+(``bench.consumer.default_configuration``, as section 1 runs it; ``--batch``: through
+``consume_batch``, new messages and copies alike). ``BENCH_RUNS`` (3)
+rounds of N new messages then their N copies, each round timed without wrappers
+(the ratio of a copy's rate to a new message's, round by round and its median), then
+the last round's copies once more with each step wrapped: its share of a duplicate's
+time in the consuming thread.
+
 Steps are timed by wrapping the functions that do them (Python) and the driver's
 ``execute``/``commit`` (the database's share, by statement kind); what is left is
 the Python around them (Django's ORM and atomic, signals, building the order).
@@ -303,8 +311,125 @@ def _print(elapsed: float, kind: str, total: bool = True) -> None:
         )
 
 
+#: The steps of a duplicate, by where they are done: ``(module, owner, attribute, step)``,
+#: owner "" for a module function, else the attribute of the module holding the object.
+#: A name this version of the road lacks is skipped (run the same file on older code).
+DUPLICATE_STEPS = (
+    ("idempotent_orders.consuming.single", "", "parse_envelope", "parse the envelope"),
+    ("idempotent_orders.dedup", "bloom", "refresh", "Bloom filter: refresh"),
+    ("idempotent_orders.dedup", "bloom", "might_contain", "Bloom filter: lookup"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "flush", "Redis: this process's keys first"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_send", "Redis: GET, sent and its reply"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_post", "Redis: GET sent"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_reply", "Redis: GET's reply awaited, read"),
+    ("idempotent_orders.dedup", "", "_announce", "dedup_answered: the layer counted"),
+    ("idempotent_orders.consuming.single", "", "announce", "message_consumed: sent, counted"),
+    # The batch road (--batch): each message parsed, one MGET for the chunk's "maybe"s.
+    ("idempotent_orders.consuming.batch", "", "parse_envelope", "parse the envelope"),
+    ("idempotent_orders.dedup.redis", "RedisLayer", "_get_many", "Redis: MGET round trip"),
+    ("idempotent_orders.consuming.batch", "", "announce", "message_consumed: sent, counted"),
+)
+
+
+def _patch_duplicate_steps() -> None:
+    import importlib
+
+    for module_name, owner_name, attr, step in DUPLICATE_STEPS:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        if hasattr(owner, attr):
+            setattr(owner, attr, _timed(step, getattr(owner, attr)))
+
+
+def run_duplicates(cprofile: bool, use_batch: bool) -> None:
+    """``--duplicates``: duplicates against new messages, round by round, then the steps;
+    with ``--batch`` both through ``consume_batch`` (``BENCH_BATCH_SIZE`` a call)."""
+    import statistics
+
+    from django.test import override_settings
+
+    from bench.common import RUNS, make_orders
+    from bench.consumer import default_configuration, differences, in_batches, one_by_one
+
+    road = in_batches if use_batch else one_by_one
+    from idempotent_orders import dedup, get_order_model, stats
+    from idempotent_orders.outbox import flush_publisher
+
+    config = default_configuration()
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        model = get_order_model()
+        one_by_one([payment(o, "w-") for o in make_orders(50, model=model)])
+        dedup.bloom.wait_warm(60)  # a warming filter sends every copy to the database
+        ratios: list[float] = []
+        for run_no in range(RUNS):
+            messages = [payment(o, f"d{run_no}-") for o in make_orders(N, model=model)]
+            start = time.perf_counter()
+            road(messages)
+            new = time.perf_counter() - start
+            flush_publisher()  # the follow-ups' publishing is not a duplicate's time
+            dedup.flush()
+            before = stats.local()
+            start, cpu = time.perf_counter(), time.thread_time()
+            road(messages)
+            dup, dup_cpu = time.perf_counter() - start, time.thread_time() - cpu
+            ratios.append(new / dup)
+            answered = {
+                k: v - before.get(k, 0)
+                for k, v in stats.local().items()
+                if k.startswith("layer:") and v != before.get(k, 0)
+            }
+            print(
+                f"round {run_no + 1}: new {new / N * 1e3:.3f} ms, duplicate"
+                f" {dup / N * 1e6:.1f} us ({dup_cpu / N * 1e6:.1f} us of CPU) per message:"
+                f" duplicates {new / dup:.1f}x new;"
+                f" the copies answered by {answered}"
+            )
+        _patch_duplicate_steps()
+        _spent.clear()
+        profiler = None
+        if cprofile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        start = time.perf_counter()
+        road(messages)
+        elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+        note = ", ".join(differences(config)) or "none"
+    print(
+        f"\n{model.__name__}, {road.__name__}, {N} duplicates (Bloom 'maybe', Redis hit),"
+        f" default configuration (PostgreSQL); settings not at their defaults: {note}"
+    )
+    print(
+        f"duplicates / new, {RUNS} rounds: {', '.join(f'{r:.1f}' for r in ratios)};"
+        f" median {statistics.median(ratios):.1f}x"
+    )
+    print(f"with each step wrapped: {elapsed / N * 1e6:.1f} us per duplicate (wall clock)\n")
+    rows = sorted(
+        ((step, v) for (k, step), v in _spent.items() if k == "consumer"), key=lambda r: -r[1][0]
+    )
+    print("| step (consumer thread) | us/duplicate | share | calls/duplicate |")
+    print("| --- | ---: | ---: | ---: |")
+    for step, (seconds, calls) in rows:
+        print(f"| {step} | {seconds / N * 1e6:.1f} | {seconds / elapsed:.0%} | {calls / N:.2f} |")
+    rest = elapsed - sum(v[0] for _, v in rows)
+    print(
+        f"| Python around them (consume_message, the layers' settings, cache and key work)"
+        f" | {rest / N * 1e6:.1f} | {rest / elapsed:.0%} | |"
+    )
+    if profiler is not None:
+        import pstats
+
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     setup()
+    if "--duplicates" in sys.argv:
+        run_duplicates("--cprofile" in sys.argv, "--batch" in sys.argv)
+        return
     from django.conf import settings
     from django.test import override_settings
 

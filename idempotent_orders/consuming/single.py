@@ -96,10 +96,15 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     serialization failure) propagate so the caller can retry the delivery.
     Parked successors that this message unblocks are released before returning.
     """
+    raw_id = message.get("message_id") if isinstance(message, Mapping) else None
+    # The fast path is asked before the envelope is parsed, so Redis answers while we
+    # parse; its answer is read, announced and used only for a valid envelope.
+    asked = dedup.ask(consumer, str(raw_id)) if valid_message_id(raw_id) else None
     try:
         envelope = parse_envelope(message, consumer=consumer)
     except InvalidMessage as exc:
-        raw_id = message.get("message_id") if isinstance(message, Mapping) else None
+        if asked is not None:
+            asked.drop()
         message_id = raw_id if valid_message_id(raw_id) and not has_nul(raw_id) else None
         message_id = message_id or synthetic_id(message)
         outcome = _reject(
@@ -114,7 +119,9 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         dedup.remember_on_commit(consumer, message_id)
         return outcome
 
-    if dedup.lookup(consumer, envelope.message_id) is dedup.Layer.REDIS_HIT:
+    if asked is None:  # not reached: parse_envelope takes no id that valid_message_id refuses
+        asked = dedup.ask(consumer, envelope.message_id)
+    if asked.answer() is dedup.Layer.REDIS_HIT:
         # Only a Redis key written after the whole message was handled (its
         # transaction and the releases below) answers without the database.
         announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")

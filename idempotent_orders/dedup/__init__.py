@@ -13,7 +13,7 @@ import contextlib
 import enum
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from django.db import DatabaseError, transaction
 
@@ -24,7 +24,9 @@ from idempotent_orders.dedup.redis import RedisLayer, RedisUnavailable
 from idempotent_orders.signals import dedup_answered
 
 __all__ = [
+    "Asked",
     "Layer",
+    "ask",
     "bloom",
     "flush",
     "lookup",
@@ -67,28 +69,76 @@ redis = RedisLayer()
 
 
 def _announce(layer: Layer, consumer: str, message_id: str) -> Layer:
-    dedup_answered.send(sender=Layer, layer=layer, consumer=consumer, message_id=message_id)
+    if _only_counted():
+        stats.incr(_COUNTER_NAMES[layer])  # what the one receiver would do, without the send
+    else:
+        dedup_answered.send(sender=Layer, layer=layer, consumer=consumer, message_id=message_id)
     return layer
 
 
 def lookup(consumer: str, message_id: str) -> Layer:
     """Ask the fast layers about a message; sends ``dedup_answered`` with the answer."""
+    return ask(consumer, message_id).answer()
+
+
+class Asked:
+    """A lookup under way (:func:`ask`): the Bloom filter's answer, or Redis's to come."""
+
+    __slots__ = ("_layer", "_reply", "consumer", "message_id")
+
+    def __init__(
+        self,
+        consumer: str,
+        message_id: str,
+        layer: Layer | None,
+        reply: Callable[[], bool] | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.message_id = message_id
+        self._layer = layer
+        self._reply = reply
+
+    def _read(self) -> Layer:
+        if self._layer is None:
+            reply, self._reply = self._reply, None
+            try:
+                hit = reply() if reply is not None else False
+            except RedisUnavailable:
+                self._layer = Layer.REDIS_DOWN
+            else:
+                self._layer = Layer.REDIS_HIT if hit else Layer.REDIS_MISS
+        return self._layer
+
+    def answer(self) -> Layer:
+        """Which layer answered; sends ``dedup_answered`` with it, as :func:`lookup` does."""
+        return _announce(self._read(), self.consumer, self.message_id)
+
+    def drop(self) -> None:
+        """Read Redis's reply and send nothing: the message was not one to look up after all
+        (its envelope is invalid)."""
+        self._read()
+
+
+def ask(consumer: str, message_id: str) -> Asked:
+    """Begin :func:`lookup`: the Bloom filter answers now; on its "maybe" the Redis GET is
+    sent and not waited for. :meth:`Asked.answer` reads the reply and announces it; until
+    then the caller may do other work (the consumer parses the envelope meanwhile).
+    """
     if conf.DEDUP_BLOOM:
         try:
             bloom.refresh()
         except DatabaseError:  # the consumer meets the same error and retries
             logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
         if bloom.warming:
-            return _announce(Layer.BLOOM_WARMING, consumer, message_id)
+            return Asked(consumer, message_id, Layer.BLOOM_WARMING)
         if not bloom.might_contain(consumer, message_id):
-            return _announce(Layer.BLOOM_NEGATIVE, consumer, message_id)
+            return Asked(consumer, message_id, Layer.BLOOM_NEGATIVE)
     if not redis.enabled:
-        return _announce(Layer.DISABLED, consumer, message_id)
+        return Asked(consumer, message_id, Layer.DISABLED)
     try:
-        hit = redis.contains(consumer, message_id)
+        return Asked(consumer, message_id, None, redis.ask(consumer, message_id))
     except RedisUnavailable:
-        return _announce(Layer.REDIS_DOWN, consumer, message_id)
-    return _announce(Layer.REDIS_HIT if hit else Layer.REDIS_MISS, consumer, message_id)
+        return Asked(consumer, message_id, Layer.REDIS_DOWN)
 
 
 def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
@@ -132,7 +182,7 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
     if _only_counted():
         # The one receiver is the built-in counter: count per layer, not per message.
         for layer, count in Counter(layers[m] for m in message_ids).items():
-            stats.incr(f"layer:{layer}", count)
+            stats.incr(_COUNTER_NAMES[layer], count)
     else:
         for message_id in message_ids:
             _announce(layers[message_id], consumer, message_id)
@@ -143,10 +193,16 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
 COUNTER_UID = "idempotent_orders.count_layer"
 
 
+#: The counter each layer's answers are counted under (``count_layer`` in receivers.py).
+_COUNTER_NAMES = {layer: f"layer:{layer}" for layer in Layer}
+
+
 def _only_counted() -> bool:
-    """Whether the built-in counter is the only receiver of ``dedup_answered``."""
-    uids = {key[0][0] for key in dedup_answered.receivers}
-    return uids == {COUNTER_UID}
+    """Whether the built-in counter is the only receiver of ``dedup_answered``: then the
+    lookups count their answers themselves, which is all that receiver does, and a
+    receiver anyone connects gets the signal again."""
+    receivers = dedup_answered.receivers
+    return len(receivers) == 1 and receivers[0][0][0] == COUNTER_UID
 
 
 def seen(consumer: str, message_id: str) -> bool:

@@ -41,6 +41,12 @@ def _key(consumer: str, message_id: str) -> str:
     return f"{consumer}{_SEP}{message_id}"
 
 
+def _hashed(item: int) -> int:
+    """The filters' hash function: their items are :func:`stable_hash` values already, so
+    a lookup hashes its key once, not once per live bucket (25 with the default window)."""
+    return item
+
+
 class BloomLayer:
     """Time-bucketed Bloom filters covering the last ``DEDUP_WINDOW`` seconds.
 
@@ -91,7 +97,7 @@ class BloomLayer:
             self._sizing = sizing
         bloom = self._buckets.get(bucket)
         if bloom is None:
-            bloom = self._buckets[bucket] = Bloom(sizing[0], sizing[1], stable_hash)
+            bloom = self._buckets[bucket] = Bloom(sizing[0], sizing[1], _hashed)
         return bloom
 
     def _rotate(self, now: float) -> None:
@@ -104,28 +110,30 @@ class BloomLayer:
 
     # -- public ----------------------------------------------------------------
     def might_contain(self, consumer: str, message_id: str) -> bool:
-        key = _key(consumer, message_id)
+        hashed = stable_hash(_key(consumer, message_id))
         now = time.time()
         with self._lock:
             if self._warming:
                 return True  # not loaded yet: only "maybe" is safe
             self._rotate(now)
-            return any(key in bloom for bloom in self._buckets.values())
+            # Newest first (buckets are mostly made in time order): a copy usually
+            # follows its original within the hour, and any() stops at the first "maybe".
+            return any(hashed in bloom for bloom in reversed(self._buckets.values()))
 
     def add(self, consumer: str, message_id: str, when: float | None = None) -> None:
+        hashed = stable_hash(_key(consumer, message_id))
         now = time.time()
         bucket = self._bucket_of(now if when is None else when)
         with self._lock:
             if bucket in self._live_buckets(now):
-                self._filter(bucket).add(_key(consumer, message_id))
+                self._filter(bucket).add(hashed)
 
     def add_many(self, consumer: str, message_ids: Sequence[str]) -> None:
         """:meth:`add` for several messages seen now."""
+        hashed = [stable_hash(_key(consumer, message_id)) for message_id in message_ids]
         now = time.time()
         with self._lock:
-            bloom = self._filter(self._bucket_of(now))
-            for message_id in message_ids:
-                bloom.add(_key(consumer, message_id))
+            self._filter(self._bucket_of(now)).update(hashed)
 
     def clear(self) -> None:
         with self._lock:
@@ -276,11 +284,12 @@ class BloomLayer:
         return count
 
     def _add_keys(self, bucket: int, keys: list[str], generation: int | None = None) -> int:
+        hashed = [stable_hash(key) for key in keys]  # outside the lock the lookups take
         with self._lock:
             if generation is not None and generation != self._generation:
                 return len(keys)  # a load from before clear(): its keys are not wanted
-            if keys and bucket in self._live_buckets(time.time()):
-                self._filter(bucket).update(keys)
+            if hashed and bucket in self._live_buckets(time.time()):
+                self._filter(bucket).update(hashed)
         return len(keys)
 
     def bucket_count(self) -> int:

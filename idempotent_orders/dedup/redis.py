@@ -36,15 +36,19 @@ is skipped as after an error (system check W010 says so before).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from django.core.cache import caches
+from django.core.signals import setting_changed
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.sentinel import SentinelManagedConnection
@@ -63,6 +67,31 @@ class RedisUnavailable(Exception):
 
 def _key(consumer: str, message_id: str) -> str:
     return f"processed:{consumer}:{message_id}"
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one thread's fast-path calls for the cache alias go, found once."""
+
+    alias: str
+    cache: Any
+    #: The route to the masters when the cache's client is a Redis Cluster client.
+    route: ClusterRoute | None
+    #: The connection pool of a django-redis default (or Sentinel) client: the layer's
+    #: own connection is opened with its settings. None: through the cache's methods.
+    pool: Any
+
+
+#: Bumped by every ``setting_changed`` (``CACHES``, ``IDEMPOTENT_ORDERS``, ...) and by
+#: :meth:`RedisLayer.reset`: each thread finds its :class:`_Target` again.
+_targets_version = [0]
+
+
+def _forget_targets(**kwargs: Any) -> None:
+    _targets_version[0] += 1
+
+
+setting_changed.connect(_forget_targets, dispatch_uid="idempotent_orders.dedup.redis.targets")
 
 
 class RedisLayer:
@@ -110,8 +139,24 @@ class RedisLayer:
     def enabled(self) -> bool:
         return bool(conf.DEDUP_CACHE_ALIAS)
 
-    def _cache(self) -> Any:
-        return caches[conf.DEDUP_CACHE_ALIAS]
+    def _target(self) -> _Target:
+        """This thread's :class:`_Target` for ``DEDUP_CACHE_ALIAS``.
+
+        Found once per thread and settings: looking the cache, its client and
+        its pool up again costs more than the GET a duplicate is answered with.
+        """
+        alias = conf.DEDUP_CACHE_ALIAS
+        known = getattr(self._own, "target", None)
+        if known is not None and known[0] == _targets_version[0] and known[1].alias == alias:
+            target: _Target = known[1]
+            return target
+        version = _targets_version[0]
+        cache = caches[alias]
+        route = self._call("get", self._route, cache)
+        pool = None if route is not None else self._call("get", self._pool, cache)
+        target = _Target(alias, cache, route, pool)
+        self._own.target = (version, target)
+        return target
 
     def _call(self, op: str, func: Any, *args: Any, **kwargs: Any) -> Any:
         if time.monotonic() < self._down_until:
@@ -132,18 +177,69 @@ class RedisLayer:
 
         What this process queued before is written first, so it is seen.
         """
+        return self.ask(consumer, message_id)()
+
+    def ask(self, consumer: str, message_id: str) -> Callable[[], bool]:
+        """:meth:`contains` in two halves: the GET is sent now, and the function returned
+        reads its reply (raises :class:`RedisUnavailable` as :meth:`contains` does).
+
+        Redis answers while the caller does other work (the consumer parses the
+        envelope). Until the reply is read, anything else sent on this thread's
+        connection drops it first, so a reply is never read as another command's.
+        A cluster or another cache is asked at once; the function returns its answer.
+        """
         self.flush()
-        cache = self._cache()
+        target = self._target()
         key = _key(consumer, message_id)
-        route = self._call("get", self._route, cache)
-        if route is not None:
-            found, unanswered = self._call("get", route.lookup, [_raw(cache, key)])
+        if target.route is not None:
+            found, unanswered = self._call("get", target.route.lookup, [_raw(target.cache, key)])
             if unanswered:
                 raise RedisUnavailable("its cluster node did not answer")
-            return bool(found)
-        if self._call("get", self._pool, cache) is None:
-            return bool(self._call("get", cache.get, key))
-        return bool(self._call("get", self._get, cache, key))
+            return functools.partial(bool, found)
+        if target.pool is None:
+            return functools.partial(bool, self._call("get", target.cache.get, key))
+        sent = self._call("get", self._post, target, key)
+        return functools.partial(self._call, "get", self._reply, target.pool, *sent)
+
+    def _post(self, target: _Target, key: str) -> tuple[bytes, Any]:
+        """Send the GET of ``key`` on this thread's connection, its reply left to
+        :meth:`_reply`: the command and the connection it went on."""
+        for attempt in (1, 2):
+            connection = self._connection(target.pool)
+            try:
+                raw = connection.encoder.encode(target.cache.client.make_key(key))
+                packed = _pack(b"GET", raw)
+                connection.send_packed_command([packed], check_health=False)
+            except (ConnectionError, OSError, RedisConnectionError):
+                self._drop()
+                if attempt == 2:
+                    raise
+                continue
+            except BaseException:
+                self._drop()
+                raise
+            self._own.unread = connection
+            return packed, connection
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _reply(self, pool: Any, packed: bytes, connection: Any) -> bool:
+        """Whether the key exists, from the reply to what :meth:`_post` sent on ``connection``."""
+        own = self._own
+        unread: Any = getattr(own, "unread", None)
+        if unread is not connection:
+            # Dropped meanwhile (another command went out on this thread): ask again.
+            return self._send(pool, packed, read=True) is not None
+        own.unread = None
+        try:
+            return connection.read_response() is not None
+        except (ConnectionError, OSError, RedisConnectionError):
+            # A connection the server closed since its last use fails here; as in
+            # _send, the command goes out once more on a new one.
+            self._drop()
+            return self._send(pool, packed, read=True) is not None
+        except BaseException:
+            self._drop()
+            raise
 
     def contains_many(self, consumer: str, message_ids: list[str]) -> set[str]:
         """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`
@@ -158,22 +254,21 @@ class RedisLayer:
         for (on a cluster, the ids of a master that failed; the others are answered).
         Raises :class:`RedisUnavailable` when Redis answered for none."""
         self.flush()
-        cache = self._cache()
+        target = self._target()
         keys = {_key(consumer, m): m for m in message_ids}
-        route = self._call("get", self._route, cache)
-        if route is not None:
-            raw = {_raw(cache, key): m for key, m in keys.items()}
-            hits, unanswered = self._call("get", route.lookup, list(raw))
+        if target.route is not None:
+            raw = {_raw(target.cache, key): m for key, m in keys.items()}
+            hits, unanswered = self._call("get", target.route.lookup, list(raw))
             if unanswered and len(unanswered) == len(raw):
                 raise RedisUnavailable("no cluster node answered")
             return {raw[k] for k in hits}, {raw[k] for k in unanswered}
-        return self._contains_many(cache, keys), set()
+        return self._contains_many(target, keys), set()
 
-    def _contains_many(self, cache: Any, keys: dict[str, str]) -> set[str]:
-        if self._call("get", self._pool, cache) is None:
-            found = self._call("get", cache.get_many, list(keys))
+    def _contains_many(self, target: _Target, keys: dict[str, str]) -> set[str]:
+        if target.pool is None:
+            found = self._call("get", target.cache.get_many, list(keys))
             return {keys[key] for key, value in found.items() if value}
-        values = self._call("get", self._get_many, cache, list(keys))
+        values = self._call("get", self._get_many, target, list(keys))
         return {keys[key] for key, value in zip(keys, values, strict=True) if value is not None}
 
     def add(self, consumer: str, message_id: str) -> None:
@@ -301,18 +396,12 @@ class RedisLayer:
         # The PING's reply comes once Redis applied every SET before it.
         self._send(pool, b"".join(_SKIP + packed for packed in sets) + _PING, read=True)
 
-    def _get(self, cache: Any, key: str) -> bool:
-        pool = self._pool(cache)
-        connection = self._connection(pool)
-        packed = _pack(b"GET", connection.encoder.encode(cache.client.make_key(key)))
-        return self._send(pool, packed, read=True) is not None
-
-    def _get_many(self, cache: Any, keys: list[str]) -> list[Any]:
-        pool = self._pool(cache)
-        connection = self._connection(pool)
+    def _get_many(self, target: _Target, keys: list[str]) -> list[Any]:
+        connection = self._connection(target.pool)
         encode = connection.encoder.encode
-        packed = _pack(b"MGET", *(encode(cache.client.make_key(key)) for key in keys))
-        return list(self._send(pool, packed, read=True))
+        make_key = target.cache.client.make_key
+        packed = _pack(b"MGET", *(encode(make_key(key)) for key in keys))
+        return list(self._send(target.pool, packed, read=True))
 
     def _send(self, pool: Any, packed: bytes, *, read: bool, replies: int = 1) -> Any:
         """Send ``packed`` on this thread's connection (and read ``replies`` replies when
@@ -349,6 +438,8 @@ class RedisLayer:
         most ``DEDUP_REDIS_TIMEOUT``, so no call on it waits longer for Redis.
         """
         own = self._own
+        if getattr(own, "unread", None) is not None:
+            self._drop()  # a reply sent for by ask() and never read: it would answer the next
         current = getattr(own, "current", None)
         pid = os.getpid()
         bound = conf.DEDUP_REDIS_TIMEOUT
@@ -369,6 +460,7 @@ class RedisLayer:
     def _drop(self) -> None:
         current = getattr(self._own, "current", None)
         self._own.current = None
+        self._own.unread = None
         if current is not None and current[2] == os.getpid():
             current[1].disconnect()
 
@@ -470,6 +562,7 @@ class RedisLayer:
         self._down_until = 0.0
         self.backoffs = 0
         self._no_reply.clear()
+        _forget_targets()
         self._drop()
         for route in list(self._routes.values()):
             route.close()

@@ -1,0 +1,181 @@
+"""The duplicate's road: what it costs is cut, what it answers and counts is not."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from idempotent_orders import dedup, stats
+from idempotent_orders.consuming import single
+from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.dedup import Layer
+from idempotent_orders.dedup.bloom import BloomLayer
+from idempotent_orders.dedup.redis import RedisLayer
+from idempotent_orders.models import Outcome, ProcessedMessage
+from idempotent_orders.signals import dedup_answered, message_consumed
+from tests.support.messages import payment
+from tests.support.services import RedisServer, private_redis_settings
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    with private_redis_settings(server.url):
+        dedup.reset()
+        yield server
+    server.stop()
+
+
+@pytest.fixture
+def heard() -> Iterator[list[tuple[str, Any]]]:
+    """What ``dedup_answered`` and ``message_consumed`` said, in order."""
+    said: list[tuple[str, Any]] = []
+
+    def on_layer(sender: Any, layer: Layer, **kwargs: Any) -> None:
+        said.append(("layer", layer.value))
+
+    def on_consumed(sender: Any, outcome: Any, reason: str, **kwargs: Any) -> None:
+        said.append(("consumed", (str(outcome), reason, kwargs["message_type"])))
+
+    dedup_answered.connect(on_layer)
+    message_consumed.connect(on_consumed)
+    yield said
+    dedup_answered.disconnect(on_layer)
+    message_consumed.disconnect(on_consumed)
+
+
+def _steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record when the GET goes out, when the envelope is parsed and when the reply is read."""
+    order: list[str] = []
+
+    def recorded(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            order.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(RedisLayer, "_post", recorded("GET sent", RedisLayer._post))
+    monkeypatch.setattr(RedisLayer, "_reply", recorded("reply read", RedisLayer._reply))
+    monkeypatch.setattr(single, "parse_envelope", recorded("parsed", single.parse_envelope))
+    return order
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redis_answers_a_duplicate_while_its_envelope_is_parsed(
+    make_order, redis_server, heard, monkeypatch
+) -> None:
+    msg = payment(make_order())
+    assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert dedup.flush()
+    order = _steps(monkeypatch)
+    heard.clear()
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    assert order == ["GET sent", "parsed", "reply read"]
+    assert len(queries) == 0
+    # Announced as before: the layer once, then the outcome with the fast path's reason.
+    assert heard == [
+        ("layer", "redis-hit"),
+        ("consumed", ("duplicate", "fast path: already processed", "payment.succeeded")),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invalid_copy_of_a_remembered_id_is_answered_as_before(
+    make_order, redis_server, heard
+) -> None:
+    order = make_order()
+    bad = {**payment(order), "type": "payment.unheard-of"}
+    assert consume_message(bad, consumer="payments") is Outcome.REJECTED
+    assert dedup.flush()
+    assert dedup.redis.contains("payments", bad["message_id"])  # remembered: Bloom and Redis
+    heard.clear()
+    # Its copy sent a GET before the parse found it invalid: the reply is read and
+    # dropped, and the copy takes the rejected road, to the inbox's unique index.
+    assert consume_message(bad, consumer="payments") is Outcome.DUPLICATE
+    assert heard == [
+        ("layer", "database-conflict"),
+        ("consumed", ("duplicate", "already recorded", "payment.unheard-of")),
+    ]
+    assert ProcessedMessage.objects.get(message_id=bad["message_id"]).outcome == "rejected"
+    assert dedup.redis._own.unread is None
+    assert not dedup.redis.contains("payments", "never-seen")
+
+
+def test_a_reply_left_unread_is_never_read_as_the_next_commands(redis_server) -> None:
+    dedup.remember("payments", "known")
+    assert dedup.flush()
+    left = dedup.redis.ask("payments", "known")  # its reply ("1") is never read here
+    # The next command drops the connection with the reply on it; without that it
+    # would read "1" for a key Redis does not hold.
+    assert not dedup.redis.contains("payments", "unknown")
+    assert dedup.redis.contains("payments", "known")
+    assert left() is True  # read late, it asks again on the new connection
+    assert dedup.redis._down_until == 0.0
+
+
+def test_the_cache_is_found_once_per_thread_and_again_when_settings_change(
+    redis_server,
+) -> None:
+    dedup.remember("payments", "m-1")
+    assert dedup.flush()
+    assert dedup.redis.contains("payments", "m-1")
+    found = mock.patch.object(dedup.redis, "_pool", wraps=RedisLayer._pool)
+    with found as pool:
+        assert all(dedup.redis.contains("payments", "m-1") for _ in range(5))
+        assert pool.call_count == 0
+        # The same alias under another key prefix: another cache, found again.
+        caches = {**settings.CACHES, "dedup": {**settings.CACHES["dedup"], "KEY_PREFIX": "other"}}
+        with override_settings(CACHES=caches):
+            assert not dedup.redis.contains("payments", "m-1")
+            assert pool.call_count == 1
+        assert dedup.redis.contains("payments", "m-1")
+        assert pool.call_count == 2
+
+
+def test_a_bloom_lookup_hashes_its_key_once_whatever_the_buckets() -> None:
+    bloom = importlib.import_module("idempotent_orders.dedup.bloom")  # dedup.bloom: the layer
+    layer = BloomLayer()
+    with override_settings(
+        IDEMPOTENT_ORDERS={
+            **settings.IDEMPOTENT_ORDERS,
+            "DEDUP_WINDOW": 24 * 3600,
+            "DEDUP_BLOOM_BUCKET_SECONDS": 3600,
+        }
+    ):
+        now = timezone.now().timestamp()
+        for hours in range(24):
+            layer.add("payments", f"m-{hours}", now - hours * 3600)
+        assert layer.bucket_count() == 24
+        with mock.patch.object(bloom, "stable_hash", wraps=bloom.stable_hash) as hashed:
+            assert layer.might_contain("payments", "m-23")  # the oldest bucket
+            assert not layer.might_contain("payments", "m-24")
+        assert hashed.call_count == 2
+        assert all(layer.might_contain("payments", f"m-{h}") for h in range(24))
+
+
+@pytest.mark.django_db
+def test_with_only_the_counter_listening_the_layer_is_counted_without_a_send() -> None:
+    dedup.reset()
+    stats.reset()
+    dedup.bloom.add("payments", "maybe")
+    with (
+        override_settings(
+            IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, "DEDUP_CACHE_ALIAS": ""}
+        ),
+        mock.patch.object(dedup_answered, "send", side_effect=AssertionError("sent")),
+    ):
+        assert dedup.lookup("payments", "maybe") is Layer.DISABLED
+        assert dedup.lookup("payments", "never") is Layer.BLOOM_NEGATIVE
+    assert stats.local() == {"layer:disabled": 1, "layer:bloom-negative": 1}
