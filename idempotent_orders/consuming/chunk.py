@@ -31,8 +31,14 @@ from django.utils import timezone
 from idempotent_orders import get_order_model
 from idempotent_orders.consuming.decision import unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, serialise
+from idempotent_orders.consuming.sql import (
+    CLAIMABLE,
+    _on_conflict,
+    inbox_partitioned,
+    inbox_template,
+    insert_inbox_values,
+)
 from idempotent_orders.consuming.sql import _names as _inbox_names
-from idempotent_orders.consuming.sql import _on_conflict, inbox_template, insert_inbox_values
 from idempotent_orders.exceptions import ConcurrentUpdate
 from idempotent_orders.models import (
     AbstractOrder,
@@ -163,10 +169,14 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
             selected.append(f"v.{qn(name)}")
     table, pk, message_id = _inbox_names()
     order_column = qn(str(ProcessedMessage._meta.get_field("order").column))
+    claimable = ""
+    if inbox_partitioned():
+        claimable = f" WHERE {CLAIMABLE}(%s, v.{qn('message_id')})"
+        array_params.append(consumer)
     sql = (
         f"INSERT INTO {table} ({', '.join(qn(str(f.column)) for f in fields)})"
         f" SELECT {', '.join(selected)} FROM unnest({', '.join(arrays)}) AS v({', '.join(aliases)})"
-        f" {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
+        f"{claimable} {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
     )
     by_id = {i.envelope.message_id: i for i in items}
     new: dict[str, int] = {}
