@@ -16,12 +16,13 @@ fails with ``unique_violation`` as it would on the unique index.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.models import Q
 
 from idempotent_orders.conf import conf
@@ -39,6 +40,11 @@ __all__ = [
     "partitions",
     "revert",
 ]
+
+#: Longest wait (ms) for the inbox's exclusive lock when a partition is dropped.
+LOCK_TIMEOUT_MS = 500
+_LOCK_NOT_AVAILABLE = "55P03"
+logger = logging.getLogger("idempotent_orders")
 
 #: The trigger function that keeps ``(message_id, consumer)`` unique across partitions.
 GUARD = "io_inbox_claim_guard"
@@ -70,6 +76,8 @@ class Maintenance:
     dropped_rows: int = 0
     #: Rows of the dropped partitions kept (moved to the default partition).
     kept_rows: int = 0
+    #: Partitions past the window left for the next run: the inbox's lock was not free.
+    postponed: list[Partition] = field(default_factory=list)
 
 
 def _names(connection: Any) -> tuple[str, str]:
@@ -324,6 +332,39 @@ def _rows(cursor: Any, name: str, qn: Any) -> int:
     return int(cursor.fetchone()[0])
 
 
+def _drop(
+    connection: Any, cursor: Any, name: str, select: str, params: Any, listed: str
+) -> tuple[int, int]:
+    """Drop partition ``name``, its rows matching ``select`` first copied out and then
+    inserted again (into the default partition); returns (kept rows, rows estimated)."""
+    _, quoted = _names(connection)
+    qn = connection.ops.quote_name
+    # While its kept rows are read, only writes to this old partition wait: new rows
+    # go to the current one, and the claims' probes only read it.
+    cursor.execute(f"LOCK TABLE {qn(name)} IN EXCLUSIVE MODE")
+    cursor.execute(f"CREATE TEMPORARY TABLE io_kept ON COMMIT DROP AS {select}", params)
+    cursor.execute("SELECT count(*) FROM io_kept")
+    kept = int(cursor.fetchone()[0])
+    rows = _rows(cursor, name, qn)
+    # The inbox itself is locked for the detach only. A claim that holds the inbox
+    # and waits for this partition would deadlock with it: give up first, below
+    # deadlock_timeout (1 s by default), rather than let the claim be the victim;
+    # and a lock waited for long would hold every new claim in its queue.
+    cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_MS}ms'")
+    cursor.execute(f"LOCK TABLE {quoted} IN ACCESS EXCLUSIVE MODE")
+    cursor.execute("SET LOCAL lock_timeout TO DEFAULT")
+    # A row this transaction wrote into the partition still owes its deferred foreign
+    # key check, and a table with pending checks cannot be dropped: run them now
+    # (Django's foreign keys are all deferred again afterwards).
+    cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    cursor.execute(f"ALTER TABLE {quoted} DETACH PARTITION {qn(name)}")
+    cursor.execute(f"DROP TABLE {qn(name)}")
+    cursor.execute("SET CONSTRAINTS ALL DEFERRED")
+    # Its range has no partition now: the kept rows land in the default one.
+    cursor.execute(f"INSERT INTO {quoted} ({listed}) SELECT * FROM io_kept")
+    return kept, rows
+
+
 def maintain(*, now: datetime, cutoff: datetime, kept: Q, using: str = "default") -> Maintenance:
     """Create the partitions up to ``INBOX_PARTITIONS_AHEAD`` periods after ``now``'s;
     drop those ending at or before ``cutoff``, moving their rows matching ``kept`` to
@@ -331,8 +372,6 @@ def maintain(*, now: datetime, cutoff: datetime, kept: Q, using: str = "default"
     connection = connections[using]
     report = Maintenance()
     days = conf.INBOX_PARTITION_DAYS
-    _, quoted = _names(connection)
-    qn = connection.ops.quote_name
     existing = {p.start for p in partitions(using) if p.start is not None}
     start = period_start(now, days)
     for _ in range(conf.INBOX_PARTITIONS_AHEAD + 1):
@@ -352,22 +391,18 @@ def maintain(*, now: datetime, cutoff: datetime, kept: Q, using: str = "default"
         select, params = keep.values_list(
             *(f.attname for f in ProcessedMessage._meta.concrete_fields)
         ).query.sql_with_params()
-        with transaction.atomic(using), connection.cursor() as cursor:
-            # Consumers wait here a moment: nothing may change between the copy and the drop.
-            cursor.execute(f"LOCK TABLE {quoted} IN ACCESS EXCLUSIVE MODE")
-            cursor.execute(f"CREATE TEMPORARY TABLE io_kept ON COMMIT DROP AS {select}", params)
-            cursor.execute("SELECT count(*) FROM io_kept")
-            report.kept_rows += cursor.fetchone()[0]
-            report.dropped_rows += _rows(cursor, partition.name, qn)
-            # A row this transaction wrote into the partition still owes its deferred
-            # foreign key check, and a table with pending checks cannot be dropped:
-            # run them now (Django's foreign keys are all deferred again afterwards).
-            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
-            cursor.execute(f"ALTER TABLE {quoted} DETACH PARTITION {qn(partition.name)}")
-            cursor.execute(f"DROP TABLE {qn(partition.name)}")
-            cursor.execute("SET CONSTRAINTS ALL DEFERRED")
-            # Its range has no partition now: the kept rows land in the default one.
-            cursor.execute(f"INSERT INTO {quoted} ({listed}) SELECT * FROM io_kept")
+        try:
+            with transaction.atomic(using), connection.cursor() as cursor:
+                kept_rows, rows = _drop(connection, cursor, partition.name, select, params, listed)
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                raise
+            # Nothing of it happened; the next run tries again.
+            logger.warning("inbox partition %s not dropped: the inbox was busy", partition.name)
+            report.postponed.append(partition)
+            continue
+        report.kept_rows += kept_rows
+        report.dropped_rows += rows
         report.dropped.append(partition.name)
     report.dropped_rows -= report.kept_rows
     return report

@@ -33,6 +33,7 @@ from idempotent_orders.partitioning import (
     is_partitioned,
     maintain,
     partitioned_inbox,
+    partitions,
 )
 
 __all__ = ["PurgeReport", "maintain_partitions", "purge", "purgeable"]
@@ -124,10 +125,19 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
     report = PurgeReport()
     report.parked = _give_up_parked(now - timedelta(seconds=conf.PARKED_RETENTION), size)
     inbox_cutoff = now - timedelta(seconds=conf.DEDUP_RETENTION)
+    condition = purgeable(inbox_cutoff)
     if partitioned_inbox() and is_partitioned():
         report.inbox = maintain_partitions(now=now).dropped_rows
+        ranges = [p for p in partitions() if p.start is not None and p.end is not None]
+        if ranges:
+            # Only the default partition's rows: a period partition goes whole, when its
+            # last row is past the window (a partition whose drop was postponed too),
+            # so its rows outlive DEDUP_RETENTION by up to one period, never less.
+            condition &= Q(created_at__lt=min(p.start for p in ranges if p.start)) | Q(
+                created_at__gte=max(p.end for p in ranges if p.end)
+            )
     # On a partitioned inbox this finds only the kept rows that have since finished.
-    report.inbox += _delete_in_batches(ProcessedMessage, purgeable(inbox_cutoff), size)
+    report.inbox += _delete_in_batches(ProcessedMessage, condition, size)
     # Expired keys and tokens; a claim whose lease is still live stays (as in
     # http.keys.purge_expired, which deletes without batching).
     report.keys = _delete_in_batches(

@@ -358,3 +358,44 @@ def test_checks_name_the_partitioned_inbox_misconfigurations(
         "idempotent_orders.W061"
     ]
     convert()
+
+
+def test_a_busy_inbox_postpones_the_drop_and_loses_nothing(partitioned, make_order) -> None:
+    now = timezone.now()
+    old = now - timedelta(days=10)
+    maintain(now=old, cutoff=old - timedelta(days=30), kept=~purgeable(old))
+    first_copy(payment(make_order(), message_id="old-done"), "payments", days_ago=10)
+    ProcessedMessage.objects.create(
+        consumer="payments", message_id="old-failed", status=InboxStatus.FAILED, created_at=old
+    )
+    ProcessedMessage.objects.update(updated_at=old)
+    holding, release = threading.Event(), threading.Event()
+    before = len(partitions())
+
+    def claim_in_flight() -> None:
+        try:
+            with transaction.atomic():
+                consume_message(payment(make_order()), consumer="payments")
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=claim_in_flight)
+    thread.start()
+    assert holding.wait(30)
+    try:
+        report = purge(now=now)
+    finally:
+        release.set()
+        thread.join()
+    assert report.inbox == 0  # neither dropped nor deleted row by row
+    assert len(partitions()) == before
+    assert set(
+        ProcessedMessage.objects.filter(message_id__startswith="old-").values_list(
+            "message_id", flat=True
+        )
+    ) == {"old-done", "old-failed"}
+    assert purge(now=now).inbox == 1
+    assert len(partitions()) < before
+    assert partition_of("old-failed") == f"{TABLE}_kept"
