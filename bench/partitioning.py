@@ -6,7 +6,7 @@
 ``fill`` creates two databases of its own (``<ns>_plain``, ``<ns>_parted``), migrates
 them, fills each inbox with the same rows spread over ``BENCH_DAYS`` days (``INSERT
 ... SELECT generate_series``; one in 20,000 ``processing``, one in 10,000 ``failed``:
-rows retention keeps) and converts the second with ``partition_inbox convert``
+rows retention keeps) and converts the second with ``idempotent_orders_partitions convert``
 (timed: the copy an operator plans downtime for). ``claims`` times new payments
 consumed one by one (the one-statement road), in a caller's transaction (the
 read-decide-write road) and by ``consume_batch``, in processes that alternate
@@ -111,7 +111,7 @@ def fill() -> None:
     _psql(PARTED, f"SELECT setval(pg_get_serial_sequence('{TABLE}', 'id'), {ROWS + 1})")
     started = time.monotonic()
     subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), "partition_inbox", "convert"],
+        [sys.executable, str(ROOT / "manage.py"), "idempotent_orders_partitions", "convert"],
         env=_env(PARTED),
         check=True,
         capture_output=True,

@@ -107,11 +107,11 @@ DEFAULTS: dict[str, Any] = {
     "PARKED_RETENTION": 30 * 24 * 3600,
     # Rows deleted per statement by the retention purge.
     "PURGE_BATCH_SIZE": 1000,
-    # PostgreSQL only: days of one inbox partition once ``manage.py partition_inbox
+    # PostgreSQL only: days of one inbox partition once ``manage.py idempotent_orders_partitions
     # convert`` has made the inbox a table partitioned by ``created_at``; retention
     # then drops whole partitions. 0: one plain table, retention by DELETE.
     "INBOX_PARTITION_DAYS": 0,
-    # Partitions kept ready ahead of now by ``partition_inbox maintain`` (and purge).
+    # Partitions kept ready ahead of now by ``idempotent_orders_partitions maintain`` (and purge).
     "INBOX_PARTITIONS_AHEAD": 3,
     # Longest time (seconds) the broker may hold an unacknowledged message before
     # redelivering it, when the check cannot read it from the transport options

@@ -326,7 +326,7 @@ def test_maintain_creates_partitions_ahead_and_takes_rows_the_default_one_caught
     assert len(report.created) == 4
     assert report.dropped == []
     assert partition_of("future") == f"{TABLE}_{period_start(later, 1):%Y%m%d}"
-    call_command("partition_inbox", "status")
+    call_command("idempotent_orders_partitions", "status")
 
 
 def test_checks_name_the_partitioned_inbox_misconfigurations(

@@ -51,7 +51,8 @@ def check_partitions(
             Warning(
                 "INBOX_PARTITION_DAYS is set but the inbox is one plain table: retention "
                 "deletes rows one batch at a time.",
-                hint="Run manage.py partition_inbox convert (it locks the inbox while it copies).",
+                hint="Run manage.py idempotent_orders_partitions convert (it locks the inbox "
+                "while it copies).",
                 id="idempotent_orders.W061",
             )
         ]
@@ -60,7 +61,8 @@ def check_partitions(
             Warning(
                 "The inbox is partitioned but INBOX_PARTITION_DAYS is 0: no partition is "
                 "created ahead nor dropped; new rows go to the default partition.",
-                hint="Set INBOX_PARTITION_DAYS back, or run manage.py partition_inbox revert.",
+                hint="Set INBOX_PARTITION_DAYS back, or run manage.py "
+                "idempotent_orders_partitions revert.",
                 id="idempotent_orders.W062",
             )
         ]
@@ -73,7 +75,7 @@ def check_partitions(
             Warning(
                 "No inbox partition covers the next period: its rows will go to the "
                 "default partition, which grows and slows the claims.",
-                hint="Run manage.py partition_inbox maintain (the purge task runs it) "
+                hint="Run manage.py idempotent_orders_partitions maintain (the purge task runs it) "
                 "at least once a period.",
                 id="idempotent_orders.W063",
             )

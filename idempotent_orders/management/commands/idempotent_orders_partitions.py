@@ -1,4 +1,4 @@
-"""``manage.py partition_inbox convert|maintain|status|revert``: the inbox partitioned by time."""
+"""``manage.py idempotent_orders_partitions convert|maintain|status|revert``: inbox partitions."""
 
 from __future__ import annotations
 
