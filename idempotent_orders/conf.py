@@ -107,6 +107,12 @@ DEFAULTS: dict[str, Any] = {
     "PARKED_RETENTION": 30 * 24 * 3600,
     # Rows deleted per statement by the retention purge.
     "PURGE_BATCH_SIZE": 1000,
+    # PostgreSQL only: days of one inbox partition once ``manage.py idempotent_orders_partitions
+    # convert`` has made the inbox a table partitioned by ``created_at``; retention
+    # then drops whole partitions. 0: one plain table, retention by DELETE.
+    "INBOX_PARTITION_DAYS": 0,
+    # Partitions kept ready ahead of now by ``idempotent_orders_partitions maintain`` (and purge).
+    "INBOX_PARTITIONS_AHEAD": 3,
     # Longest time (seconds) the broker may hold an unacknowledged message before
     # redelivering it, when the check cannot read it from the transport options
     # (RabbitMQ's consumer_timeout, for example). 0 means unknown.
@@ -180,6 +186,7 @@ POSITIVE: frozenset[str] = frozenset(
         "RECONCILE_BATCH_SIZE",
         "PARKED_RETENTION",
         "PURGE_BATCH_SIZE",
+        "INBOX_PARTITIONS_AHEAD",
         "DEDUP_RETENTION",
         "DEDUP_WINDOW",
         "DEDUP_BLOOM_CAPACITY",
@@ -387,6 +394,14 @@ class Settings:
     @property
     def PURGE_BATCH_SIZE(self) -> int:
         return int(self._get("PURGE_BATCH_SIZE"))
+
+    @property
+    def INBOX_PARTITION_DAYS(self) -> int:
+        return int(self._get("INBOX_PARTITION_DAYS"))
+
+    @property
+    def INBOX_PARTITIONS_AHEAD(self) -> int:
+        return int(self._get("INBOX_PARTITIONS_AHEAD"))
 
     @property
     def BROKER_REDELIVERY_HORIZON(self) -> int:

@@ -2,6 +2,8 @@
 
 Run by the ``idempotent_orders.purge`` task (on beat) and ``manage.py purge_idempotent_orders``.
 Deletes in batches of ``PURGE_BATCH_SIZE`` so no statement holds locks for long.
+On an inbox partitioned by time (:mod:`~idempotent_orders.partitioning`),
+whole partitions past the window are dropped instead, their kept rows moved first.
 Never touches ``processing`` inbox rows (leased work in flight) or ``failed``
 ones (waiting for an operator), nor keys still ``in_flight``.
 """
@@ -26,8 +28,15 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
+from idempotent_orders.partitioning import (
+    Maintenance,
+    is_partitioned,
+    maintain,
+    partitioned_inbox,
+    partitions,
+)
 
-__all__ = ["PurgeReport", "purge"]
+__all__ = ["PurgeReport", "maintain_partitions", "purge", "purgeable"]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -40,6 +49,17 @@ class PurgeReport:
 
     def as_dict(self) -> dict[str, int]:
         return {"inbox": self.inbox, "parked": self.parked, "keys": self.keys}
+
+
+def purgeable(cutoff: datetime) -> Q:
+    """Inbox rows whose dedup window has passed; every other row is kept."""
+    return (
+        # Rows changed lately (given up, resolved by an operator) wait a full window too.
+        Q(created_at__lt=cutoff, updated_at__lt=cutoff)
+        & Q(status__in=[InboxStatus.DONE, InboxStatus.REJECTED])
+        # A message still parked keeps its inbox row until it is released.
+        & ~Q(outcome=Outcome.PARKED)
+    )
 
 
 def _delete_in_batches(model: type[Model], condition: Q, batch_size: int) -> int:
@@ -55,6 +75,14 @@ def _delete_in_batches(model: type[Model], condition: Q, batch_size: int) -> int
         # The condition is repeated: a row that changed since it was read stays.
         deleted, _ = model._default_manager.filter(condition, pk__in=pks).delete()
         total += deleted
+
+
+def maintain_partitions(*, now: datetime | None = None, using: str = "default") -> Maintenance:
+    """Partitions ready ahead of ``now``; those past ``DEDUP_RETENTION`` dropped, their
+    rows that :func:`purgeable` would keep moved to the kept partition first."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=conf.DEDUP_RETENTION)
+    return maintain(now=now, cutoff=cutoff, kept=~purgeable(cutoff), using=using)
 
 
 def _give_up_parked(cutoff: datetime, batch_size: int) -> int:
@@ -97,15 +125,19 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
     report = PurgeReport()
     report.parked = _give_up_parked(now - timedelta(seconds=conf.PARKED_RETENTION), size)
     inbox_cutoff = now - timedelta(seconds=conf.DEDUP_RETENTION)
-    report.inbox = _delete_in_batches(
-        ProcessedMessage,
-        # Rows changed lately (given up, resolved by an operator) wait a full window too.
-        Q(created_at__lt=inbox_cutoff, updated_at__lt=inbox_cutoff)
-        & Q(status__in=[InboxStatus.DONE, InboxStatus.REJECTED])
-        # A message still parked keeps its inbox row until it is released.
-        & ~Q(outcome=Outcome.PARKED),
-        size,
-    )
+    condition = purgeable(inbox_cutoff)
+    if partitioned_inbox() and is_partitioned():
+        report.inbox = maintain_partitions(now=now).dropped_rows
+        ranges = [p for p in partitions() if p.start is not None and p.end is not None]
+        if ranges:
+            # Only the default partition's rows: a period partition goes whole, when its
+            # last row is past the window (a partition whose drop was postponed too),
+            # so its rows outlive DEDUP_RETENTION by up to one period, never less.
+            condition &= Q(created_at__lt=min(p.start for p in ranges if p.start)) | Q(
+                created_at__gte=max(p.end for p in ranges if p.end)
+            )
+    # On a partitioned inbox this finds only the kept rows that have since finished.
+    report.inbox += _delete_in_batches(ProcessedMessage, condition, size)
     # Expired keys and tokens; a claim whose lease is still live stays (as in
     # http.keys.purge_expired, which deletes without batching).
     report.keys = _delete_in_batches(

@@ -70,6 +70,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> None:
+    """With ``IO_TEST_PARTITIONED_INBOX=1``, the test database's inbox partitioned by day."""
+    from idempotent_orders.partitioning import convert, partitioned_inbox
+
+    if partitioned_inbox():
+        with django_db_blocker.unblock():
+            convert()
+
+
 @pytest.fixture
 def staff() -> Client:
     """A test client logged in as a superuser (the admin's operator)."""

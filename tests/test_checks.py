@@ -109,6 +109,8 @@ REGISTERED = {
     ("order_model", "check_order_model", ("models",)),
     ("order_model", "check_order_model_history", ("database",)),
     ("order_model", "check_payment_timeout", ("models",)),
+    ("partitioning", "check_partitioned_inbox", ("compatibility",)),
+    ("partitioning", "check_partitions", ("database",)),
     ("redis_cluster", "check_redis_cluster", ("caches",)),
 }
 

@@ -11,6 +11,8 @@
   (E021-E024, W020);
 - :mod:`~idempotent_orders.checks.metrics`: who may read ``/metrics``, and the
   multiprocess directory (E090-E092, W090);
+- :mod:`~idempotent_orders.checks.partitioning`: the inbox partitioned by time
+  (E060, W061-W063);
 - :mod:`~idempotent_orders.checks.redis_cluster`: the Redis the fast path and
   the locks run on, when it is a cluster (W010, W011).
 
@@ -48,6 +50,7 @@ from idempotent_orders.checks.order_model import (
     check_order_model_history,
     check_payment_timeout,
 )
+from idempotent_orders.checks.partitioning import check_partitioned_inbox, check_partitions
 from idempotent_orders.checks.redis_cluster import check_redis_cluster
 
 __all__ = [
@@ -64,6 +67,8 @@ __all__ = [
     "check_order_model",
     "check_order_model_history",
     "check_outbox_and_locks",
+    "check_partitioned_inbox",
+    "check_partitions",
     "check_payment_timeout",
     "check_redis_cluster",
     "check_redis_layer",

@@ -46,6 +46,7 @@ LAYERS = (
     "sql",
     "payments",
     "failures",
+    "savepoints",
     "one_statement",
     "one_transaction",
     "writing",

@@ -42,7 +42,6 @@ from idempotent_orders.consuming.chunk import (
     claim,
     claim_postgres,
     field_names,
-    guarded,
     lock_orders,
     parked_before,
     record_outcomes,
@@ -74,6 +73,7 @@ from idempotent_orders.consuming.running import (
     transitions_written,
     written_values,
 )
+from idempotent_orders.consuming.savepoints import guarded
 from idempotent_orders.consuming.single import consume_message, release_parked
 from idempotent_orders.consuming.writing import Spent, on_error_reason, park, spent_verdict
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition

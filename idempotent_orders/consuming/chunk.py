@@ -1,18 +1,18 @@
 """A batch chunk's rows and statements: the message item, the claim of the chunk's inbox
-rows, the lock of its orders and their parked messages, the savepoint each message's own
-code runs in, the one conditional UPDATE of every order it changed, and the outcomes
-recorded in the inbox (:mod:`~idempotent_orders.consuming.batch` decides between them).
+rows, the lock of its orders and their parked messages, the one conditional UPDATE of
+every order it changed, and the outcomes recorded in the inbox
+(:mod:`~idempotent_orders.consuming.batch` decides between them).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import (
@@ -34,10 +34,15 @@ from django.utils import timezone
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
-from idempotent_orders.consuming.failures import TRANSIENT, describe, failed_body, log_failure
-from idempotent_orders.consuming.running import restore, snapshot_of
+from idempotent_orders.consuming.failures import describe, failed_body, log_failure
+from idempotent_orders.consuming.sql import (
+    CLAIMABLE,
+    _on_conflict,
+    inbox_partitioned,
+    inbox_template,
+    insert_inbox_values,
+)
 from idempotent_orders.consuming.sql import _names as _inbox_names
-from idempotent_orders.consuming.sql import _on_conflict, inbox_template, insert_inbox_values
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
     AbstractOrder,
@@ -55,7 +60,6 @@ __all__ = [
     "claim",
     "claim_postgres",
     "field_names",
-    "guarded",
     "lock_orders",
     "parked_before",
     "record_outcomes",
@@ -63,8 +67,6 @@ __all__ = [
     "settle",
     "update_orders",
 ]
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -96,60 +98,6 @@ def as_read(order: AbstractOrder, attnames: list[str]) -> None:
             continue
         value = _concrete(type(order), attname).to_python(value)
         order.__dict__[attname] = value.value if isinstance(value, enum.Enum) else value
-
-
-class _Savepoint:
-    """A savepoint taken just before the first statement sent while it is installed
-    (``connection.execute_wrapper``): code that sends none costs no round trip."""
-
-    def __init__(self) -> None:
-        self.sid: str | None = None
-        self.taking = False
-
-    def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, *args: Any) -> Any:
-        if self.sid is None and not self.taking:
-            self.taking = True  # the SAVEPOINT statement itself passes through here
-            try:
-                self.sid = connection.savepoint()
-            finally:
-                self.taking = False
-        return execute(sql, params, *args)
-
-
-def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
-    """Run ``step`` (a message's decision and transition: the project's code) in a
-    savepoint of the chunk's transaction; return what it raised instead of raising.
-
-    What raised rolls back only this savepoint (and drops the ``on_commit`` callbacks
-    registered since), and ``order`` is put back as it was in memory, so the chunk
-    goes on and no other message's code runs twice. The savepoint is taken at the
-    first statement ``step`` sends through Django's connection, so a body that writes
-    only the order's own fields costs no round trip. An error after which the
-    delivery is simply run again (a lost connection, a deadlock) still propagates:
-    the whole chunk rolls back.
-    """
-    before = snapshot_of(order)
-    version: int = order.version
-    savepoint = _Savepoint()
-    callbacks = len(connection.run_on_commit)
-    try:
-        with connection.execute_wrapper(savepoint):
-            done = step()
-    except TRANSIENT:
-        restore(order, before, version)
-        raise
-    except Exception as exc:
-        restore(order, before, version)
-        # As atomic() does: the flag a failed query set is lowered first (the rollback is
-        # itself a query), and the transaction goes on from the savepoint.
-        transaction.set_rollback(False)
-        if savepoint.sid is not None:
-            connection.savepoint_rollback(savepoint.sid)
-        del connection.run_on_commit[callbacks:]
-        return exc
-    if savepoint.sid is not None:
-        connection.savepoint_commit(savepoint.sid)
-    return done
 
 
 def claim(consumer: str, items: list[Item], known: set[int]) -> dict[str, int]:
@@ -254,10 +202,14 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
             selected.append(f"v.{qn(name)}")
     table, pk, message_id = _inbox_names()
     order_column = qn(str(ProcessedMessage._meta.get_field("order").column))
+    claimable = ""
+    if inbox_partitioned():
+        claimable = f" WHERE {CLAIMABLE}(%s, v.{qn('message_id')})"
+        array_params.append(consumer)
     sql = (
         f"INSERT INTO {table} ({', '.join(qn(str(f.column)) for f in fields)})"
         f" SELECT {', '.join(selected)} FROM unnest({', '.join(arrays)}) AS v({', '.join(aliases)})"
-        f" {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
+        f"{claimable} {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
     )
     by_id = {i.envelope.message_id: i for i in items}
     new: dict[str, int] = {}

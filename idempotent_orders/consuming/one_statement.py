@@ -81,6 +81,7 @@ from idempotent_orders.consuming.sql import (
     build,
     compiled_read,
     handed_over,
+    inbox_partitioned,
     inbox_template,
     queue_follow_up,
 )
@@ -485,7 +486,19 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         else "payment_id"
     )
     queued = FOLLOW_UP_FIELDS if handed is not None else ()
-    key = (alias, model, name, tuple(fields), shapes, seq is None, announced, spends, queued)
+    partitioned = inbox_partitioned(conn)
+    key = (
+        alias,
+        partitioned,
+        model,
+        name,
+        tuple(fields),
+        shapes,
+        seq is None,
+        announced,
+        spends,
+        queued,
+    )
     statement = _statements.get(key)
     if statement is None:
         names = list(

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.db import connection
 
-from idempotent_orders.consuming.sql import inbox_template
+from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
 
 __all__ = ["Reservation", "claim_and_spend", "payment_id", "spend", "spent_by"]
@@ -70,7 +70,7 @@ def spent_by(payment: str) -> Any | None:
 
 
 #: The claim-and-spend statement's text, by database alias.
-_claims: dict[str, str] = {}
+_claims: dict[tuple[str, bool], str] = {}
 
 
 def claim_and_spend(
@@ -86,10 +86,11 @@ def claim_and_spend(
     ``owner`` as :func:`spend` returns it (None: recorded).
     """
     template = inbox_template()
-    sql = _claims.get(connection.alias)
+    key = (connection.alias, inbox_partitioned())
+    sql = _claims.get(key)
     if sql is None:
         table, columns = _table()
-        sql = _claims[connection.alias] = (
+        sql = _claims[key] = (
             f"WITH new_inbox AS ({template.sql} RETURNING 1),"
             f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
             " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"

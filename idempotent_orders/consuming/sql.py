@@ -14,6 +14,7 @@ run as prepared statements of the session are in
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from idempotent_orders.consuming.prepared import driver_cursor, fetch_one
 from idempotent_orders.models import OutboxMessage, ProcessedMessage
 
 __all__ = [
+    "CLAIMABLE",
     "FOLLOW_UP_FIELDS",
     "ClaimConflict",
     "build",
@@ -36,11 +38,48 @@ __all__ = [
     # Where they were before they had a module of their own (the HTTP keys import them here).
     "driver_cursor",
     "fetch_one",
+    "forget_inbox_shape",
     "handed_over",
+    "inbox_partitioned",
     "insert_inbox_rows",
     "queue_follow_up",
     "read_order",
 ]
+
+
+#: On a partitioned inbox (:mod:`idempotent_orders.partitioning`), the SQL function
+#: ``(consumer, message_id) -> boolean``: True when the inbox holds no such row, tested
+#: after taking the pair's transaction-level advisory lock. A claim inserts only rows
+#: it lets through; ``ON CONFLICT`` then has no unique index of the whole table to name.
+CLAIMABLE = "io_inbox_claimable"
+
+
+#: Whether the inbox is partitioned, by driver connection: the table itself says, once
+#: per session, so no setting can make a claim take the wrong statement.
+_shapes: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def inbox_partitioned(conn: Any = None) -> bool:
+    """Whether the inbox of ``conn`` (the default connection) is partitioned by time."""
+    conn = conn or connection
+    if conn.vendor != "postgresql":
+        return False
+    raw = conn.connection
+    partitioned = _shapes.get(raw) if raw is not None else None
+    if partitioned is None:
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass(%s)",
+                [ProcessedMessage._meta.db_table],
+            )
+            row = cursor.fetchone()
+        partitioned = _shapes[conn.connection] = bool(row and row[0])
+    return partitioned
+
+
+def forget_inbox_shape() -> None:
+    """Look the inbox's shape up again (after it was converted in this process)."""
+    _shapes.clear()
 
 
 class ClaimConflict(Exception):
@@ -191,9 +230,13 @@ class InboxTemplate:
     #: ``sql`` around its value list: ``INSERT INTO <inbox> (<columns>) VALUES (`` and the rest.
     head: str
     tail: str
+    #: ``::<type>`` of each value on a partitioned inbox (its rows pass a ``SELECT``), else "".
+    casts: tuple[str, ...] = ()
 
     def insert(self, values: Sequence[str]) -> str:
         """``sql`` with ``values`` (SQL expressions, one per field) as its value list."""
+        if self.casts:
+            values = [f"{v}{c}" for v, c in zip(values, self.casts, strict=True)]
         return f"{self.head}{', '.join(values)}{self.tail}"
 
     def params(self, values: Mapping[str, Any], now: Any) -> list[Any]:
@@ -232,12 +275,13 @@ PER_MESSAGE = (
     "fingerprint",
 )
 
-_templates: dict[str, InboxTemplate] = {}
+_templates: dict[tuple[str, bool], InboxTemplate] = {}
 
 
 def inbox_template() -> InboxTemplate:
     """The :class:`InboxTemplate` of the current database (an applied message's row)."""
-    template = _templates.get(connection.alias)
+    key = (connection.alias, inbox_partitioned())
+    template = _templates.get(key)
     if template is None:
         from idempotent_orders.models import InboxStatus, Outcome
 
@@ -250,17 +294,44 @@ def inbox_template() -> InboxTemplate:
             order_id=None,
             seq=None,
         )
-        fields, columns = _inbox_columns(sample)
+        fields, _ = _inbox_columns(sample)
         base = _inbox_values(fields, sample)
         attnames = [f.attname for f in fields]
         positions = {name: attnames.index(name) for name in (*PER_MESSAGE, "updated_at")}
-        table, _, _ = _names()
-        head, tail = f"INSERT INTO {table} ({columns}) VALUES (", f") {_on_conflict()}"
-        sql = head + ", ".join(["%s"] * len(fields)) + tail
-        template = _templates[connection.alias] = InboxTemplate(
-            fields, sql, base, positions, head, tail
-        )
+        head, tail, casts = _insert_around(fields)
+        sql = head + ", ".join(f"%s{cast}" for cast in casts or [""] * len(fields)) + tail
+        template = _templates[key] = InboxTemplate(fields, sql, base, positions, head, tail, casts)
     return template
+
+
+def _insert_around(fields: Sequence[Field[Any, Any]]) -> tuple[str, str, tuple[str, ...]]:
+    """Head and tail of a one-row inbox INSERT of ``fields``, and the casts of its values.
+
+    ``INSERT ... VALUES (...) ON CONFLICT (consumer, message_id) DO NOTHING``; on a
+    partitioned inbox ``INSERT ... SELECT * FROM (VALUES (...)) AS v WHERE
+    CLAIMABLE(v.consumer, v.message_id) ON CONFLICT DO NOTHING``.
+    """
+    qn = connection.ops.quote_name
+    table, _, _ = _names()
+    columns = ", ".join(qn(str(f.column)) for f in fields)
+    if not inbox_partitioned():
+        return f"INSERT INTO {table} ({columns}) VALUES (", f") {_on_conflict()}", ()
+    casts = tuple(f"::{f.db_type(connection)}" for f in fields)
+    return (
+        f"INSERT INTO {table} ({columns}) SELECT * FROM (VALUES (",
+        f")) AS v ({columns}) WHERE {_claimable('v')} {_on_conflict()}",
+        casts,
+    )
+
+
+def _claimable(alias: str) -> str:
+    """``CLAIMABLE(<alias>.consumer, <alias>.message_id)`` for rows named by their columns."""
+    qn = connection.ops.quote_name
+    consumer, message_id = (
+        qn(str(ProcessedMessage._meta.get_field(name).column))  # type: ignore[union-attr]
+        for name in ("consumer", "message_id")
+    )
+    return f"{CLAIMABLE}({alias}.{consumer}, {alias}.{message_id})"
 
 
 def _names() -> tuple[str, str, str]:
@@ -273,6 +344,10 @@ def _names() -> tuple[str, str, str]:
 
 
 def _on_conflict() -> str:
+    if inbox_partitioned():
+        # No unique index spans the partitions; CLAIMABLE has filtered the rows, and
+        # each partition's own unique index is the arbiter.
+        return "ON CONFLICT DO NOTHING"
     qn = connection.ops.quote_name
     unique = ", ".join(
         qn(str(ProcessedMessage._meta.get_field(name).column))  # type: ignore[union-attr]
@@ -304,9 +379,10 @@ def insert_inbox_values(
         # rows, so the driver parses it once, not a placeholder per value per call.
         arrays: list[list[Any]] = [list(column) for column in zip(*rows, strict=True)]
         unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+        claimable = f"AS v ({columns}) WHERE {_claimable('v')} " if inbox_partitioned() else ""
         sql = (
             f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
-            f" {_on_conflict()} {returning}"
+            f" {claimable}{_on_conflict()} {returning}"
         )
         with connection.cursor() as cursor:
             cursor.execute(sql, arrays)
@@ -364,8 +440,6 @@ def _claim_plan(
     conditions: Mapping[str, Any],
 ) -> _ClaimPlan:
     qn = connection.ops.quote_name
-    columns = ", ".join(qn(str(f.column)) for f in fields)
-    inbox, _, _ = _names()
     table = qn(meta.db_table)
     pk_column = qn(str(meta.pk.column if meta.pk else "id"))
     sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
@@ -382,10 +456,10 @@ def _claim_plan(
         assert isinstance(field, Field)
         where.append(f"{qn(str(field.column))} = %s")
         condition_fields.append(field)
-    placeholder = ", ".join(["%s"] * len(fields))
+    head, tail, casts = _insert_around(fields)
+    placeholder = ", ".join(f"%s{cast}" for cast in casts or [""] * len(fields))
     sql = (
-        f"WITH claim AS (INSERT INTO {inbox} ({columns}) VALUES ({placeholder})"
-        f" {_on_conflict()} RETURNING 1),"
+        f"WITH claim AS ({head}{placeholder}{tail} RETURNING 1),"
         f" moved AS (UPDATE {table} SET {', '.join(sets)}"
         f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
         " SELECT (SELECT count(*) FROM claim),"
@@ -420,6 +494,7 @@ def claim_and_apply(
     meta = order._meta
     key = (
         connection.alias,
+        inbox_partitioned(),
         type(order),
         state_column,
         tuple(f.attname for f in fields),

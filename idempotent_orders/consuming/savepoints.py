@@ -1,0 +1,70 @@
+"""The savepoint a batch chunk runs each message's own code in (its decision and its
+transition), taken at the first statement that code sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import connection, transaction
+
+from idempotent_orders.consuming.failures import TRANSIENT
+from idempotent_orders.consuming.running import restore, snapshot_of
+from idempotent_orders.models import AbstractOrder
+
+T = TypeVar("T")
+
+
+class _Savepoint:
+    """A savepoint taken just before the first statement sent while it is installed
+    (``connection.execute_wrapper``): code that sends none costs no round trip."""
+
+    def __init__(self) -> None:
+        self.sid: str | None = None
+        self.taking = False
+
+    def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, *args: Any) -> Any:
+        if self.sid is None and not self.taking:
+            self.taking = True  # the SAVEPOINT statement itself passes through here
+            try:
+                self.sid = connection.savepoint()
+            finally:
+                self.taking = False
+        return execute(sql, params, *args)
+
+
+def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
+    """Run ``step`` (a message's decision and transition: the project's code) in a
+    savepoint of the chunk's transaction; return what it raised instead of raising.
+
+    What raised rolls back only this savepoint (and drops the ``on_commit`` callbacks
+    registered since), and ``order`` is put back as it was in memory, so the chunk
+    goes on and no other message's code runs twice. The savepoint is taken at the
+    first statement ``step`` sends through Django's connection, so a body that writes
+    only the order's own fields costs no round trip. An error after which the
+    delivery is simply run again (a lost connection, a deadlock) still propagates:
+    the whole chunk rolls back.
+    """
+    before = snapshot_of(order)
+    version: int = order.version
+    savepoint = _Savepoint()
+    callbacks = len(connection.run_on_commit)
+    try:
+        with connection.execute_wrapper(savepoint):
+            done = step()
+    except TRANSIENT:
+        restore(order, before, version)
+        raise
+    except Exception as exc:
+        restore(order, before, version)
+        # As atomic() does: the flag a failed query set is lowered first (the rollback is
+        # itself a query), and the transaction goes on from the savepoint.
+        transaction.set_rollback(False)
+        if savepoint.sid is not None:
+            connection.savepoint_rollback(savepoint.sid)
+        del connection.run_on_commit[callbacks:]
+        return exc
+    if savepoint.sid is not None:
+        connection.savepoint_commit(savepoint.sid)
+    return done
