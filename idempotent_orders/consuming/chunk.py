@@ -147,7 +147,7 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
     CONFLICT DO NOTHING RETURNING id, message_id, order_id``: the columns that
     are the same for every row are one parameter each, the per-message ones one
     array each, and ``order_id`` is the order's own id or NULL when there is no
-    such order (``unknown order``: marked here, recorded by :func:`_record_outcomes`).
+    such order (``unknown order``: marked here, recorded by :func:`record_outcomes`).
     Rows go in sorted by message id, as in :func:`_claim`.
     """
     template = inbox_template()

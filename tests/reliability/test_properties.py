@@ -134,7 +134,7 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
 BATCH_CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     # Inside the chunk's transaction, after the orders were written: everything rolls back.
     "batch_before_commit": lambda: mock.patch.object(
-        batch, "_record_outcomes", _after(batch._record_outcomes)
+        batch, "record_outcomes", _after(batch.record_outcomes)
     ),
     # Committed, but the fast-path marks (on_commit hooks, run at once) never happen.
     "batch_after_commit": lambda: mock.patch.object(batch.dedup, "remember_many", _raise),
