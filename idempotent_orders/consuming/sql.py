@@ -14,7 +14,6 @@ run as prepared statements of the session are in
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +53,11 @@ __all__ = [
 CLAIMABLE = "io_inbox_claimable"
 
 
-#: Whether the inbox is partitioned, by driver connection: the table itself says, once
-#: per session, so no setting can make a claim take the wrong statement.
-_shapes: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: Whether the inbox is partitioned, by (database alias, database name): the table
+#: itself says, once per process (``convert`` and ``revert`` forget it in theirs; other
+#: processes are restarted after them), so no setting can make a claim take the wrong
+#: statement, and a new connection costs no catalog query.
+_shapes: dict[tuple[str, str], bool] = {}
 
 
 def inbox_partitioned(conn: Any = None) -> bool:
@@ -64,8 +65,8 @@ def inbox_partitioned(conn: Any = None) -> bool:
     conn = conn or connection
     if conn.vendor != "postgresql":
         return False
-    raw = conn.connection
-    partitioned = _shapes.get(raw) if raw is not None else None
+    key = (conn.alias, conn.settings_dict["NAME"])
+    partitioned = _shapes.get(key)
     if partitioned is None:
         with conn.cursor() as cursor:
             cursor.execute(
@@ -73,7 +74,7 @@ def inbox_partitioned(conn: Any = None) -> bool:
                 [ProcessedMessage._meta.db_table],
             )
             row = cursor.fetchone()
-        partitioned = _shapes[conn.connection] = bool(row and row[0])
+        partitioned = _shapes[key] = bool(row and row[0])
     return partitioned
 
 
