@@ -301,6 +301,18 @@ def on_error_reason(
     return reason
 
 
+def _guarded_write(
+    envelope: Envelope, order: AbstractOrder, verdict: Verdict, unflagged: dict[str, Any]
+) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The edge, the written values and the conditional UPDATE's conditions (the order
+    as read, and the message's predecessor applied) of a road that writes at once."""
+    model = type(order)
+    conditions = dict(unflagged)
+    if envelope.seq is not None:
+        conditions["last_seq"] = envelope.seq - 1
+    return edge(model, verdict.transition), written_values(model, verdict.values), conditions
+
+
 def claim_and_apply_one(
     envelope: Envelope,
     consumer: str,
@@ -314,11 +326,7 @@ def claim_and_apply_one(
     written in the transition's transaction (no follow-up, no fsm-2 receiver).
     """
     model = type(order)
-    e = edge(model, verdict.transition)
-    values = written_values(model, verdict.values)
-    conditions = dict(unflagged)
-    if envelope.seq is not None:
-        conditions["last_seq"] = envelope.seq - 1
+    e, values, conditions = _guarded_write(envelope, order, verdict, unflagged)
     row = ProcessedMessage(
         consumer=consumer,
         message_id=envelope.message_id,
@@ -369,11 +377,7 @@ def apply_at_once(
     UPDATE and the follow-up's outbox row, sent as one transaction of their own
     (:mod:`~idempotent_orders.consuming.one_transaction`). Raises as :func:`write` does."""
     model = type(order)
-    e = edge(model, verdict.transition)
-    values = written_values(model, verdict.values)
-    conditions = dict(unflagged)
-    if envelope.seq is not None:
-        conditions["last_seq"] = envelope.seq - 1
+    e, values, conditions = _guarded_write(envelope, order, verdict, unflagged)
     payment = payment_id(envelope.payload) if envelope.handler.money else None
     done = claim_and_apply_at_once(
         inbox={
