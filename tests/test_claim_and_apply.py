@@ -18,8 +18,7 @@ from idempotent_orders.consuming import single as services
 from idempotent_orders.consuming import sql as statements
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
-from idempotent_orders.signals import order_transitioned
-from tests.support.messages import payment, shipment
+from tests.support.messages import payment, shipment, transitions_heard
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("postgresql")]
 
@@ -27,17 +26,8 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("pos
 def test_a_new_message_costs_one_statement(make_order) -> None:
     consume_message(payment(make_order()), consumer="payments")  # loads this process's Bloom filter
     order = make_order()
-    moved: list[Any] = []
-
-    def receiver(sender: Any, order: Any, **kwargs: Any) -> None:
-        moved.append((order.pk, order.status, order.version, kwargs["source"]))
-
-    order_transitioned.connect(receiver)
-    try:
-        with CaptureQueriesContext(connection) as queries:
-            assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
-    finally:
-        order_transitioned.disconnect(receiver)
+    with transitions_heard() as moved, CaptureQueriesContext(connection) as queries:
+        assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
     sql = [q["sql"] for q in queries.captured_queries]
     assert len(sql) == 1, sql  # no read of the order: the statement tests it
     assert sql[0].startswith("WITH claim AS (INSERT INTO")

@@ -28,8 +28,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
-from idempotent_orders.signals import order_transitioned
-from tests.support.messages import payment
+from tests.support.messages import payment, transitions_heard
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("sqlite", "mysql")]
 
@@ -62,17 +61,8 @@ def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil:
     consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
     OutboxMessage.objects.all().delete()
     order = make_order()
-    heard: list[Any] = []
-
-    def receiver(sender: Any, order: Any, **kwargs: Any) -> None:
-        heard.append((order.pk, order.status, order.version, kwargs["source"]))
-
-    order_transitioned.connect(receiver)
-    try:
-        with CaptureQueriesContext(connection) as queries:
-            assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
-    finally:
-        order_transitioned.disconnect(receiver)
+    with transitions_heard() as heard, CaptureQueriesContext(connection) as queries:
+        assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
     sql = _statements(queries)
     assert not any("SAVEPOINT" in s for s in sql), sql
     if connection.vendor == "mysql":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+from collections.abc import Iterator
 from typing import Any
 
 from idempotent_orders.models import AbstractOrder
@@ -67,3 +69,21 @@ def duplicated_storm(orders: list[AbstractOrder], seed: int) -> list[tuple[str, 
     deliveries = [m for m in messages for _ in range(rng.randint(1, 4))]
     rng.shuffle(deliveries)
     return deliveries
+
+
+@contextlib.contextmanager
+def transitions_heard() -> Iterator[list[tuple[Any, ...]]]:
+    """What ``order_transitioned`` announces inside the block, as ``(pk, status, version,
+    source)``; the list stays readable after it."""
+    from idempotent_orders.signals import order_transitioned
+
+    heard: list[tuple[Any, ...]] = []
+
+    def receiver(sender: Any, order: Any, **kwargs: Any) -> None:
+        heard.append((order.pk, order.status, order.version, kwargs["source"]))
+
+    order_transitioned.connect(receiver)
+    try:
+        yield heard
+    finally:
+        order_transitioned.disconnect(receiver)
