@@ -87,6 +87,7 @@ from idempotent_orders.consuming.sql import (
 )
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome, SpentPayment
+from idempotent_orders.signals import order_transitioned
 
 __all__ = ["presume"]
 
@@ -464,6 +465,9 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         rows = follow_up_rows(model, envelope.order_id, name, shape.target)
         if rows is not None and len(rows) == 1 and handed_over(rows[0][1].fields):
             handed, follow_up = rows[0], False
+            # The handed follow-up needs only its row's id; the order is built (and
+            # its columns returned) only for a receiver of ``order_transitioned``.
+            announced = order_transitioned.has_listeners(model)
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
