@@ -24,7 +24,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
-from tests.support.messages import payment
+from tests.support.messages import payment, transitions_heard
 
 
 def _receiver(sender: Any, **kwargs: Any) -> None:
@@ -98,6 +98,42 @@ def test_the_follow_up_road_survives_a_session_that_lost_its_prepared_statement(
     # Exactly one fulfilment row per order, written with its payment.
     assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == sorted(
         f"fulfil-{o.pk}" for o in orders
+    )
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_the_follow_up_road_returns_the_order_only_to_a_receiver(make_order) -> None:
+    fulfil = {
+        **settings.IDEMPOTENT_ORDERS,
+        "FULFIL_AFTER_PAYMENT": True,
+        "OUTBOX_PUBLISH_ON_COMMIT": False,
+    }
+    status = Order._meta.get_field("status").column
+
+    def returned(queries: CaptureQueriesContext) -> str:
+        """What the statement's UPDATE of the order returns (the outbox INSERT follows it)."""
+        (sql,) = [q["sql"] for q in queries if q["sql"].startswith("WITH claim")]
+        return sql.split("RETURNING")[-2].split(")")[0]
+
+    with override_settings(IDEMPOTENT_ORDERS=fulfil):
+        # Nobody hears order_transitioned: the fulfilment row needs only its own id back.
+        alone = make_order()
+        with CaptureQueriesContext(connection) as queries:
+            assert consume_message(payment(alone), consumer="payments") is Outcome.APPLIED
+        assert returned(queries).strip() == "1"
+        # A receiver is handed the order as the statement wrote it.
+        heard_order = make_order()
+        with transitions_heard() as heard, CaptureQueriesContext(connection) as queries:
+            assert consume_message(payment(heard_order), consumer="payments") is Outcome.APPLIED
+        assert f'"{status}"' in returned(queries)
+        assert heard == [(heard_order.pk, OrderStatus.PAID, 1, OrderStatus.PENDING_PAYMENT)]
+    for order in (alone, heard_order):
+        order.refresh_from_db()
+        assert (order.status, order.version) == (OrderStatus.PAID, 1)
+    # Each payment's fulfilment row, written by its statement.
+    assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == sorted(
+        f"fulfil-{o.pk}" for o in (alone, heard_order)
     )
 
 

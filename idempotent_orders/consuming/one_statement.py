@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -281,11 +282,20 @@ _INTEGER_FIELDS = frozenset(
 
 
 def _prepare(field: Field[Any, Any]) -> _Prepare:
-    """An order column's preparation (``get_db_prep_save``), skipped where it returns the
-    value unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields.
+    """A column's preparation (``get_db_prep_save``), skipped where it returns the value
+    unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields, an
+    aware ``datetime`` for its ``DateTimeField`` (on PostgreSQL, where this road runs).
     """
     prepare = field.get_db_prep_save
     kind = type(field)
+    if kind is DateTimeField:
+
+        def aware(value: Any, conn: Any) -> Any:
+            if type(value) is datetime and value.tzinfo is not None:
+                return value
+            return prepare(value, conn)
+
+        return aware
     plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
     if plain is None:
         return prepare
@@ -356,7 +366,7 @@ def _compile(
         if field.attname in per_message:
             inserted.append(args.ref(field.attname, field, _inbox_prepare(field)))
         elif field.attname == "updated_at":
-            inserted.append(args.ref("now", field, field.get_db_prep_save))
+            inserted.append(args.ref("now", field, _prepare(field)))
         else:  # as in every applied message's row: the template's own value
             inserted.append(_literal(conn, base))
     qn = conn.ops.quote_name
@@ -413,7 +423,7 @@ def _compile(
     outbox, queued_id = "", ""
     if queued:
         outbox = ", " + queue_follow_up(
-            conn, queued, lambda source, f: args.ref(source, f, f.get_db_prep_save)
+            conn, queued, lambda source, f: args.ref(source, f, _prepare(f))
         )
         queued_id = " (SELECT id FROM queued),"
     sql = (
