@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from decimal import Decimal
@@ -194,8 +195,18 @@ class _Recording(prepared._DriverCursor):  # type: ignore[misc,name-defined]
 
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What went to the driver: statements run by its cursor, and each prepared statement
+    run with bound arguments as ``EXECUTE name('argument', ..., NULL)``."""
     _Recording.ran = []
     monkeypatch.setattr(prepared, "_DriverCursor", _Recording)
+    send = prepared._send_prepared
+
+    def recorded(raw: Any, name: bytes, params: Any) -> Any:
+        shown = ["NULL" if p is None else f"'{bytes(p).decode()}'" for p in params]
+        _Recording.ran.append(f"EXECUTE {name.decode()}({', '.join(shown)})")
+        return send(raw, name, params)
+
+    monkeypatch.setattr(prepared, "_send_prepared", recorded)
     return _Recording.ran
 
 
@@ -243,7 +254,7 @@ def test_the_statement_sends_only_what_changes_and_a_value_once(
     assert "'done'" not in execute
     assert "'pending_payment'" not in execute
     assert execute.count(f"'pay-{order.pk}'") == 1
-    assert execute.count("::timestamptz") == 1
+    assert len(re.findall(r"'\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d", execute)) == 1
     row = Order.objects.get(pk=order.pk)
     inbox = ProcessedMessage.objects.get(order_id=order.pk)
     assert (row.status, row.payment_id, row.last_seq) == (OrderStatus.PAID, f"pay-{order.pk}", 1)

@@ -33,14 +33,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
 from django.db.models import (
-    AutoField,
-    BigAutoField,
     BigIntegerField,
     CharField,
     DateTimeField,
@@ -49,9 +46,6 @@ from django.db.models import (
     Model,
     PositiveBigIntegerField,
     PositiveIntegerField,
-    PositiveSmallIntegerField,
-    SmallAutoField,
-    SmallIntegerField,
     TextField,
 )
 from django.utils import timezone
@@ -66,7 +60,12 @@ from idempotent_orders.consuming.graph import (
     state_field,
 )
 from idempotent_orders.consuming.payments import payment_id
-from idempotent_orders.consuming.prepared import PreparedMissing, fetch_one
+from idempotent_orders.consuming.prepared import (
+    PreparedMissing,
+    fetch_one,
+    inbox_preparation,
+    preparation,
+)
 from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
@@ -260,62 +259,6 @@ _OPTIONLESS = frozenset(
         PositiveBigIntegerField,
     }
 )
-_PLAIN = frozenset({str, int})
-
-
-#: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
-#: as it is.
-_TEXT_FIELDS = frozenset({CharField, TextField})
-_INTEGER_FIELDS = frozenset(
-    {
-        AutoField,
-        BigAutoField,
-        SmallAutoField,
-        IntegerField,
-        BigIntegerField,
-        SmallIntegerField,
-        PositiveIntegerField,
-        PositiveBigIntegerField,
-        PositiveSmallIntegerField,
-    }
-)
-
-
-def _prepare(field: Field[Any, Any]) -> _Prepare:
-    """A column's preparation (``get_db_prep_save``), skipped where it returns the value
-    unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields, an
-    aware ``datetime`` for its ``DateTimeField`` (on PostgreSQL, where this road runs).
-    """
-    prepare = field.get_db_prep_save
-    kind = type(field)
-    if kind is DateTimeField:
-
-        def aware(value: Any, conn: Any) -> Any:
-            if type(value) is datetime and value.tzinfo is not None:
-                return value
-            return prepare(value, conn)
-
-        return aware
-    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
-    if plain is None:
-        return prepare
-
-    def unchanged(value: Any, conn: Any) -> Any:
-        return value if type(value) is plain else prepare(value, conn)
-
-    return unchanged
-
-
-def _inbox_prepare(field: Field[Any, Any]) -> _Prepare:
-    """An inbox column's preparation: a plain ``str``/``int`` (or None) goes as it is,
-    as :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` sends it."""
-
-    def prepare(value: Any, conn: Any) -> Any:
-        if value is None or type(value) in _PLAIN:
-            return value
-        return field.get_db_prep_save(value, conn)
-
-    return prepare
 
 
 def _literal(conn: Any, value: Any) -> str:
@@ -364,9 +307,9 @@ def _compile(
     inserted = []
     for field, base in zip(template.fields, template.base, strict=True):
         if field.attname in per_message:
-            inserted.append(args.ref(field.attname, field, _inbox_prepare(field)))
+            inserted.append(args.ref(field.attname, field, inbox_preparation(field)))
         elif field.attname == "updated_at":
-            inserted.append(args.ref("now", field, _prepare(field)))
+            inserted.append(args.ref("now", field, preparation(field)))
         else:  # as in every applied message's row: the template's own value
             inserted.append(_literal(conn, base))
     qn = conn.ops.quote_name
@@ -381,23 +324,23 @@ def _compile(
     for name in value_names:
         written = _field(model, name)
         source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
-        placeholder = args.ref(source, written, _prepare(written))
+        placeholder = args.ref(source, written, preparation(written))
         sets.append(f"{qn(str(written.column))} = {placeholder}")
     where = [
-        f"{pk} = {args.ref('order_id', pk_field, _prepare(pk_field))}",
+        f"{pk} = {args.ref('order_id', pk_field, preparation(pk_field))}",
         f'{state} = {_literal(conn, shape.source)} COLLATE "C"',
         f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
     ]
     if seq:
         last_seq = _field(model, "last_seq")
         column = qn(str(last_seq.column))
-        where.append(f"{column} = {args.ref('previous_seq', last_seq, _prepare(last_seq))}")
+        where.append(f"{column} = {args.ref('previous_seq', last_seq, preparation(last_seq))}")
     for name, empty, shared in tests:
         tested = _field(model, name)
         column = qn(str(tested.column))
         collate = ' COLLATE "C"' if _is_text(tested) else ""
         source = f"set:{name}" if shared else f"test:{name}"
-        test = f"{column} = {args.ref(source, tested, _prepare(tested))}{collate}"
+        test = f"{column} = {args.ref(source, tested, preparation(tested))}{collate}"
         where.append(f"({column} = '' OR {test})" if empty else test)
     by_attname = {f.attname: f for f in meta.concrete_fields}
     # Without anyone to hand the order to, the statement returns none of it.
@@ -408,7 +351,7 @@ def _compile(
         sfields = [smeta.get_field(n) for n in ("payment_id", "order", "consumer", "message_id")]
         columns = ", ".join(qn(str(f.column)) for f in sfields)  # type: ignore[union-attr]
         refs = [
-            args.ref(source, f, _inbox_prepare(f))  # type: ignore[arg-type]
+            args.ref(source, f, inbox_preparation(f))  # type: ignore[arg-type]
             for source, f in zip(
                 (spends, "order_id", "consumer", "message_id"), sfields, strict=True
             )
@@ -423,7 +366,7 @@ def _compile(
     outbox, queued_id = "", ""
     if queued:
         outbox = ", " + queue_follow_up(
-            conn, queued, lambda source, f: args.ref(source, f, _prepare(f))
+            conn, queued, lambda source, f: args.ref(source, f, preparation(f))
         )
         queued_id = " (SELECT id FROM queued),"
     sql = (

@@ -3,7 +3,9 @@
 :func:`fetch_one` runs a statement on psycopg 3's own cursor (skipping Django's
 cursor wrapper, see :func:`driver_cursor`) as a prepared statement of the session
 (:func:`_run_prepared`): the server neither parses nor plans it again, which is most
-of its own work on a short statement. The one-statement road
+of its own work on a short statement. In autocommit its arguments are bound by the
+protocol (:func:`_execute_bound`), not composed into an ``EXECUTE`` text: no statement
+text to build on the client or to parse on the server. The one-statement road
 (:mod:`~idempotent_orders.consuming.one_statement`) runs its statement here, in
 autocommit or, with a follow-up to write, in the follow-up's transaction.
 """
@@ -14,22 +16,41 @@ import contextlib
 import hashlib
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import (
+    AutoField,
+    BigAutoField,
+    BigIntegerField,
+    CharField,
+    DateTimeField,
+    Field,
+    IntegerField,
+    PositiveBigIntegerField,
+    PositiveIntegerField,
+    PositiveSmallIntegerField,
+    SmallAutoField,
+    SmallIntegerField,
+    TextField,
+)
 
 try:
     from psycopg import ClientCursor as _DriverCursor
     from psycopg import Connection as _Psycopg
     from psycopg import errors as _errors
+    from psycopg import generators as _generators
+    from psycopg.adapt import PyFormat as _PyFormat
     from psycopg.adapt import Transformer as _Transformer
+    from psycopg.pq import ExecStatus as _ExecStatus
 except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
     _Psycopg = _DriverCursor = _errors = _Transformer = None  # type: ignore[assignment,misc]
 
-__all__ = ["PreparedMissing", "driver_cursor", "fetch_one"]
+__all__ = ["PreparedMissing", "driver_cursor", "fetch_one", "inbox_preparation", "preparation"]
 
 
 class PreparedMissing(Exception):
@@ -50,6 +71,12 @@ def driver_cursor(conn: BaseDatabaseWrapper, *, in_transaction: bool = False) ->
     transaction bookkeeping). With ``in_transaction``, a connection inside Django's
     ``atomic`` block is served too (psycopg opens the transaction Django asked for).
     """
+    raw = _driver(conn, in_transaction=in_transaction)
+    return None if raw is None else _DriverCursor(raw)
+
+
+def _driver(conn: BaseDatabaseWrapper, *, in_transaction: bool = False) -> Any:
+    """The psycopg 3 connection under ``conn`` when :func:`driver_cursor` would serve it."""
     if _DriverCursor is None:
         return None
     conn.ensure_connection()
@@ -66,7 +93,7 @@ def driver_cursor(conn: BaseDatabaseWrapper, *, in_transaction: bool = False) ->
     ):
         return None
     conn.validate_thread_sharing()
-    return _DriverCursor(raw)
+    return raw
 
 
 def _named(args: Sequence[Any]) -> dict[str, Any]:
@@ -94,15 +121,14 @@ def fetch_one(
     the statement cannot be run again plainly in it).
     """
     conn = conn if conn is not None else connections[DEFAULT_DB_ALIAS]
-    cursor = driver_cursor(conn, in_transaction=in_transaction)
-    if cursor is None:
+    raw = _driver(conn, in_transaction=in_transaction)
+    if raw is None:
         with conn.cursor() as cursor:
             cursor.execute(sql, _named(args))
             return cursor.fetchone()
-    raw = conn.connection
-    with conn.wrap_database_errors, cursor:
+    with conn.wrap_database_errors:
         return _run_prepared(
-            raw, cursor, sql, args, _transformer(conn, raw), in_transaction=not conn.autocommit
+            raw, sql, args, _transformer(conn, raw), in_transaction=not conn.autocommit
         )
 
 
@@ -112,6 +138,8 @@ class _Prepared:
     prepare: str
     #: ``EXECUTE <name>(``: the arguments and ``)`` follow.
     execute: bytes
+    #: The name as the protocol's Bind message takes it.
+    bound: bytes
 
 
 _prepared_forms: dict[str, _Prepared | None] = {}
@@ -149,7 +177,9 @@ def _prepared_form(sql: str) -> _Prepared | None:
     else:
         digest = hashlib.blake2b(sql.encode(), digest_size=12).hexdigest()
         name = f"idempotent_orders_{digest}"
-        form = _Prepared(name, f"PREPARE {name} AS {body}", f"EXECUTE {name}(".encode())
+        form = _Prepared(
+            name, f"PREPARE {name} AS {body}", f"EXECUTE {name}(".encode(), name.encode()
+        )
     _prepared_forms[sql] = form
     return form
 
@@ -180,9 +210,38 @@ def _execute(form: _Prepared, args: Sequence[Any], transformer: Any) -> bytes:
     return form.execute + b", ".join(values) + b")"
 
 
+def _send_prepared(raw: Any, name: bytes, params: Sequence[Any]) -> Any:
+    """Run prepared statement ``name`` of ``raw``'s session with ``params`` (text, or None
+    for NULL) bound by the protocol, in autocommit; its last result."""
+    pgconn = raw.pgconn
+    with raw.lock:
+        pgconn.send_query_prepared(name, params)
+        return raw.wait(_generators.execute(pgconn))[-1]
+
+
+def _execute_bound(raw: Any, form: _Prepared, args: Sequence[Any], transformer: Any) -> Any:
+    """The first row of ``form`` run with ``args``, bound by the protocol (Bind, Execute).
+
+    The arguments go as the driver's text form of each value (the server reads each as the
+    type it chose for that parameter, as it coerces an ``EXECUTE`` literal), so nothing is
+    composed into a statement text or parsed again: the cheaper road of a message on the
+    session that prepared the statement. Autocommit only: in a transaction psycopg opens
+    (``BEGIN``) the cursor's road is taken.
+    """
+    text = _PyFormat.TEXT
+    result = _send_prepared(raw, form.bound, transformer.dump_sequence(args, [text] * len(args)))
+    status = result.status
+    if status == _ExecStatus.FATAL_ERROR:
+        raise _errors.error_from_result(result, encoding=raw.info.encoding)
+    if status != _ExecStatus.TUPLES_OK or not result.ntuples:
+        return None
+    loader = _Transformer(raw)  # as a cursor loads a result: this connection's loaders now
+    loader.set_pgresult(result)
+    return loader.load_row(0, tuple)
+
+
 def _run_prepared(
     raw: Any,
-    cursor: Any,
     sql: str,
     args: Sequence[Any],
     transformer: Any,
@@ -211,22 +270,89 @@ def _run_prepared(
         # PREPARE round trip.
         if form is not None:
             used.add(form.name)
-        cursor.execute(sql, _named(args))
-        return cursor.fetchone()
+        return _run_plainly(raw, sql, args)
     try:
         if form.name not in prepared:
             # A session that has it already has this very text under that name.
-            with contextlib.suppress(_errors.DuplicatePreparedStatement):
+            with (
+                _DriverCursor(raw) as cursor,
+                contextlib.suppress(_errors.DuplicatePreparedStatement),
+            ):
                 cursor.execute(form.prepare)
             prepared.add(form.name)
-        cursor.execute(_execute(form, args, transformer))
-        return cursor.fetchone()
+        if not in_transaction:
+            return _execute_bound(raw, form, args, transformer)
+        with _DriverCursor(raw) as cursor:
+            cursor.execute(_execute(form, args, transformer))
+            return cursor.fetchone()
     except (_errors.InvalidSqlStatementName, _errors.FeatureNotSupported):
         prepared.discard(form.name)
         misses[0] += 1
         if in_transaction:
             raise PreparedMissing(form.name) from None
-        with contextlib.suppress(_errors.Error):
+        with contextlib.suppress(_errors.Error), _DriverCursor(raw) as cursor:
             cursor.execute(f"DEALLOCATE {form.name}")
-    cursor.execute(sql, _named(args))
-    return cursor.fetchone()
+    return _run_plainly(raw, sql, args)
+
+
+def _run_plainly(raw: Any, sql: str, args: Sequence[Any]) -> Any:
+    with _DriverCursor(raw) as cursor:
+        cursor.execute(sql, _named(args))
+        return cursor.fetchone()
+
+
+# -- Arguments: a value as the driver takes it ---------------------------------------------
+
+#: The values an inbox column takes as they are (see :func:`inbox_preparation`).
+_PLAIN = frozenset({str, int})
+
+
+#: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
+#: as it is.
+_TEXT_FIELDS = frozenset({CharField, TextField})
+_INTEGER_FIELDS = frozenset(
+    {
+        AutoField,
+        BigAutoField,
+        SmallAutoField,
+        IntegerField,
+        BigIntegerField,
+        SmallIntegerField,
+        PositiveIntegerField,
+        PositiveBigIntegerField,
+        PositiveSmallIntegerField,
+    }
+)
+
+
+def preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
+    """A column's preparation (``get_db_prep_save``), skipped where it returns the value
+    unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields, an
+    aware ``datetime`` for its ``DateTimeField`` (PostgreSQL's, the only one served here).
+    """
+    prepare = field.get_db_prep_save
+    kind = type(field)
+    if kind is DateTimeField:
+        return lambda value, conn: (
+            value if type(value) is datetime and value.tzinfo else prepare(value, conn)
+        )
+    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
+    if plain is None:
+        return prepare
+
+    def unchanged(value: Any, conn: Any) -> Any:
+        return value if type(value) is plain else prepare(value, conn)
+
+    return unchanged
+
+
+def inbox_preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
+    """An inbox column's preparation: a plain ``str``/``int`` (or None) goes as it is,
+    as :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` sends it."""
+
+    def prepare(value: Any, conn: Any) -> Any:
+        if value is None or type(value) in _PLAIN:
+            return value
+        return field.get_db_prep_save(value, conn)
+
+    return prepare
