@@ -70,9 +70,7 @@ from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
     follow_up_rows,
-    in_transaction_work,
     runs_user_code,
-    transition_heard,
     transition_written,
     written_values,
 )
@@ -405,22 +403,23 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     shape = _shape(model, name)
     if shape is None or runs_user_code(model, name):
         return None  # the model's own method must run: read, run, write
-    # The order as written is built only for someone to hand it to. Nobody to hand
-    # it to means no work inside the transaction either (the common case: one look).
-    announced = transition_heard(model, shape.target)
-    # A follow-up (the fulfilment outbox row) is written in the statement's own
-    # transaction: the statement, the follow-up and COMMIT, three round trips.
-    follow_up = announced and in_transaction_work(model, shape.target)
-    # Unless the follow-up hands its outbox row over as data: the statement writes it
-    # too, and the message is one statement in autocommit (one round trip).
+    # No fsm-2 receiver here (the method would run): the work inside the transaction
+    # (:func:`~idempotent_orders.consuming.running.in_transaction_work`) is the
+    # follow-ups' alone, each with its outbox row as data or not (None).
+    rows = follow_up_rows(model, envelope.order_id, name, shape.target)
+    # The order as written is built only for someone to hand it to: a receiver of
+    # ``order_transitioned``, or a follow-up that writes its own row.
+    announced = order_transitioned.has_listeners(model)
     handed: tuple[FollowUp, FollowUpRow] | None = None
+    # A follow-up that writes its own row does so in the statement's own transaction:
+    # the statement, the follow-up and COMMIT, three round trips.
+    follow_up = rows is None or len(rows) > 1 or bool(rows and not handed_over(rows[0][1].fields))
     if follow_up:
-        rows = follow_up_rows(model, envelope.order_id, name, shape.target)
-        if rows is not None and len(rows) == 1 and handed_over(rows[0][1].fields):
-            handed, follow_up = rows[0], False
-            # The handed follow-up needs only its row's id; the order is built (and
-            # its columns returned) only for a receiver of ``order_transitioned``.
-            announced = order_transitioned.has_listeners(model)
+        announced = True
+    elif rows:
+        # The one row handed over as data is written by the statement too: the message
+        # is one statement in autocommit (one round trip).
+        handed = rows[0]
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
