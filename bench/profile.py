@@ -107,6 +107,22 @@ def _patch(tables: dict[str, str]) -> None:
                 slot[1] += 1
 
     psycopg.Cursor.execute = timed_execute  # type: ignore[method-assign]
+    from idempotent_orders.consuming import prepared
+
+    # A prepared statement run with its arguments bound by the protocol (no cursor).
+    if hasattr(prepared, "_send_prepared"):
+        send_prepared = prepared._send_prepared
+
+        def timed_send(raw: Any, name: bytes, params: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return send_prepared(raw, name, params)
+            finally:
+                slot = _spent[(_kind(), "SQL one statement (WITH claim ...)")]
+                slot[0] += time.perf_counter() - start
+                slot[1] += 1
+
+        prepared._send_prepared = timed_send
     commit = psycopg.Connection.commit
 
     def timed_commit(self: Any) -> None:
@@ -193,7 +209,7 @@ def _trace(tmp: str) -> Callable[[], dict[str, int]]:
             with open(path, encoding="utf-8", errors="replace") as trace:
                 for line in trace:
                     parts = line.split("\t")
-                    if len(parts) > 3 and parts[1] == "F" and parts[3] in ("Query", "Sync"):
+                    if len(parts) > 3 and parts[1] == "F" and parts[3].strip() in ("Query", "Sync"):
                         totals[kind] += 1
         return totals
 
