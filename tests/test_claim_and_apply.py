@@ -187,6 +187,8 @@ class _Recording(prepared._DriverCursor):  # type: ignore[misc,name-defined]
     """The driver's own cursor, recording what it ran."""
 
     ran: list[str] = []
+    #: The prepared statements run with bound arguments (also in ``ran``).
+    bound: list[str] = []
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
         _Recording.ran.append(query.decode() if isinstance(query, bytes) else str(query))
@@ -197,13 +199,14 @@ class _Recording(prepared._DriverCursor):  # type: ignore[misc,name-defined]
 def driver(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What went to the driver: statements run by its cursor, and each prepared statement
     run with bound arguments as ``EXECUTE name('argument', ..., NULL)``."""
-    _Recording.ran = []
+    _Recording.ran, _Recording.bound = [], []
     monkeypatch.setattr(prepared, "_DriverCursor", _Recording)
     send = prepared._send_prepared
 
     def recorded(raw: Any, name: bytes, params: Any) -> Any:
         shown = ["NULL" if p is None else f"'{bytes(p).decode()}'" for p in params]
         _Recording.ran.append(f"EXECUTE {name.decode()}({', '.join(shown)})")
+        _Recording.bound.append(_Recording.ran[-1])
         return send(raw, name, params)
 
     monkeypatch.setattr(prepared, "_send_prepared", recorded)
@@ -228,9 +231,11 @@ def test_the_statement_goes_to_the_driver_when_nobody_watches_queries(
     driver.clear()
     msg = payment(order)
     assert consume_message(msg, consumer="payments") is outcome
-    # Prepared by the first message on this connection: now only executed.
+    # Prepared by the first message on this connection: now only executed, its
+    # arguments bound by the protocol (no EXECUTE text through a cursor).
     assert len(driver) == 1, driver
     assert driver[0].startswith("EXECUTE idempotent_orders_")
+    assert driver[0] in _Recording.bound
     inbox = ProcessedMessage.objects.get(order_id=order.pk)
     assert inbox.outcome == outcome
     row = Order.objects.get(pk=order.pk)
