@@ -333,9 +333,13 @@ def preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
     prepare = field.get_db_prep_save
     kind = type(field)
     if kind is DateTimeField:
-        return lambda value, conn: (
-            value if type(value) is datetime and value.tzinfo else prepare(value, conn)
-        )
+
+        def aware(value: Any, conn: Any) -> Any:
+            if type(value) is datetime and value.tzinfo is not None:
+                return value
+            return prepare(value, conn)
+
+        return aware
     plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
     if plain is None:
         return prepare
