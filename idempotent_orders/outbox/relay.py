@@ -169,7 +169,7 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
 def _claims_at_once(db: str) -> bool:
     """SQLite with ``UPDATE ... RETURNING`` (3.35): a batch's claims are one statement."""
     connection = connections[db]
-    version = getattr(connection.Database, "sqlite_version_info", (0,))
+    version = getattr(getattr(connection, "Database", None), "sqlite_version_info", (0,))
     return connection.vendor == "sqlite" and version >= (3, 35)
 
 
