@@ -301,3 +301,16 @@ def test_a_connection_out_of_autocommit_is_never_sent_a_transaction_of_its_own()
     finally:
         transaction.rollback()
         transaction.set_autocommit(True)
+
+
+def test_sqlite_tests_a_decimal_only_where_a_double_tells_its_values_apart() -> None:
+    # SQLite compares a decimal column as a double: beyond 15 digits two amounts of one
+    # scale may be one double, and the usual road (Decimal in Python) must say it.
+    from django.db.models import DecimalField
+
+    wide = DecimalField(max_digits=20, decimal_places=2)
+    narrow = DecimalField(max_digits=15, decimal_places=2)
+    amount = Decimal("12345678901234567.01")
+    assert one_transaction._test_value(wide, amount, "sqlite") is None
+    assert one_transaction._test_value(wide, amount, "mysql") == amount
+    assert one_transaction._test_value(narrow, Decimal("12.5"), "sqlite") == Decimal("12.50")

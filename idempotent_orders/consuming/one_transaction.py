@@ -416,10 +416,9 @@ def _test_value(field: Field[Any, Any], value: Any, vendor: str) -> Any:
     of more digits than the server keeps would be compared as a float. SQLite keeps a
     decimal column as a double: a column of more than 15 digits is not tested there.
     """
-    conn = connections[DEFAULT_DB_ALIAS]
     if not isinstance(field, DecimalField):
         return value
-    if conn.vendor == "sqlite" and (field.max_digits or 99) > _SQLITE_EXACT_DIGITS:
+    if vendor == "sqlite" and (field.max_digits or 99) > _SQLITE_EXACT_DIGITS:
         return None
     try:
         exact = value.quantize(Decimal(1).scaleb(-(field.decimal_places or 0)))
