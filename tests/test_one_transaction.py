@@ -73,15 +73,18 @@ def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil:
         assert "BINARY `status` = 'pending_payment'" in sql[0]
         assert sql[0].endswith("; COMMIT")
     else:
-        writes = [s for s in sql if not s.startswith("SELECT")]
-        assert [s.split(" ", 2)[:2] for s in writes] == [
+        # No read first: the transaction, its writes with the decision's tests in the
+        # UPDATE, the order as written (a receiver hears the transition), and COMMIT.
+        assert [s.split(" ", 2)[:2] for s in sql] == [
             ["BEGIN", "IMMEDIATE"],
             ["INSERT", "INTO"],
             ["INSERT", "INTO"],
             ["UPDATE", '"idempotent_orders_order"'],
+            ["SELECT", '"idempotent_orders_order"."id",'],
             ["INSERT", "INTO"],
             ["COMMIT"],
         ]
+        assert "\"status\" = 'pending_payment' COLLATE BINARY" in sql[3]
     assert heard == [(order.pk, OrderStatus.PAID, 1, OrderStatus.PENDING_PAYMENT)]
     row = Order.objects.get(pk=order.pk)
     assert (row.status, row.version, row.last_seq, row.payment_id) == (
@@ -233,7 +236,6 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
     assert Order.objects.get(pk=other.pk).status == OrderStatus.PAID
 
 
-@pytest.mark.backends("mysql")
 @pytest.mark.parametrize(
     ("change", "message", "outcome", "tried"),
     [
@@ -250,7 +252,7 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
         ({}, {"seq": 5}, Outcome.PARKED, True),
     ],
 )
-def test_mariadb_tests_the_decision_in_the_update_and_leaves_a_refused_order_alone(
+def test_the_decision_is_tested_in_the_update_and_a_refused_order_is_left_alone(
     make_order,
     fulfil: None,
     change: dict[str, Any],
@@ -268,16 +270,19 @@ def test_mariadb_tests_the_decision_in_the_update_and_leaves_a_refused_order_alo
     with CaptureQueriesContext(connection) as queries:
         assert consume_message(sent, consumer="payments") is outcome
     sql = _statements(queries)
-    assert sql[0].startswith("START TRANSACTION") is tried  # tried first
+    begin = "START TRANSACTION" if connection.vendor == "mysql" else "BEGIN"
+    assert sql[0].startswith(begin) is tried  # tried first
     after = Order.objects.get(pk=order.pk)
     inbox = ProcessedMessage.objects.get(order_id=order.pk)
     assert inbox.outcome == outcome
     if outcome is Outcome.APPLIED:
-        assert len(sql) == 1, sql
+        # MariaDB: one text; SQLite: no read before the transaction, nor after it.
+        assert len(sql) == 1 if connection.vendor == "mysql" else sql[-1] == "COMMIT", sql
         assert (after.status, after.version) == (OrderStatus.PAID, 1)
         return
     # Undone, then read and decided as usual.
-    assert any(s.startswith("SELECT `idempotent_orders_order`") for s in sql[tried:]), sql
+    read = f"SELECT {connection.ops.quote_name('idempotent_orders_order')}"
+    assert any(s.startswith(read) for s in sql[tried:]), sql
     assert (after.status, after.version, after.payment_id) == (
         before.status,
         before.version,
@@ -296,3 +301,16 @@ def test_a_connection_out_of_autocommit_is_never_sent_a_transaction_of_its_own()
     finally:
         transaction.rollback()
         transaction.set_autocommit(True)
+
+
+def test_sqlite_tests_a_decimal_only_where_a_double_tells_its_values_apart() -> None:
+    # SQLite compares a decimal column as a double: beyond 15 digits two amounts of one
+    # scale may be one double, and the usual road (Decimal in Python) must say it.
+    from django.db.models import DecimalField
+
+    wide = DecimalField(max_digits=20, decimal_places=2)
+    narrow = DecimalField(max_digits=15, decimal_places=2)
+    amount = Decimal("12345678901234567.01")
+    assert one_transaction._test_value(wide, amount, "sqlite") is None
+    assert one_transaction._test_value(wide, amount, "mysql") == amount
+    assert one_transaction._test_value(narrow, Decimal("12.5"), "sqlite") == Decimal("12.50")

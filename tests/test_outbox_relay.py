@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from demo_project.tasks import award_points
 from idempotent_orders.models import OutboxMessage, OutboxStatus
@@ -107,20 +109,47 @@ def test_a_batch_publishes_through_one_producer_checkout(monkeypatch: pytest.Mon
 @pytest.mark.backends("sqlite")
 @pytest.mark.django_db(transaction=True)
 @override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE)
-def test_sqlite_claims_a_leased_batch_in_one_write_transaction(
+def test_sqlite_claims_a_leased_batch_in_one_statement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # SQLite has one write lock: a consumer committing meanwhile waits for it once per
-    # batch, not once per row.
+    # batch, not once per row; and the batch's claims cost one statement, not five.
     monkeypatch.setattr(award_points, "apply_async", lambda **kw: None)
     for _ in range(5):
         publish_on_commit(award_points, message())
     with CaptureQueriesContext(connection) as queries:
         assert relay_outbox(batch_size=5).published == 5
     sql = [q["sql"].lstrip().upper() for q in queries.captured_queries]
-    # The five claims (the batch's mark, one UPDATE, comes after the publishes).
-    claims = [n for n, s in enumerate(sql) if s.startswith("UPDATE") and "CLAIMED_UNTIL" in s][:5]
-    begins = [n for n, s in enumerate(sql) if s.startswith("BEGIN")]
-    assert claims == list(range(claims[0], claims[0] + 5)), sql
-    assert [n for n in begins if n < claims[-1]] == [claims[0] - 1], sql
+    # The claim, and the batch's mark (one UPDATE, after the publishes).
+    updates = [s for s in sql if s.startswith("UPDATE")]
+    assert len(updates) == 2, sql
+    assert 'CLAIMED_UNTIL" = ' in updates[0], sql
+    assert "RETURNING" in updates[0], sql
+    assert not [s for s in sql if s.startswith("BEGIN")], sql
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 5
+
+
+@pytest.mark.backends("sqlite")
+@pytest.mark.django_db(transaction=True)
+@override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE)
+def test_sqlite_batch_claim_leaves_a_row_another_relay_leased_after_the_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from idempotent_orders.outbox import relay
+
+    calls: list[str] = []
+    monkeypatch.setattr(award_points, "apply_async", lambda **kw: calls.append(kw["task_id"]))
+    rows = [publish_on_commit(award_points, message()) for _ in range(3)]
+    claim = relay._claim_at_once
+
+    def raced(db: str, ids: list[int], until: Any) -> Any:
+        # Another relay leases the first row between this relay's read and its claim.
+        later = timezone.now() + timedelta(seconds=60)
+        OutboxMessage.objects.filter(pk=rows[0].pk).update(claimed_until=later)
+        return claim(db, ids, until)
+
+    monkeypatch.setattr(relay, "_claim_at_once", raced)
+    assert relay_outbox(batch_size=5).published == 2
+    assert sorted(calls) == sorted(r.message_id for r in rows[1:])
+    first = OutboxMessage.objects.get(pk=rows[0].pk)
+    assert first.status == OutboxStatus.PENDING

@@ -32,7 +32,9 @@ the ones above it (``tests/test_structure.py`` keeps it so):
 16. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
     ``aconsume_batch``, the road from async code (a worker thread per message).
 
-The dedup layers in front of the database are :mod:`idempotent_orders.dedup`.
+Between 11 and 12, :mod:`~idempotent_orders.consuming.update_many` writes a batch
+chunk's one UPDATE of many orders as SQL on MariaDB and SQLite. The dedup layers in
+front of the database are :mod:`idempotent_orders.dedup`.
 """
 
 #: The modules of the road, lowest first: each imports only modules before it.
@@ -49,6 +51,7 @@ LAYERS = (
     "savepoints",
     "one_statement",
     "one_transaction",
+    "update_many",
     "writing",
     "single",
     "chunk",

@@ -43,6 +43,7 @@ from idempotent_orders.consuming.sql import (
     insert_inbox_values,
 )
 from idempotent_orders.consuming.sql import _names as _inbox_names
+from idempotent_orders.consuming.update_many import update_many
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
     AbstractOrder,
@@ -280,22 +281,24 @@ def update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[i
     if connection.vendor == "postgresql":
         _update_orders_from_values(model, changed, read_version, names)
         return
-    assignments: dict[str, Any] = {
-        name: Case(
-            *(
-                When(pk=pk, then=Value(values[name]))
-                for pk, values in changed.items()
-                if name in values
-            ),
-            default=F(name),
-            output_field=_concrete(model, name),
-        )
-        for name in names
-    }
-    condition = Q()
-    for pk in changed:
-        condition |= Q(pk=pk, version=read_version[pk])
-    rows = model._default_manager.filter(condition).update(**assignments)
+    rows = update_many(model, changed, read_version, names)
+    if rows is None:  # the ORM writes it
+        assignments: dict[str, Any] = {
+            name: Case(
+                *(
+                    When(pk=pk, then=Value(values[name]))
+                    for pk, values in changed.items()
+                    if name in values
+                ),
+                default=F(name),
+                output_field=_concrete(model, name),
+            )
+            for name in names
+        }
+        condition = Q()
+        for pk in changed:
+            condition |= Q(pk=pk, version=read_version[pk])
+        rows = model._default_manager.filter(condition).update(**assignments)
     if rows != len(changed):
         # The rows are locked, so this means a writer ignored the lock (or a
         # database without row locks let one through): start the batch again.

@@ -33,14 +33,22 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from django.db import DatabaseError, DataError, IntegrityError, OperationalError, connection
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    OperationalError,
+    connection,
+    connections,
+)
 from django.db.models import CharField, DecimalField, Field, Model, TextField
 from django.utils import timezone
 
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.one_statement import GUARDS, _shape
+from idempotent_orders.consuming.one_statement import GUARDS, Test, _shape
 from idempotent_orders.consuming.payments import payment_id
 from idempotent_orders.consuming.running import (
     FollowUp,
@@ -99,14 +107,15 @@ def can_claim_and_apply_at_once() -> bool:
     """Whether :func:`claim_and_apply_at_once` may run now: SQLite, or MariaDB/MySQL with
     multi statements on, outside any transaction (in autocommit: with ``AUTOCOMMIT``
     off a transaction may be open, and ``START TRANSACTION`` would commit it)."""
-    if connection.in_atomic_block or not connection.get_autocommit():
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.in_atomic_block or not conn.get_autocommit():
         return False
-    if connection.vendor == "sqlite":
+    if conn.vendor == "sqlite":
         return True
-    if connection.vendor != "mysql":
+    if conn.vendor != "mysql":
         return False
-    connection.ensure_connection()
-    return bool(getattr(connection.connection, "client_flag", 0) & _MULTI_STATEMENTS)
+    conn.ensure_connection()
+    return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
 
 
 @dataclass(frozen=True)
@@ -237,14 +246,17 @@ def claim_and_apply_at_once(
     outbox row's :data:`~idempotent_orders.consuming.sql.FOLLOW_UP_FIELDS`, or None.
     Call only where :func:`can_claim_and_apply_at_once` holds.
     """
+    # The wrapper itself, not the ``connection`` proxy: each attribute read through
+    # the proxy costs a context-local lookup.
+    conn = connections[DEFAULT_DB_ALIAS]
     model = type(order)
-    key = (connection.alias, model, state_column, len(sources), tuple(values), tuple(conditions))
+    key = (conn.alias, model, state_column, len(sources), tuple(values), tuple(conditions))
     texts = _texts.get(key)
     if texts is None:
         texts = _texts[key] = _compile(
             model, state_column, len(sources), list(values), list(conditions)
         )
-    prep = connection
+    prep = conn
     meta = model._meta
     assert meta.pk is not None
     order_args: list[Any] = [target]
@@ -267,28 +279,29 @@ def claim_and_apply_at_once(
     if follow_up is not None:
         queued = [f.get_db_prep_save(follow_up[f.name], prep) for f in texts.queued]
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
-    if connection.vendor == "mysql":
+    if conn.vendor == "mysql":
         return _mysql(statements)
     return _sqlite(statements)
 
 
-def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
-    mode = getattr(connection, "transaction_mode", None)
+def _sqlite(
+    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
+) -> AtOnce:
+    conn = connections[DEFAULT_DB_ALIAS]
+    mode = getattr(conn, "transaction_mode", None)
     queued_id: int | None = None
-    connection.ensure_connection()
+    conn.ensure_connection()
     # Straight to the driver unless something must see the queries (query logging, an
     # execute wrapper): Django's cursor wrapper costs more than a statement here.
-    watched = connection.queries_logged or connection.execute_wrappers
+    watched = conn.queries_logged or conn.execute_wrappers
     if not watched:
-        connection.validate_thread_sharing()
+        conn.validate_thread_sharing()
     with (
-        (
-            connection.cursor() if watched else contextlib.closing(connection.connection.cursor())
-        ) as cursor,
-        connection.wrap_database_errors,
+        conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor,
+        conn.wrap_database_errors,
     ):
         cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
-        refused = (IntegrityError, connection.Database.IntegrityError)  # type: ignore[attr-defined]
+        refused = (IntegrityError, conn.Database.IntegrityError)  # type: ignore[attr-defined]
         try:
             for step, sql, args in statements:
                 try:
@@ -304,6 +317,8 @@ def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]]) -> AtOnce:
                 if step == "queue":
                     row = cursor.fetchone()
                     queued_id = None if row is None else row[0]
+                elif step == "read" and read is not None:
+                    read.append(cursor.fetchone())
             cursor.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(Exception):
@@ -331,6 +346,7 @@ def _undone(cursor: Any, result: AtOnce) -> AtOnce:
 def _mysql(
     statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
 ) -> AtOnce:
+    conn = connections[DEFAULT_DB_ALIAS]
     texts = ["START TRANSACTION"]
     args: list[Any] = []
     steps = ["begin"]
@@ -349,9 +365,9 @@ def _mysql(
     steps.append("commit")
     queued_id: int | None = None
     at = 0
-    with connection.cursor() as cursor:
+    with conn.cursor() as cursor:
         try:
-            with connection.wrap_database_errors:
+            with conn.wrap_database_errors:
                 cursor.execute("; ".join(texts), args)
                 while True:
                     if steps[at] == "queued":
@@ -378,24 +394,32 @@ def _mysql(
     return AtOnce(queued_id=queued_id)
 
 
-# -- MariaDB: the decision's tests in the UPDATE, no read first ------------------------------
+# -- MariaDB and SQLite: the decision's tests in the UPDATE, no read first -------------------
 
 
 def can_presume_at_once() -> bool:
-    """Whether :func:`presume_at_once` may run now: MariaDB/MySQL where
-    :func:`can_claim_and_apply_at_once` holds."""
-    return connection.vendor == "mysql" and can_claim_and_apply_at_once()
+    """Whether :func:`presume_at_once` may run now: where
+    :func:`can_claim_and_apply_at_once` holds (MariaDB/MySQL, SQLite)."""
+    return can_claim_and_apply_at_once()
 
 
-def _test_value(field: Field[Any, Any], value: Any) -> Any:
+#: The most significant digits a decimal test may have on SQLite, which compares a
+#: decimal column as a double: up to 15, two values of one scale are two doubles.
+_SQLITE_EXACT_DIGITS = 15
+
+
+def _test_value(field: Field[Any, Any], value: Any, vendor: str) -> Any:
     """``value`` as the test sends it; None when the test could not be exact.
 
     A decimal goes as a literal of the column's own scale: one that the column cannot
     hold exactly (more digits) never equals it, and the usual road says why; a literal
-    of more digits than the server keeps would be compared as a float.
+    of more digits than the server keeps would be compared as a float. SQLite keeps a
+    decimal column as a double: a column of more than 15 digits is not tested there.
     """
     if not isinstance(field, DecimalField):
         return value
+    if vendor == "sqlite" and (field.max_digits or 99) > _SQLITE_EXACT_DIGITS:
+        return None
     try:
         exact = value.quantize(Decimal(1).scaleb(-(field.decimal_places or 0)))
     except InvalidOperation:  # more digits than a decimal context keeps: never the column's
@@ -406,20 +430,24 @@ def _test_value(field: Field[Any, Any], value: Any) -> Any:
 
 
 def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
-    """MariaDB's counterpart of PostgreSQL's one statement
+    """MariaDB's and SQLite's counterpart of PostgreSQL's one statement
     (:func:`~idempotent_orders.consuming.one_statement.presume`): the message's writes as
-    one transaction sent in one text, with the tests
+    one transaction of their own, with the tests
     :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
     :data:`~idempotent_orders.consuming.one_statement.GUARDS`) in the UPDATE's WHERE
-    clause instead of a read of the order first: one round trip.
+    clause instead of a read of the order first: on MariaDB one text, one round trip; on
+    SQLite the statements straight to the driver, as :func:`claim_and_apply_at_once`.
 
-    InnoDB checks the WHERE clause on the row version it locks, so the tests hold on the
-    order the UPDATE writes. Text is compared bytewise (``BINARY``), whatever the column's
-    collation, so a test is never looser than the Python validator. Anything else (the tests
-    fail, a duplicate, a spent payment, a value a column refuses) rolls all of it back and
-    returns None: the usual road reads, decides and says why. On APPLIED the inbox row, the
-    transition and its follow-up's outbox row are committed; the caller announces the outcome.
+    InnoDB checks the WHERE clause on the row version it locks, and SQLite's transaction
+    holds the database's write lock, so the tests hold on the order the UPDATE writes.
+    Text is compared bytewise (``BINARY``; SQLite: ``COLLATE BINARY``), whatever the
+    column's collation, so a test is never looser than the Python validator. Anything
+    else (the tests fail, a duplicate, a spent payment, a value a column refuses) rolls
+    all of it back and returns None: the usual road reads, decides and says why. On
+    APPLIED the inbox row, the transition and its follow-up's outbox row are committed;
+    the caller announces the outcome.
     """
+    conn = connections[DEFAULT_DB_ALIAS]
     guard = GUARDS.get(envelope.handler.validate)
     if guard is None:
         return None
@@ -434,42 +462,31 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
             return None
         handed = rows[0]
     alias, plan = compiled_read(model, "pk")
-    if plan is None or alias != connection.alias:
+    if plan is None or alias != conn.alias:
         return None
     guessed = guard(model, envelope.payload)
     if guessed is None:
         return None
     fields, tests = guessed
-    meta = model._meta
-    assert meta.pk is not None
-    qn = connection.ops.quote_name
-    state = qn(str(state_field(model).column))
-    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
     seq = envelope.seq
     values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
-    sets = [f"{state} = %s", f"{version} = {version} + 1"]
+    key = (conn.alias, model, tuple(values), tuple((t[0], t[2]) for t in tests), seq is None)
+    update = _updates.get(key)
+    if update is None:
+        update = _updates[key] = _update(conn, model, list(values), tests, seq is not None)
     args: list[Any] = [shape.target]
-    for field_name, value in values.items():
-        field = _field(model, field_name)
-        sets.append(f"{qn(str(field.column))} = %s")
-        args.append(field.get_db_prep_save(value, connection))
-    where = [f"{qn(str(meta.pk.column))} = %s", f"BINARY {state} = %s"]
-    args += [meta.pk.get_db_prep_value(envelope.order_id, connection), shape.source]
-    where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
+    args += [
+        f.get_db_prep_save(v, conn) for f, v in zip(update.values, values.values(), strict=True)
+    ]
+    assert model._meta.pk is not None
+    args += [model._meta.pk.get_db_prep_value(envelope.order_id, conn), shape.source]
     if seq is not None:
-        where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
         args.append(seq - 1)
-    for field_name, value, empty in tests:
-        field = _field(model, field_name)
-        sent = _test_value(field, value)
+    for field, (_, value, _) in zip(update.tests, tests, strict=True):
+        sent = _test_value(field, value, conn.vendor)
         if sent is None:
             return None
-        column = qn(str(field.column))
-        text = isinstance(field, CharField | TextField)
-        test = f"BINARY {column} = %s" if text else f"{column} = %s"
-        where.append(f"({column} = '' OR {test})" if empty else test)
-        args.append(field.get_db_prep_save(sent, connection))
-    update = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+        args.append(field.get_db_prep_save(sent, conn))
     texts = _texts_for(model)
     now = timezone.now()
     inbox = {
@@ -487,16 +504,16 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
     if payment is not None:
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))
-    statements.append(("update", update, args))
+    statements.append(("update", update.sql, args))
     announced = transition_heard(model, shape.target)
-    if announced:  # the order as written, read in its own transaction (MariaDB: no RETURNING)
+    if announced:  # the order as written, read in its own transaction
         statements.append(("read", plan.sql, [args[len(values) + 1]]))
     if handed is not None:
-        queued = [f.get_db_prep_save(handed[1].fields[f.name], connection) for f in texts.queued]
+        queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
     read: list[Any] = []
     try:
-        done = _mysql(statements, read)
+        done = _mysql(statements, read) if conn.vendor == "mysql" else _sqlite(statements, read)
     except (IntegrityError, DataError):
         return None  # rolled back: the usual road decides, and says why
     except OperationalError as exc:
@@ -521,6 +538,47 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
     return Outcome.APPLIED
 
 
+@dataclass(frozen=True)
+class _Update:
+    """:func:`presume_at_once`'s UPDATE of one shape of message, with ``%s`` placeholders:
+    ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``."""
+
+    sql: str
+    values: tuple[Field[Any, Any], ...]
+    tests: tuple[Field[Any, Any], ...]
+
+
+_updates: dict[tuple[Any, ...], _Update] = {}
+
+
+def _update(
+    conn: Any, model: type[Model], values: list[str], tests: list[Test], seq: bool
+) -> _Update:
+    meta = model._meta
+    assert meta.pk is not None
+    qn = conn.ops.quote_name
+    binary = "BINARY {} = %s" if conn.vendor == "mysql" else "{} = %s COLLATE BINARY"
+    state = qn(str(state_field(model).column))
+    version = qn(str(_field(model, "version").column))
+    sets = [f"{state} = %s", f"{version} = {version} + 1"]
+    value_fields = [_field(model, name) for name in values]
+    sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
+    where = [f"{qn(str(meta.pk.column))} = %s", binary.format(state)]
+    where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
+    if seq:
+        where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
+    test_fields = []
+    for field_name, _, empty in tests:
+        field = _field(model, field_name)
+        column = qn(str(field.column))
+        text = isinstance(field, CharField | TextField)
+        test = binary.format(column) if text else f"{column} = %s"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+        test_fields.append(field)
+    sql = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    return _Update(sql, tuple(value_fields), tuple(test_fields))
+
+
 def _field(model: type[Model], name: str) -> Field[Any, Any]:
     field = model._meta.get_field(name)
     assert isinstance(field, Field)
@@ -529,7 +587,8 @@ def _field(model: type[Model], name: str) -> Field[Any, Any]:
 
 def _texts_for(model: type[Model]) -> _Texts:
     """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
-    key = (connection.alias, model, "presume")
+    conn = connections[DEFAULT_DB_ALIAS]
+    key = (conn.alias, model, "presume")
     texts = _texts.get(key)
     if texts is None:
         texts = _texts[key] = _compile(model, str(state_field(model).column), 1, [], [])

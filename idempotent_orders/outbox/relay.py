@@ -11,7 +11,6 @@ hands each row to :mod:`~idempotent_orders.outbox.sender` and each failure to
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -144,11 +143,10 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
         .order_by("available_at", "id")
         .values_list("pk", "claimed_until")[:size]
     )
-    claimed = []
-    # SQLite has one write lock for the whole database: the batch's claims take it once
-    # (one transaction), not once per row, so a consumer committing meanwhile waits once.
-    together = connections[db].vendor == "sqlite" and len(candidates) > 1
-    with transaction.atomic(using=db) if together else contextlib.nullcontext():
+    if _claims_at_once(db) and len(candidates) > 1:
+        rows = _claim_at_once(db, [pk for pk, _ in candidates], until)
+    else:
+        claimed = []
         for pk, seen in candidates:
             # Conditional on the lease we read: of two relays, one wins each row.
             won = (
@@ -158,13 +156,43 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
             )
             if won:
                 claimed.append(pk)
-    rows = list(OutboxMessage.objects.using(db).filter(pk__in=claimed).order_by("id"))
+        rows = list(OutboxMessage.objects.using(db).filter(pk__in=claimed).order_by("id"))
     # A row claimed but held back by its key goes back to the pool with its lease lifted.
     heads = _heads(db, rows)
-    held = [row.pk for row in rows if row not in heads]
+    kept = {row.pk for row in heads}
+    held = [row.pk for row in rows if row.pk not in kept]
     if held:
         OutboxMessage.objects.using(db).filter(pk__in=held).update(claimed_until=None)
     return _publish_rows(db, heads, full=len(candidates) >= size)
+
+
+def _claims_at_once(db: str) -> bool:
+    """SQLite with ``UPDATE ... RETURNING`` (3.35): a batch's claims are one statement."""
+    connection = connections[db]
+    version = getattr(getattr(connection, "Database", None), "sqlite_version_info", (0,))
+    return connection.vendor == "sqlite" and version >= (3, 35)
+
+
+def _claim_at_once(db: str, ids: list[int], until: Any) -> list[OutboxMessage]:
+    """Claim the rows ``ids`` that are still pending and unclaimed (or their lease ran
+    out) with one ``UPDATE ... RETURNING``; the claimed rows, in id order.
+
+    SQLite has one write lock for the whole database: the batch takes it once, for one
+    statement, so a consumer committing meanwhile waits once and briefly. The test is the
+    one the candidates were read with, made again by the statement on each row: of two
+    relays, one wins each row.
+    """
+    connection = connections[db]
+    statements = _statements(db)
+    sql, params = statements.claim(ids)
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute(
+            sql,
+            [connection.ops.adapt_datetimefield_value(until), *params, OutboxStatus.PENDING, now],
+        )
+        rows = statements.rows(db, cursor.fetchall())
+    return sorted(rows, key=lambda row: row.pk)
 
 
 def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
@@ -249,6 +277,12 @@ class _Statements:
             f"UPDATE {table} SET {column['status']} = %s, {column['sent_at']} = %s,"
             f" {column['claimed_until']} = NULL WHERE {column['id']}"
         )
+        self.claim_head = f"UPDATE {table} SET {column['claimed_until']} = %s WHERE {column['id']}"
+        self.claim_tail = (
+            f" AND {column['status']} = %s AND ({column['claimed_until']} IS NULL"
+            f" OR {column['claimed_until']} < %s)"
+            f" RETURNING {', '.join(column[f.name] for f in fields)}"
+        )
         self.array = connection.vendor == "postgresql"
         self.converters = []
         for field in fields:
@@ -260,6 +294,12 @@ class _Statements:
         """The lock statement for rows ``ids``, and its id parameters (then status, now)."""
         sql, params = self._in(ids)
         return self.lock_head + sql + self.lock_tail, params
+
+    def claim(self, ids: list[int]) -> tuple[str, list[Any]]:
+        """The leased claim of rows ``ids`` (SQLite), and its id parameters (after the
+        lease's end; then status, now)."""
+        sql, params = self._in(ids)
+        return self.claim_head + sql + self.claim_tail, params
 
     def mark(self, ids: list[int]) -> tuple[str, list[Any]]:
         """The mark statement for rows ``ids``, and its id parameters (after status, now)."""
