@@ -63,7 +63,7 @@ from idempotent_orders.consuming.failures import (
     is_retryable,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.payments import Reservation, payment_id, spend
+from idempotent_orders.consuming.payments import Reservation, payment_id, record_spent, spend
 from idempotent_orders.consuming.running import (
     advance,
     call_transition,
@@ -83,7 +83,6 @@ from idempotent_orders.models import (
     Outcome,
     ParkedMessage,
     ProcessedMessage,
-    SpentPayment,
 )
 
 __all__ = ["consume_batch"]
@@ -366,7 +365,8 @@ def _decide_and_write(
     # the moment of its one UPDATE.
     stamp = written_values(model, {})
 
-    spends: list[SpentPayment] = []
+    #: ``(payment id, order id, message id)`` of the chunk's payments, where no project code runs.
+    spends: list[tuple[str, Any, str]] = []
     # Where the project's code runs, the chunk's payment ids are spent before it does.
     reservation = (
         Reservation(
@@ -399,14 +399,7 @@ def _decide_and_write(
             else:
                 paid = payment
         elif payment is not None:
-            spends.append(
-                SpentPayment(
-                    payment_id=payment,
-                    order_id=order.pk,
-                    consumer=consumer,
-                    message_id=env.message_id,
-                )
-            )
+            spends.append((payment, order.pk, env.message_id))
         if verdict.transition and user and runs_user_code(model, verdict.transition):
             # The model's own method: conditions, body and fsm-2's signals, as a direct call.
             version: int = order.version
@@ -506,7 +499,7 @@ def _decide_and_write(
     if spends:
         # A payment id spent already (or twice in this chunk) fails the insert: the
         # chunk rolls back and its messages go one by one, each told why.
-        SpentPayment.objects.bulk_create(spends)
+        record_spent(consumer, spends)
     if changed:
         update_orders(changed, read_version)
     parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]

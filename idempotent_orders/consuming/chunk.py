@@ -10,8 +10,6 @@ import enum
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 from django.db import connection, transaction
@@ -32,6 +30,7 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
+from idempotent_orders.consuming.arrays import array_literal
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
@@ -192,7 +191,7 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
             params.append(row[pos])
             continue
         arrays.append(f"%s::{f.db_type(connection)}[]")
-        array_params.append(_array(per_row[name]))
+        array_params.append(array_literal(per_row[name]))
         aliases.append(qn(name))
         if name == "order_id":
             selected.append(
@@ -224,32 +223,6 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
     return new
 
 
-def _array(values: list[Any]) -> Any:
-    """``values`` as one PostgreSQL array literal (text), or the list itself.
-
-    psycopg adapts a list element by element in Python; for the types written
-    here (text, integers, aware datetimes, finite decimals, NULL) the literal is
-    built in one pass. Any other type is left to psycopg.
-    """
-    parts: list[str] = []
-    append = parts.append
-    for value in values:
-        kind = type(value)
-        if value is None:
-            append("NULL")
-        elif kind is int:
-            append(str(value))
-        elif kind is str:
-            append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
-        elif kind is datetime and value.tzinfo is not None:
-            append('"' + value.isoformat() + '"')
-        elif kind is Decimal and value.is_finite():
-            append(str(value))
-        else:
-            return values
-    return "{" + ",".join(parts) + "}"
-
-
 def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
     """The orders, locked in primary key order so that concurrent batches queue, never deadlock."""
     if not order_ids:
@@ -264,7 +237,7 @@ def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
         column = f"{qn(model._meta.db_table)}.{qn(str(pk.column))}"
         any_of = RawSQL(
             f"{column} = ANY(%s::{pk.rel_db_type(connection)}[])",
-            (_array(sorted(order_ids)),),
+            (array_literal(sorted(order_ids)),),
             output_field=BooleanField(),
         )
         locked = locked.filter(any_of)
@@ -337,7 +310,7 @@ def _update_orders_from_values(
                     prepared[key] = f.get_db_prep_save(value, connection)
                 value = prepared[key]
             array.append(value)
-    params: list[Any] = [_array(ids), _array(versions), *map(_array, arrays)]
+    params: list[Any] = [array_literal(ids), array_literal(versions), *map(array_literal, arrays)]
     # A column some order sets to NULL (a transition body may) carries one more
     # array, which says per row whether the column is written.
     nulled = [
@@ -346,7 +319,8 @@ def _update_orders_from_values(
         if any(f.name in values and values[f.name] is None for values in changed.values())
     ]
     params += [
-        _array(["t" if name in values else "f" for values in changed.values()]) for name in nulled
+        array_literal(["t" if name in values else "f" for values in changed.values()])
+        for name in nulled
     ]
     table = qn(model._meta.db_table)
     pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
