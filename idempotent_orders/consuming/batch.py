@@ -33,6 +33,7 @@ from django.db.models import (
     Value,
     When,
 )
+from django_fsm.signals import pre_transition
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.chunk import (
@@ -360,7 +361,9 @@ def _decide_and_write(
     transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
     waiting = parked_before(orders)
     released: list[tuple[Waiting, Verdict | Exception]] = []
-    order_key = _waiting_key(connection.vendor)
+    # The connection itself: Django's ``connection`` proxy looks it up again on every use.
+    conn = transaction.get_connection()
+    order_key = _waiting_key(conn.vendor)
     # ``updated_at`` (when the model has one): one moment for the whole chunk,
     # the moment of its one UPDATE.
     stamp = written_values(model, {})
@@ -421,7 +424,8 @@ def _decide_and_write(
                 errored.add(env.message_id)
                 verdict = Verdict(Outcome.REJECTED, reason)
         elif verdict.transition:
-            transition_starting(order, verdict.transition)
+            if pre_transition.receivers:  # nobody connected: nothing to send
+                transition_starting(order, verdict.transition)
             values = {**stamp, **verdict.values}
             result = advance(order, verdict.transition, values)
             changed.setdefault(order.pk, {}).update(
@@ -442,7 +446,7 @@ def _decide_and_write(
             verdict = decide(order, env)
             return verdict if verdict.outcome is Outcome.PARKED else take(order, verdict, env)
 
-        return guarded(order, step) if user else step()
+        return guarded(order, step, conn) if user else step()
 
     def release(order: AbstractOrder) -> None:
         """``release_parked`` for one order: the first that can go ahead, again and again."""

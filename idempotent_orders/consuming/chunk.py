@@ -91,12 +91,20 @@ class Item:
 def as_read(order: AbstractOrder, attnames: list[str]) -> None:
     """Set ``attnames`` of ``order`` to what reading the row back would give: ``1``, not
     ``Level.SUBMITTED``; ``"paid"``, not ``ShopState.PAID``."""
+    fields = _by_attname(type(order))
+    state = order.__dict__
     for attname in attnames:
-        value = order.__dict__.get(attname)
+        value = state.get(attname)
         if value is None:
             continue
-        value = _concrete(type(order), attname).to_python(value)
-        order.__dict__[attname] = value.value if isinstance(value, enum.Enum) else value
+        value = fields[attname].to_python(value)
+        state[attname] = value.value if isinstance(value, enum.Enum) else value
+
+
+@functools.cache
+def _by_attname(model: type[Model]) -> dict[str, Field[Any, Any]]:
+    """The model's concrete fields by attname (the model's fields are fixed once loaded)."""
+    return {f.attname: f for f in model._meta.concrete_fields}
 
 
 def claim(consumer: str, items: list[Item], known: set[int]) -> dict[str, int]:
@@ -289,38 +297,35 @@ def _update_orders_from_values(
     Building a CASE per column per order costs more in Python than the
     statement costs the database; arrays cost next to nothing.
     """
-    qn = connection.ops.quote_name
+    conn = transaction.get_connection()  # not the proxy: it is used once per value
+    qn = conn.ops.quote_name
     fields = [_concrete(model, name) for name in names]
     columns = [str(f.column) for f in fields]
     # One array per column (unnest): the statement text does not grow with the
     # number of orders, so the driver does not parse a placeholder per value.
-    plains = [_plain_type(f) for f in fields]
-    prepared: dict[tuple[int, int], Any] = {}
-    ids: list[int] = []
-    versions: list[int] = []
-    arrays: list[list[Any]] = [[] for _ in fields]
-    for pk, values in changed.items():
-        ids.append(pk)
-        versions.append(read_version[pk])
-        for n, (array, f, plain) in enumerate(zip(arrays, fields, plains, strict=True)):
-            value = values.get(f.name)
-            if value is not None and type(value) is not plain:
-                key = (n, id(value))  # the chunk's one updated_at is prepared once
-                if key not in prepared:
-                    prepared[key] = f.get_db_prep_save(value, connection)
-                value = prepared[key]
-            array.append(value)
-    params: list[Any] = [array_literal(ids), array_literal(versions), *map(array_literal, arrays)]
+    rows = list(changed.values())
+    ids = list(changed)
+    params: list[Any] = [array_literal(ids), array_literal([read_version[pk] for pk in ids])]
     # A column some order sets to NULL (a transition body may) carries one more
     # array, which says per row whether the column is written.
-    nulled = [
-        f.name
-        for f in fields
-        if any(f.name in values and values[f.name] is None for values in changed.values())
-    ]
+    nulled: list[str] = []
+    for f in fields:
+        name = f.name
+        array = [values.get(name) for values in rows]
+        plain = _plain_type(f)
+        prepared: dict[int, Any] = {}  # the chunk's one updated_at is prepared once
+        for n, value in enumerate(array):
+            if value is None:
+                if name in rows[n] and name not in nulled:
+                    nulled.append(name)
+            elif type(value) is not plain:
+                key = id(value)
+                if key not in prepared:
+                    prepared[key] = f.get_db_prep_save(value, conn)
+                array[n] = prepared[key]
+        params.append(array_literal(array))
     params += [
-        array_literal(["t" if name in values else "f" for values in changed.values()])
-        for name in nulled
+        array_literal(["t" if name in values else "f" for values in rows]) for name in nulled
     ]
     table = qn(model._meta.db_table)
     pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
@@ -334,7 +339,7 @@ def _update_orders_from_values(
     aliases = ", ".join([qn("new_" + c) for c in columns] + [qn("set_" + c) for c in masks])
     unnest = ", ".join(
         ["%s::bigint[]", "%s::bigint[]"]
-        + [f"%s::{f.db_type(connection)}[]" for f in fields]
+        + [f"%s::{f.db_type(conn)}[]" for f in fields]
         + ["%s::boolean[]"] * len(masks)
     )
     sql = (
@@ -342,11 +347,13 @@ def _update_orders_from_values(
         f" FROM unnest({unnest}) AS v(id, read_version, {aliases})"
         f" WHERE o.{pk_column} = v.id AND o.{qn('version')} = v.read_version"
     )
-    with connection.cursor() as cursor:
+    with conn.cursor() as cursor:
         cursor.execute(sql, params)
-        rows = cursor.rowcount
-    if rows != len(changed):
-        raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
+        written = cursor.rowcount
+    if written != len(changed):
+        raise ConcurrentUpdate(
+            f"{len(changed) - written} of {len(changed)} orders changed under us"
+        )
 
 
 def _plain_type(field: Field[Any, Any]) -> type | None:
