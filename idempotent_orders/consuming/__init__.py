@@ -43,6 +43,7 @@ LAYERS = (
     "running",
     "decision",
     "prepared",
+    "arrays",
     "sql",
     "payments",
     "failures",

@@ -16,6 +16,13 @@ def array_literal(values: list[Any]) -> Any:
     here (text, integers, aware datetimes, finite decimals, NULL) the literal is
     built in one pass. Any other type is left to psycopg.
     """
+    kinds = set(map(type, values))
+    if kinds == {str}:
+        text = '","'.join(values)
+        if "\\" not in text and text.count('"') == 2 * (len(values) - 1):
+            return '{"' + text + '"}'  # nothing to escape: the usual case, built in C
+    elif kinds == {int}:
+        return "{" + ",".join(map(str, values)) + "}"
     parts: list[str] = []
     append = parts.append
     for value in values:

@@ -52,7 +52,7 @@ from idempotent_orders.consuming.chunk import (
 )
 from idempotent_orders.consuming.decision import (
     Verdict,
-    announce,
+    announce_many,
     decide,
     unknown_order,
 )
@@ -145,11 +145,13 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     # One look at the fast path for the whole chunk (one Redis round trip at most).
     if items:
         layers = dedup.lookup_many(consumer, list(items))
+        known: list[tuple[Envelope, Outcome, str]] = []
         for message_id, layer in layers.items():
             if layer is dedup.Layer.REDIS_HIT:
                 item = items.pop(message_id)
-                announce(consumer, item.envelope, Outcome.DUPLICATE, "fast path: already processed")
+                known.append((item.envelope, Outcome.DUPLICATE, "fast path: already processed"))
                 outcomes[item.index] = Outcome.DUPLICATE
+        announce_many(consumer, known)
 
     claimed: list[Item] = []
     settled: set[int] = set()
@@ -214,22 +216,24 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
             for message_id in again:
                 items.pop(message_id)
+    reports: list[tuple[Envelope, Outcome, str]] = []
     for item in items.values():
         if item.envelope.message_id in claimed_ids:
             outcomes[item.index] = item.outcome
-            announce(consumer, item.envelope, item.outcome, item.reason)
+            reports.append((item.envelope, item.outcome, item.reason))
             if item.recorded_outcome is not None and item.outcome is Outcome.PARKED:
                 # Parked, then released within the batch: the release is reported too,
                 # as ``release_parked`` reports it.
-                announce(consumer, item.envelope, item.recorded_outcome, item.reason)
+                reports.append((item.envelope, item.recorded_outcome, item.reason))
             if Outcome.FAILED in (item.outcome, item.recorded_outcome):
                 dead.add(item.envelope.message_id)  # its redelivery must reach the inbox
         else:
             outcomes[item.index] = Outcome.DUPLICATE
-            announce(consumer, item.envelope, Outcome.DUPLICATE, "already in the inbox")
+            reports.append((item.envelope, Outcome.DUPLICATE, "already in the inbox"))
     for index, envelope in repeats:
         outcomes[index] = Outcome.DUPLICATE
-        announce(consumer, envelope, Outcome.DUPLICATE, "repeated within the batch")
+        reports.append((envelope, Outcome.DUPLICATE, "repeated within the batch"))
+    announce_many(consumer, reports)
 
     # Every message may unblock a parked successor, a duplicate too: it may be
     # the redelivery of a batch whose release was cut short (see consume_message).
