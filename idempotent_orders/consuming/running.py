@@ -394,8 +394,11 @@ class Ran:
 _DEFERRED = object()
 
 
-def _tracked(model: type[Model]) -> list[Any]:
-    return [f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"]
+@cache
+def _tracked(model: type[Model]) -> tuple[Any, ...]:
+    return tuple(
+        f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"
+    )
 
 
 def snapshot_of(instance: Model) -> dict[str, Any]:

@@ -254,8 +254,9 @@ def _insert_many_unless_queued(
         # One array for the message ids and one for the payloads (JSON text); the
         # columns every row shares are one argument each. The statement text is the
         # same for any number of rows.
-        encoder = payload_field.encoder
-        payloads = [json.dumps(m, cls=encoder) for m in messages.values()]
+        # One encoder for them all (``json.dumps(m, cls=...)`` would build one per row).
+        encode = (payload_field.encoder or json.JSONEncoder)().encode
+        payloads = [encode(m) for m in messages.values()]
         selected: list[str] = []
         params: list[Any] = []
         for f in written:
