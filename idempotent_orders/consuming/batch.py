@@ -160,7 +160,12 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         # can simply run again (inside a caller's transaction, the caller retries).
         attempts = 1 if connection.in_atomic_block else DEADLOCK_RETRIES
         for attempt in range(attempts):
-            fresh = {m: Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
+            # A retry starts from items as parsed: the failed attempt changed its own.
+            fresh = (
+                items
+                if attempt == 0
+                else {m: Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
+            )
             try:
                 claimed, settled = _transact(consumer, fresh, user)
             except OperationalError as exc:
