@@ -467,3 +467,28 @@ def test_every_outcome_of_a_batch_is_counted_whether_or_not_anyone_listens(
         )
     else:
         assert heard == []
+
+
+@pytest.mark.django_db
+def test_a_chunk_records_each_payment_it_applies_and_refuses_one_spent_before(
+    make_order,
+) -> None:
+    from idempotent_orders.models import SpentPayment
+
+    first, second, third, fourth = (make_order() for _ in range(4))
+    paid = [payment(first), payment(second)]
+    assert consume_batch(paid, consumer="payments") == [A, A]
+    expected = [
+        (m["payload"]["payment_id"], m["order_id"], "payments", m["message_id"]) for m in paid
+    ]
+    recorded = SpentPayment.objects.values_list("payment_id", "order_id", "consumer", "message_id")
+    assert sorted(recorded) == sorted(expected)
+    # The first order's payment id again, for another order: the chunk's insert fails,
+    # its messages go one by one, and that one is money to give back.
+    again = payment(fourth, payment_id=f"pay-{first.pk}")
+    assert consume_batch([payment(third, payment_id="fresh"), again], consumer="payments") == [A, R]
+    assert state(fourth) == (S.PENDING_PAYMENT, 0, 0)
+    row = ProcessedMessage.objects.get(message_id=again["message_id"])
+    assert "give back" in row.error
+    assert SpentPayment.objects.get(payment_id=f"pay-{first.pk}").order_id == first.pk
+    assert SpentPayment.objects.get(payment_id="fresh").order_id == third.pk
