@@ -197,12 +197,16 @@ _message_counters: dict[tuple[str, str], Any] = {}
 
 
 def _on_consumed(sender: Any, consumer: str, outcome: Any, **kwargs: Any) -> None:
+    _count_consumed(consumer, outcome, 1)
+
+
+def _count_consumed(consumer: str, outcome: Any, n: int) -> None:
     key = (consumer, str(outcome))
     counter = _message_counters.get(key)
     if counter is None:
         labels = {"consumer": key[0], "outcome": key[1]}
         counter = _message_counters[key] = _metrics["idempotent_orders_messages"].labels(**labels)
-    counter.inc()
+    counter.inc(n)
 
 
 def _on_lease(sender: Any, consumer: str, result: str, **kwargs: Any) -> None:
@@ -229,6 +233,7 @@ def connect() -> bool:
     if _metrics:
         return True
     from idempotent_orders import signals
+    from idempotent_orders.consuming.decision import COUNTERS
 
     _counter("idempotent_orders_messages", "Messages decided, by outcome.", ["consumer", "outcome"])
     _counter(
@@ -247,6 +252,7 @@ def connect() -> bool:
     )
     prometheus_client.REGISTRY.register(DatabaseCollector())
     signals.message_consumed.connect(_on_consumed, dispatch_uid="io_metrics_consumed")
+    COUNTERS["io_metrics_consumed"] = _count_consumed  # a batch counts at once
     signals.lease_finished.connect(_on_lease, dispatch_uid="io_metrics_lease")
     signals.message_reconciled.connect(_on_reconciled, dispatch_uid="io_metrics_reconciled")
     signals.outbox_relayed.connect(_on_relayed, dispatch_uid="io_metrics_outbox_relayed")

@@ -10,6 +10,7 @@ from django.db import close_old_connections
 from django.dispatch import receiver
 
 from idempotent_orders import stats
+from idempotent_orders.consuming.decision import COUNTERS
 from idempotent_orders.signals import dedup_answered, message_consumed
 
 logger = logging.getLogger("idempotent_orders")
@@ -21,6 +22,13 @@ logger = logging.getLogger("idempotent_orders")
 @receiver(message_consumed, dispatch_uid="idempotent_orders.count_outcome")
 def count_outcome(sender: Any, outcome: str, **kwargs: Any) -> None:
     stats.incr(f"outcome:{outcome}")
+
+
+def _count_outcomes(consumer: str, outcome: Any, n: int) -> None:
+    stats.incr(f"outcome:{outcome}", n)
+
+
+COUNTERS["idempotent_orders.count_outcome"] = _count_outcomes  # a batch counts at once
 
 
 @receiver(dedup_answered, dispatch_uid="idempotent_orders.count_layer")

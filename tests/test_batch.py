@@ -415,3 +415,80 @@ def test_a_redelivered_batch_is_answered_by_the_fast_path_with_one_redis_read(
             assert len(queries) == 0
     finally:
         server.stop()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("listening", [False, True])
+def test_every_outcome_of_a_batch_is_counted_whether_or_not_anyone_listens(
+    make_order, listening: bool
+) -> None:
+    # With only the app's own counters connected, a batch counts per outcome at once
+    # (no signal per message); a receiver of anyone's gets every message, as before.
+    from collections import Counter
+
+    import prometheus_client
+
+    from idempotent_orders import stats
+    from idempotent_orders.signals import message_consumed
+
+    def metric(outcome: Outcome) -> float:
+        labels = {"consumer": "payments", "outcome": str(outcome)}
+        value = prometheus_client.REGISTRY.get_sample_value(
+            "idempotent_orders_messages_total", labels
+        )
+        return value or 0.0
+
+    heard: list[tuple[str, Outcome]] = []
+
+    def on_consumed(sender: Any, message_id: str, outcome: Outcome, **kwargs: Any) -> None:
+        heard.append((message_id, outcome))
+
+    first, second = make_order(), make_order()
+    unknown = {**payment(second), "message_id": "to-nowhere", "order_id": 10**9}
+    messages = [payment(first), payment(first), payment(second), unknown]
+    stats.reset()
+    before = {o: metric(o) for o in Outcome}
+    if listening:
+        message_consumed.connect(on_consumed)
+    try:
+        outcomes = consume_batch(messages, consumer="payments")
+        outcomes += consume_batch(messages[:1], consumer="payments")
+    finally:
+        message_consumed.disconnect(on_consumed)
+    assert outcomes == [A, D, A, R, D]
+    expected = Counter(outcomes)
+    counted = {k: v for k, v in stats.local().items() if k.startswith("outcome:")}
+    assert counted == {f"outcome:{o}": n for o, n in expected.items()}
+    grown = {o: metric(o) - before[o] for o in expected}
+    assert grown == {o: float(n) for o, n in expected.items()}
+    if listening:
+        assert sorted(heard) == sorted(
+            zip([m["message_id"] for m in messages + messages[:1]], outcomes, strict=True)
+        )
+    else:
+        assert heard == []
+
+
+@pytest.mark.django_db
+def test_a_chunk_records_each_payment_it_applies_and_refuses_one_spent_before(
+    make_order,
+) -> None:
+    from idempotent_orders.models import SpentPayment
+
+    first, second, third, fourth = (make_order() for _ in range(4))
+    paid = [payment(first), payment(second)]
+    assert consume_batch(paid, consumer="payments") == [A, A]
+    expected = [
+        (m["payload"]["payment_id"], m["order_id"], "payments", m["message_id"]) for m in paid
+    ]
+    recorded = SpentPayment.objects.values_list("payment_id", "order_id", "consumer", "message_id")
+    assert sorted(recorded) == sorted(expected)
+    # The first order's payment id again, for another order: the chunk's insert fails,
+    # its messages go one by one, and that one is money to give back.
+    again = payment(fourth, payment_id=f"pay-{first.pk}")
+    assert consume_batch([payment(third, payment_id="fresh"), again], consumer="payments") == [A, R]
+    assert state(fourth) == (S.PENDING_PAYMENT, 0, 0)
+    row = ProcessedMessage.objects.get(message_id=again["message_id"])
+    assert "give back" in row.error
+    assert SpentPayment.objects.get(payment_id=f"pay-{first.pk}").order_id == first.pk
+    assert SpentPayment.objects.get(payment_id="fresh").order_id == third.pk

@@ -45,6 +45,7 @@ LAYERS = (
     "running",
     "decision",
     "prepared",
+    "arrays",
     "sql",
     "payments",
     "failures",

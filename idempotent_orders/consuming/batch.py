@@ -33,6 +33,7 @@ from django.db.models import (
     Value,
     When,
 )
+from django_fsm.signals import pre_transition
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.chunk import (
@@ -51,7 +52,7 @@ from idempotent_orders.consuming.chunk import (
 )
 from idempotent_orders.consuming.decision import (
     Verdict,
-    announce,
+    announce_many,
     decide,
     unknown_order,
 )
@@ -63,7 +64,7 @@ from idempotent_orders.consuming.failures import (
     is_retryable,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.payments import Reservation, payment_id, spend
+from idempotent_orders.consuming.payments import Reservation, payment_id, record_spent, spend
 from idempotent_orders.consuming.running import (
     advance,
     call_transition,
@@ -83,7 +84,6 @@ from idempotent_orders.models import (
     Outcome,
     ParkedMessage,
     ProcessedMessage,
-    SpentPayment,
 )
 
 __all__ = ["consume_batch"]
@@ -145,11 +145,13 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     # One look at the fast path for the whole chunk (one Redis round trip at most).
     if items:
         layers = dedup.lookup_many(consumer, list(items))
+        known: list[tuple[Envelope, Outcome, str]] = []
         for message_id, layer in layers.items():
             if layer is dedup.Layer.REDIS_HIT:
                 item = items.pop(message_id)
-                announce(consumer, item.envelope, Outcome.DUPLICATE, "fast path: already processed")
+                known.append((item.envelope, Outcome.DUPLICATE, "fast path: already processed"))
                 outcomes[item.index] = Outcome.DUPLICATE
+        announce_many(consumer, known)
 
     claimed: list[Item] = []
     settled: set[int] = set()
@@ -158,7 +160,12 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         # can simply run again (inside a caller's transaction, the caller retries).
         attempts = 1 if connection.in_atomic_block else DEADLOCK_RETRIES
         for attempt in range(attempts):
-            fresh = {m: Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
+            # A retry starts from items as parsed: the failed attempt changed its own.
+            fresh = (
+                items
+                if attempt == 0
+                else {m: Item(index=i.index, envelope=i.envelope) for m, i in items.items()}
+            )
             try:
                 claimed, settled = _transact(consumer, fresh, user)
             except OperationalError as exc:
@@ -214,22 +221,24 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
             for message_id in again:
                 items.pop(message_id)
+    reports: list[tuple[Envelope, Outcome, str]] = []
     for item in items.values():
         if item.envelope.message_id in claimed_ids:
             outcomes[item.index] = item.outcome
-            announce(consumer, item.envelope, item.outcome, item.reason)
+            reports.append((item.envelope, item.outcome, item.reason))
             if item.recorded_outcome is not None and item.outcome is Outcome.PARKED:
                 # Parked, then released within the batch: the release is reported too,
                 # as ``release_parked`` reports it.
-                announce(consumer, item.envelope, item.recorded_outcome, item.reason)
+                reports.append((item.envelope, item.recorded_outcome, item.reason))
             if Outcome.FAILED in (item.outcome, item.recorded_outcome):
                 dead.add(item.envelope.message_id)  # its redelivery must reach the inbox
         else:
             outcomes[item.index] = Outcome.DUPLICATE
-            announce(consumer, item.envelope, Outcome.DUPLICATE, "already in the inbox")
+            reports.append((item.envelope, Outcome.DUPLICATE, "already in the inbox"))
     for index, envelope in repeats:
         outcomes[index] = Outcome.DUPLICATE
-        announce(consumer, envelope, Outcome.DUPLICATE, "repeated within the batch")
+        reports.append((envelope, Outcome.DUPLICATE, "repeated within the batch"))
+    announce_many(consumer, reports)
 
     # Every message may unblock a parked successor, a duplicate too: it may be
     # the redelivery of a batch whose release was cut short (see consume_message).
@@ -361,12 +370,15 @@ def _decide_and_write(
     transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
     waiting = parked_before(orders)
     released: list[tuple[Waiting, Verdict | Exception]] = []
-    order_key = _waiting_key(connection.vendor)
+    # The connection itself: Django's ``connection`` proxy looks it up again on every use.
+    conn = transaction.get_connection()
+    order_key = _waiting_key(conn.vendor)
     # ``updated_at`` (when the model has one): one moment for the whole chunk,
     # the moment of its one UPDATE.
     stamp = written_values(model, {})
 
-    spends: list[SpentPayment] = []
+    #: ``(payment id, order id, message id)`` of the chunk's payments, where no project code runs.
+    spends: list[tuple[str, Any, str]] = []
     # Where the project's code runs, the chunk's payment ids are spent before it does.
     reservation = (
         Reservation(
@@ -399,14 +411,7 @@ def _decide_and_write(
             else:
                 paid = payment
         elif payment is not None:
-            spends.append(
-                SpentPayment(
-                    payment_id=payment,
-                    order_id=order.pk,
-                    consumer=consumer,
-                    message_id=env.message_id,
-                )
-            )
+            spends.append((payment, order.pk, env.message_id))
         if verdict.transition and user and runs_user_code(model, verdict.transition):
             # The model's own method: conditions, body and fsm-2's signals, as a direct call.
             version: int = order.version
@@ -428,7 +433,8 @@ def _decide_and_write(
                 errored.add(env.message_id)
                 verdict = Verdict(Outcome.REJECTED, reason)
         elif verdict.transition:
-            transition_starting(order, verdict.transition)
+            if pre_transition.receivers:  # nobody connected: nothing to send
+                transition_starting(order, verdict.transition)
             values = {**stamp, **verdict.values}
             result = advance(order, verdict.transition, values)
             changed.setdefault(order.pk, {}).update(
@@ -449,7 +455,7 @@ def _decide_and_write(
             verdict = decide(order, env)
             return verdict if verdict.outcome is Outcome.PARKED else take(order, verdict, env)
 
-        return guarded(order, step) if user else step()
+        return guarded(order, step, conn) if user else step()
 
     def release(order: AbstractOrder) -> None:
         """``release_parked`` for one order: the first that can go ahead, again and again."""
@@ -506,7 +512,7 @@ def _decide_and_write(
     if spends:
         # A payment id spent already (or twice in this chunk) fails the insert: the
         # chunk rolls back and its messages go one by one, each told why.
-        SpentPayment.objects.bulk_create(spends)
+        record_spent(consumer, spends)
     if changed:
         update_orders(changed, read_version)
     parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]

@@ -10,8 +10,6 @@ import enum
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 from django.db import connection, transaction
@@ -32,6 +30,7 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
+from idempotent_orders.consuming.arrays import array_literal
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
@@ -93,12 +92,20 @@ class Item:
 def as_read(order: AbstractOrder, attnames: list[str]) -> None:
     """Set ``attnames`` of ``order`` to what reading the row back would give: ``1``, not
     ``Level.SUBMITTED``; ``"paid"``, not ``ShopState.PAID``."""
+    fields = _by_attname(type(order))
+    state = order.__dict__
     for attname in attnames:
-        value = order.__dict__.get(attname)
+        value = state.get(attname)
         if value is None:
             continue
-        value = _concrete(type(order), attname).to_python(value)
-        order.__dict__[attname] = value.value if isinstance(value, enum.Enum) else value
+        value = fields[attname].to_python(value)
+        state[attname] = value.value if isinstance(value, enum.Enum) else value
+
+
+@functools.cache
+def _by_attname(model: type[Model]) -> dict[str, Field[Any, Any]]:
+    """The model's concrete fields by attname (the model's fields are fixed once loaded)."""
+    return {f.attname: f for f in model._meta.concrete_fields}
 
 
 def claim(consumer: str, items: list[Item], known: set[int]) -> dict[str, int]:
@@ -193,7 +200,7 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
             params.append(row[pos])
             continue
         arrays.append(f"%s::{f.db_type(connection)}[]")
-        array_params.append(_array(per_row[name]))
+        array_params.append(array_literal(per_row[name]))
         aliases.append(qn(name))
         if name == "order_id":
             selected.append(
@@ -225,32 +232,6 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
     return new
 
 
-def _array(values: list[Any]) -> Any:
-    """``values`` as one PostgreSQL array literal (text), or the list itself.
-
-    psycopg adapts a list element by element in Python; for the types written
-    here (text, integers, aware datetimes, finite decimals, NULL) the literal is
-    built in one pass. Any other type is left to psycopg.
-    """
-    parts: list[str] = []
-    append = parts.append
-    for value in values:
-        kind = type(value)
-        if value is None:
-            append("NULL")
-        elif kind is int:
-            append(str(value))
-        elif kind is str:
-            append('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
-        elif kind is datetime and value.tzinfo is not None:
-            append('"' + value.isoformat() + '"')
-        elif kind is Decimal and value.is_finite():
-            append(str(value))
-        else:
-            return values
-    return "{" + ",".join(parts) + "}"
-
-
 def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
     """The orders, locked in primary key order so that concurrent batches queue, never deadlock."""
     if not order_ids:
@@ -265,7 +246,7 @@ def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
         column = f"{qn(model._meta.db_table)}.{qn(str(pk.column))}"
         any_of = RawSQL(
             f"{column} = ANY(%s::{pk.rel_db_type(connection)}[])",
-            (_array(sorted(order_ids)),),
+            (array_literal(sorted(order_ids)),),
             output_field=BooleanField(),
         )
         locked = locked.filter(any_of)
@@ -319,37 +300,35 @@ def _update_orders_from_values(
     Building a CASE per column per order costs more in Python than the
     statement costs the database; arrays cost next to nothing.
     """
-    qn = connection.ops.quote_name
+    conn = transaction.get_connection()  # not the proxy: it is used once per value
+    qn = conn.ops.quote_name
     fields = [_concrete(model, name) for name in names]
     columns = [str(f.column) for f in fields]
     # One array per column (unnest): the statement text does not grow with the
     # number of orders, so the driver does not parse a placeholder per value.
-    plains = [_plain_type(f) for f in fields]
-    prepared: dict[tuple[int, int], Any] = {}
-    ids: list[int] = []
-    versions: list[int] = []
-    arrays: list[list[Any]] = [[] for _ in fields]
-    for pk, values in changed.items():
-        ids.append(pk)
-        versions.append(read_version[pk])
-        for n, (array, f, plain) in enumerate(zip(arrays, fields, plains, strict=True)):
-            value = values.get(f.name)
-            if value is not None and type(value) is not plain:
-                key = (n, id(value))  # the chunk's one updated_at is prepared once
-                if key not in prepared:
-                    prepared[key] = f.get_db_prep_save(value, connection)
-                value = prepared[key]
-            array.append(value)
-    params: list[Any] = [_array(ids), _array(versions), *map(_array, arrays)]
+    rows = list(changed.values())
+    ids = list(changed)
+    params: list[Any] = [array_literal(ids), array_literal([read_version[pk] for pk in ids])]
     # A column some order sets to NULL (a transition body may) carries one more
     # array, which says per row whether the column is written.
-    nulled = [
-        f.name
-        for f in fields
-        if any(f.name in values and values[f.name] is None for values in changed.values())
-    ]
+    nulled: list[str] = []
+    for f in fields:
+        name = f.name
+        array = [values.get(name) for values in rows]
+        plain = _plain_type(f)
+        prepared: dict[int, Any] = {}  # the chunk's one updated_at is prepared once
+        for n, value in enumerate(array):
+            if value is None:
+                if name in rows[n] and name not in nulled:
+                    nulled.append(name)
+            elif type(value) is not plain:
+                key = id(value)
+                if key not in prepared:
+                    prepared[key] = f.get_db_prep_save(value, conn)
+                array[n] = prepared[key]
+        params.append(array_literal(array))
     params += [
-        _array(["t" if name in values else "f" for values in changed.values()]) for name in nulled
+        array_literal(["t" if name in values else "f" for values in rows]) for name in nulled
     ]
     table = qn(model._meta.db_table)
     pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
@@ -363,7 +342,7 @@ def _update_orders_from_values(
     aliases = ", ".join([qn("new_" + c) for c in columns] + [qn("set_" + c) for c in masks])
     unnest = ", ".join(
         ["%s::bigint[]", "%s::bigint[]"]
-        + [f"%s::{f.db_type(connection)}[]" for f in fields]
+        + [f"%s::{f.db_type(conn)}[]" for f in fields]
         + ["%s::boolean[]"] * len(masks)
     )
     sql = (
@@ -371,11 +350,13 @@ def _update_orders_from_values(
         f" FROM unnest({unnest}) AS v(id, read_version, {aliases})"
         f" WHERE o.{pk_column} = v.id AND o.{qn('version')} = v.read_version"
     )
-    with connection.cursor() as cursor:
+    with conn.cursor() as cursor:
         cursor.execute(sql, params)
-        rows = cursor.rowcount
-    if rows != len(changed):
-        raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
+        written = cursor.rowcount
+    if written != len(changed):
+        raise ConcurrentUpdate(
+            f"{len(changed) - written} of {len(changed)} orders changed under us"
+        )
 
 
 def _plain_type(field: Field[Any, Any]) -> type | None:

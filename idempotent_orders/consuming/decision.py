@@ -10,7 +10,8 @@ running the model's transition in one transaction, and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +31,11 @@ from idempotent_orders.models import InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import message_consumed
 
 __all__ = [
+    "COUNTERS",
     "REFUND",
     "Verdict",
     "announce",
+    "announce_many",
     "consumed",
     "decide",
     "unknown_order",
@@ -182,6 +185,30 @@ def consumed(
         outcome=outcome,
         reason=reason,
     )
+
+
+#: The app's own receivers of ``message_consumed`` that only count, by ``dispatch_uid``:
+#: how each counts ``n`` messages of one consumer and outcome at once (set where they
+#: are connected).
+COUNTERS: dict[str, Callable[[str, Outcome, int], None]] = {}
+
+
+def announce_many(consumer: str, reports: Sequence[tuple[Envelope, Outcome, str]]) -> None:
+    """:func:`announce` for many messages, in order (``(envelope, outcome, reason)`` each).
+
+    When every receiver of ``message_consumed`` is one of :data:`COUNTERS`, each counts
+    once per outcome instead of once per message: all those receivers would do. A
+    receiver anyone else connects gets the signal for every message, as before.
+    """
+    uids = [entry[0][0] for entry in message_consumed.receivers]
+    if reports and uids and all(uid in COUNTERS for uid in uids):
+        counts = Counter(outcome for _, outcome, _ in reports)
+        for uid in uids:
+            for outcome, n in counts.items():
+                COUNTERS[uid](consumer, outcome, n)
+        return
+    for envelope, outcome, reason in reports:
+        announce(consumer, envelope, outcome, reason)
 
 
 def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:

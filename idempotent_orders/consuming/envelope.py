@@ -31,6 +31,15 @@ __all__ = [
 #: Stored excerpt of a rejected message's raw body.
 BODY_EXCERPT = 4096
 
+# ``json.dumps`` with options builds an encoder per call; these are built once
+# (an encoder keeps no state between calls).
+#: What :attr:`Envelope.fingerprint` hashes.
+_FINGERPRINT = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr
+)
+#: What :func:`parse_envelope` measures: ``json.dumps(message, ensure_ascii=False)``.
+_SIZE = json.JSONEncoder(ensure_ascii=False)
+
 
 @dataclass(frozen=True)
 class Envelope:
@@ -46,13 +55,7 @@ class Envelope:
     @functools.cached_property
     def fingerprint(self) -> str:
         """SHA-256 of what the message says (type, order, seq, payload), not of its id."""
-        text = json.dumps(
-            [self.message_type, self.order_id, self.seq, self.payload],
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=True,
-            default=repr,
-        )
+        text = _FINGERPRINT.encode([self.message_type, self.order_id, self.seq, self.payload])
         return hashlib.sha256(text.encode("ascii")).hexdigest()
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,7 +113,7 @@ def parse_envelope(message: Any, *, consumer: str | None = None) -> Envelope:
     if not isinstance(message, Mapping):
         raise InvalidMessage(f"message must be a JSON object, got {type(message).__name__}")
     try:
-        text = json.dumps(message, ensure_ascii=False)
+        text = _SIZE.encode(message)
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         # A lone surrogate (JSON allows "\ud800") cannot be stored in any database column.

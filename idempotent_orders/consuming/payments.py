@@ -10,15 +10,23 @@ is a duplicate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from django.db import connection
 
+from idempotent_orders.consuming.arrays import array_literal
 from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
 
-__all__ = ["Reservation", "claim_and_spend", "payment_id", "spend", "spent_by"]
+__all__ = [
+    "Reservation",
+    "claim_and_spend",
+    "payment_id",
+    "record_spent",
+    "spend",
+    "spent_by",
+]
 
 
 def payment_id(payload: Mapping[str, Any]) -> str | None:
@@ -67,6 +75,44 @@ def spent_by(payment: str) -> Any | None:
     return (
         SpentPayment.objects.filter(payment_id=payment).values_list("order_id", flat=True).first()
     )
+
+
+def record_spent(
+    consumer: str, rows: Sequence[tuple[str, Any, str]], *, skip_spent: bool = False
+) -> set[str] | None:
+    """Record many payments at once: ``rows`` of ``(payment id, order id, message id)``,
+    inserted in the order given, in the caller's transaction.
+
+    A payment id spent already fails the insert (``IntegrityError``), unless
+    ``skip_spent``: then it is left as it is. Returns the ids inserted on PostgreSQL
+    (one ``INSERT ... SELECT FROM unnest(<arrays>)``: no model instance per row, and
+    the statement text is the same for any number of rows); None elsewhere, where
+    Django's ``bulk_create`` writes them and cannot tell.
+    """
+    if connection.vendor != "postgresql":
+        SpentPayment.objects.bulk_create(
+            [
+                SpentPayment(payment_id=p, order_id=o, consumer=consumer, message_id=m)
+                for p, o, m in rows
+            ],
+            ignore_conflicts=skip_spent,
+        )
+        return None
+    table, columns = _table()
+    meta = SpentPayment._meta
+    types = [meta.get_field(name).db_type(connection) for name in ("payment_id", "order")]
+    sql = (
+        f"INSERT INTO {table} ({', '.join(columns)})"
+        f" SELECT v.p, v.o, %s, v.m FROM unnest(%s::{types[0]}[], %s::{types[1]}[],"
+        f" %s::{meta.get_field('message_id').db_type(connection)}[]) AS v(p, o, m)"
+    )
+    if skip_spent:
+        sql += f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING {columns[0]}"
+    payments, orders, messages = ([row[n] for row in rows] for n in range(3))
+    params = [consumer, array_literal(payments), array_literal(orders), array_literal(messages)]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {p for (p,) in cursor.fetchall()} if skip_spent else set(payments)
 
 
 #: The claim-and-spend statement's text, by database alias.
@@ -132,14 +178,18 @@ class Reservation:
         self.moved: dict[str, tuple[Any, str]] = {}
         if not first:
             return
-        SpentPayment.objects.bulk_create(
-            [
-                SpentPayment(payment_id=p, order_id=o, consumer=consumer, message_id=m)
-                for p, (o, m) in sorted(first.items())  # one lock order for every chunk
-            ],
-            ignore_conflicts=True,
+        inserted = record_spent(
+            consumer,
+            [(p, o, m) for p, (o, m) in sorted(first.items())],  # one lock order for every chunk
+            skip_spent=True,
         )
-        found = SpentPayment.objects.filter(payment_id__in=list(first)).values_list(
+        if inserted is not None:
+            for payment in inserted:
+                self.free[payment] = first[payment]
+        others = [p for p in first if p not in self.free]
+        if not others:
+            return
+        found = SpentPayment.objects.filter(payment_id__in=others).values_list(
             "payment_id", "order_id", "consumer", "message_id"
         )
         for payment, order_id, consumer_, message_id in found:

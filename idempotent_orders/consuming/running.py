@@ -18,7 +18,7 @@ import inspect
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any, Protocol
 
 from django.db import transaction
@@ -219,8 +219,12 @@ def transitions_written(
         else:
             for entry in wanted:
                 follow_up.write(*entry)
-    for instance, name, result in written:
-        _announce_after_commit(instance, name, result)
+    # One after-commit callback for them all (per database), sending in the order given.
+    by_db: dict[str | None, list[tuple[Model, str, TransitionResult]]] = {}
+    for entry in written:
+        by_db.setdefault(entry[0]._state.db, []).append(entry)
+    for db, entries in by_db.items():
+        transaction.on_commit(partial(_announce, entries), using=db)
 
 
 def _announce_after_commit(instance: Model, name: str, result: TransitionResult) -> None:
@@ -236,6 +240,19 @@ def _announce_after_commit(instance: Model, name: str, result: TransitionResult)
         ),
         using=instance._state.db,
     )
+
+
+def _announce(written: Sequence[tuple[Model, str, TransitionResult]]) -> None:
+    """After commit: :data:`~idempotent_orders.signals.order_transitioned` for each."""
+    for instance, name, result in written:
+        order_transitioned.send(
+            sender=type(instance),
+            order=instance,
+            transition=name,
+            source=result.source,
+            target=result.target,
+            version=result.version,
+        )
 
 
 def _fsm_signal(instance: Model, name: str, source: Any, target: Any) -> dict[str, Any]:
@@ -377,8 +394,11 @@ class Ran:
 _DEFERRED = object()
 
 
-def _tracked(model: type[Model]) -> list[Any]:
-    return [f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"]
+@cache
+def _tracked(model: type[Model]) -> tuple[Any, ...]:
+    return tuple(
+        f for f in model._meta.concrete_fields if not f.primary_key and f.attname != "version"
+    )
 
 
 def snapshot_of(instance: Model) -> dict[str, Any]:

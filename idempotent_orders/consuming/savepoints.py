@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from idempotent_orders.consuming.failures import TRANSIENT
 from idempotent_orders.consuming.running import restore, snapshot_of
@@ -20,7 +21,8 @@ class _Savepoint:
     """A savepoint taken just before the first statement sent while it is installed
     (``connection.execute_wrapper``): code that sends none costs no round trip."""
 
-    def __init__(self) -> None:
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        self.connection = connection
         self.sid: str | None = None
         self.taking = False
 
@@ -28,13 +30,15 @@ class _Savepoint:
         if self.sid is None and not self.taking:
             self.taking = True  # the SAVEPOINT statement itself passes through here
             try:
-                self.sid = connection.savepoint()
+                self.sid = self.connection.savepoint()
             finally:
                 self.taking = False
         return execute(sql, params, *args)
 
 
-def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
+def guarded(
+    order: AbstractOrder, step: Callable[[], T], connection: BaseDatabaseWrapper | None = None
+) -> T | Exception:
     """Run ``step`` (a message's decision and transition: the project's code) in a
     savepoint of the chunk's transaction; return what it raised instead of raising.
 
@@ -45,14 +49,24 @@ def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
     only the order's own fields costs no round trip. An error after which the
     delivery is simply run again (a lost connection, a deadlock) still propagates:
     the whole chunk rolls back.
+
+    ``connection``: the chunk's (the default database's unless given), looked up once
+    by the caller rather than through Django's per-thread proxy for every message.
     """
+    if connection is None:
+        connection = connections[DEFAULT_DB_ALIAS]
     before = snapshot_of(order)
     version: int = order.version
-    savepoint = _Savepoint()
+    savepoint = _Savepoint(connection)
     callbacks = len(connection.run_on_commit)
+    # ``connection.execute_wrapper(savepoint)``, without a generator per message.
+    wrappers = connection.execute_wrappers
+    wrappers.append(savepoint)
     try:
-        with connection.execute_wrapper(savepoint):
+        try:
             done = step()
+        finally:
+            wrappers.pop()
     except TRANSIENT:
         restore(order, before, version)
         raise
@@ -60,7 +74,7 @@ def guarded(order: AbstractOrder, step: Callable[[], T]) -> T | Exception:
         restore(order, before, version)
         # As atomic() does: the flag a failed query set is lowered first (the rollback is
         # itself a query), and the transaction goes on from the savepoint.
-        transaction.set_rollback(False)
+        connection.set_rollback(False)
         if savepoint.sid is not None:
             connection.savepoint_rollback(savepoint.sid)
         del connection.run_on_commit[callbacks:]

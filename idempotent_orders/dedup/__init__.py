@@ -155,14 +155,15 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
         except DatabaseError:
             logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
         maybe = []
-        warming = bloom.warming
-        for message_id in message_ids:
-            if warming:
-                layers[message_id] = Layer.BLOOM_WARMING
-            elif bloom.might_contain(consumer, message_id):
-                maybe.append(message_id)
-            else:
-                layers[message_id] = Layer.BLOOM_NEGATIVE
+        if bloom.warming:
+            layers.update(dict.fromkeys(message_ids, Layer.BLOOM_WARMING))
+        else:
+            found = bloom.might_contain_many(consumer, message_ids)
+            for message_id, might in zip(message_ids, found, strict=True):
+                if might:
+                    maybe.append(message_id)
+                else:
+                    layers[message_id] = Layer.BLOOM_NEGATIVE
     if maybe:
         if not redis.enabled:
             layers.update(dict.fromkeys(maybe, Layer.DISABLED))

@@ -120,6 +120,17 @@ class BloomLayer:
             # follows its original within the hour, and any() stops at the first "maybe".
             return any(hashed in bloom for bloom in reversed(self._buckets.values()))
 
+    def might_contain_many(self, consumer: str, message_ids: Sequence[str]) -> list[bool]:
+        """:meth:`might_contain` for several messages: one clock read, one rotation."""
+        hashed = [stable_hash(_key(consumer, message_id)) for message_id in message_ids]
+        now = time.time()
+        with self._lock:
+            if self._warming:
+                return [True] * len(hashed)
+            self._rotate(now)
+            blooms = list(reversed(self._buckets.values()))
+            return [any(h in bloom for bloom in blooms) for h in hashed]
+
     def add(self, consumer: str, message_id: str, when: float | None = None) -> None:
         hashed = stable_hash(_key(consumer, message_id))
         now = time.time()

@@ -198,11 +198,12 @@ def publish_many_on_commit(
         "correlation_id": correlation_id,
     }
     meta = OutboxMessage._meta
+    id_length = meta.get_field("message_id").max_length or 255
     too_long = any(
         len(value) > (meta.get_field(key).max_length or 255)  # type: ignore[union-attr]
-        for key, value in (*shared.items(), *(("message_id", m) for m in unique))
+        for key, value in shared.items()
         if isinstance(value, str)
-    )
+    ) or any(len(m) > id_length for m in unique)
     if too_long or not conn.features.can_return_rows_from_bulk_insert:
         # The database refuses such a row (MariaDB's INSERT IGNORE would cut it), or
         # cannot return the ids of a multi-row insert: one row at a time, as before.
@@ -254,8 +255,9 @@ def _insert_many_unless_queued(
         # One array for the message ids and one for the payloads (JSON text); the
         # columns every row shares are one argument each. The statement text is the
         # same for any number of rows.
-        encoder = payload_field.encoder
-        payloads = [json.dumps(m, cls=encoder) for m in messages.values()]
+        # One encoder for them all (``json.dumps(m, cls=...)`` would build one per row).
+        encode = (payload_field.encoder or json.JSONEncoder)().encode
+        payloads = [encode(m) for m in messages.values()]
         selected: list[str] = []
         params: list[Any] = []
         for f in written:
