@@ -170,7 +170,7 @@ def run(cprofile: bool, session: bool = False, replay: bool = False, verbose: bo
     steps: dict[str, dict[str, list[float]]] = {v: {} for v in clients}
     trips: dict[str, Counter[str]] = {v: Counter() for v in clients}
     examples: dict[str, dict[str, str]] = {}
-    profiler = cProfile.Profile() if cprofile else None
+    profiler = cProfile.Profile(time.process_time) if cprofile else None
     sent()
     rounds = 4
     for round_no in range(rounds):
