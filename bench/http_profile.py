@@ -21,10 +21,12 @@ per request, as in section 3b.
 
 from __future__ import annotations
 
+import atexit
 import cProfile
 import os
 import pstats
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -158,6 +160,7 @@ def run(cprofile: bool, session: bool = False, replay: bool = False, verbose: bo
 
     connection.ensure_connection()
     tmp = tempfile.mkdtemp(prefix="http-profile-")
+    atexit.register(shutil.rmtree, tmp, True)  # the traces, however the run ends
     sent = _trace(tmp)
     connections.close_all()
     connection.ensure_connection()
