@@ -4,7 +4,9 @@ The bench urlconf's order view is served by gunicorn (``BENCH_HTTP_WORKERS`` syn
 workers, 3) and loaded by ``wrk`` (``BENCH_HTTP_CONNECTIONS`` connections, 8, for
 ``BENCH_HTTP_SECONDS`` each, 4) in interleaved rounds: undecorated, ``@idempotent``
 with a new key per request, ``@idempotent`` replays (each request repeats one of
-``BENCH_HTTP_REPLAY_KEYS`` keys already answered), and the same two for each peer.
+``BENCH_HTTP_REPLAY_KEYS`` keys already answered), and the same two for each peer;
+on the default stack also a view answering a made-up order with no work at all
+behind the same outer layers, the ceiling no replay can pass there.
 Every request of a "new" round carries a new basket, so each creates an order.
 Rates count answered (2xx) requests only; the others are reported beside them.
 
@@ -50,6 +52,7 @@ URLS = {
     "ours": "/api/orders/",
     "django-idempotency-key": "/bench/django-idempotency-key/orders/",
     "drf-idempotency": "/bench/drf-idempotency/orders/",
+    "canned": "/bench/canned/orders/",
 }
 
 #: wrk script: a new key and a new basket per request ("new"), or the same requests
@@ -240,7 +243,7 @@ def _wrk(
 
 def _plan() -> list[tuple[str, str, str]]:
     """(stack, variant, mode) of one round: the default stack first, then the header one."""
-    plan = [("session", "none", "none")]
+    plan = [("session", "none", "none"), ("session", "canned", "none")]
     plan += [
         ("session", variant, mode)
         for variant in ("ours", "django-idempotency-key", "drf-idempotency")
@@ -318,6 +321,17 @@ def _rows(rates: dict[str, list[float]], failed: dict[str, int]) -> list[Row]:
                     f"POST orders, undecorated (new basket each); {label}",
                     fmt(base),
                     setup_note + (f"; {bad} non-2xx" if bad else ""),
+                )
+            )
+        canned = rates.get(f"{stack}/canned/none")
+        if canned:
+            rows.append(
+                Row(
+                    SECTION,
+                    f"POST orders, a made-up answer, no work (a replay's ceiling); {label}",
+                    fmt(median(canned)),
+                    f"{median(canned) / base:.0%} of undecorated: the server, the middleware"
+                    " and the caller's authentication alone",
                 )
             )
         for variant in ("ours", "django-idempotency-key", "drf-idempotency"):

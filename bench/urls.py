@@ -39,6 +39,21 @@ def plain_create(request: HttpRequest) -> HttpResponseBase:
     return JsonResponse(views.order_json(order), status=201)
 
 
+def canned(request: HttpRequest) -> HttpResponseBase:
+    """An order's answer made up without any work: the ceiling of any replay on this stack.
+
+    Behind the same outer layers as the others (the user, POST only), it costs a
+    request what a replay cannot avoid: the server, the middleware, the caller's
+    authentication; the key's read and the rebuilt response are what a replay adds.
+    """
+    response = JsonResponse(
+        {"id": 1, "status": "pending_payment", "amount": "12.50", "currency": "CNY", "version": 0},
+        status=201,
+    )
+    response["Location"] = "/api/orders/1/"
+    return response
+
+
 def _drf(view: Any) -> Any:
     """drf-idempotency's decorator, its errors turned into responses as its middleware does.
 
@@ -70,7 +85,10 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "drf-idempotency": (_drf,),
 }
 
-urlpatterns = [path("api/", include("idempotent_orders.http.urls"))]
+urlpatterns = [
+    path("api/", include("idempotent_orders.http.urls")),
+    path("bench/canned/orders/", _stack(canned)),
+]
 for name, decorators in VARIANTS.items():
     urlpatterns += [
         path(f"bench/{name}/orders/", _stack(order_body, *decorators)),

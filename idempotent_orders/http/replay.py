@@ -20,7 +20,7 @@ from django.http import HttpResponse, HttpResponseBase
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming.sql import fetch_one
+from idempotent_orders.consuming.sql import driver_cursor, fetch_one
 from idempotent_orders.models import IdempotencyKey, KeyState
 
 if TYPE_CHECKING:
@@ -136,8 +136,14 @@ def store(held: KeyClaim, response: HttpResponseBase, *, commit: bool = False) -
     ]
     if commit and _can_commit(conn):
         try:
-            with conn.cursor() as cursor:
-                cursor.execute(_committing(conn, sql), _named(args))
+            # Straight to the driver where nothing must see the statement.
+            cursor = driver_cursor(conn, in_transaction=True)
+            if cursor is None:
+                with conn.cursor() as cursor:
+                    cursor.execute(_committing(conn, sql), _named(args))
+            else:
+                with conn.wrap_database_errors, cursor:
+                    cursor.execute(_committing(conn, sql), _named(args))
             stored = True
         except DataError as exc:
             if getattr(exc.__cause__, "sqlstate", None) != _LEASE_LOST_SQLSTATE:
