@@ -25,11 +25,13 @@ the ones above it (``tests/test_structure.py`` keeps it so):
     for a decided message: its writes sent as one transaction of their own.
 12. :mod:`~idempotent_orders.consuming.writing`: the read-decide-write road's
     transaction (claim, run the transition, the conditional UPDATE, park).
-13. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
-14. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
+13. :mod:`~idempotent_orders.consuming.claim_and_run`: PostgreSQL's road for
+    transitions that run the project's code: two round trips.
+14. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
+15. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
     and one UPDATE.
-15. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
-16. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
+16. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
+17. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
     ``aconsume_batch``, the road from async code (a worker thread per message).
 
 The dedup layers in front of the database are :mod:`idempotent_orders.dedup`.
@@ -50,6 +52,7 @@ LAYERS = (
     "one_statement",
     "one_transaction",
     "writing",
+    "claim_and_run",
     "single",
     "chunk",
     "batch",

@@ -18,7 +18,14 @@ from django.db import connection
 from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
 
-__all__ = ["Reservation", "claim_and_spend", "payment_id", "spend", "spent_by"]
+__all__ = [
+    "Reservation",
+    "claim_and_spend",
+    "claim_and_spend_statement",
+    "payment_id",
+    "spend",
+    "spent_by",
+]
 
 
 def payment_id(payload: Mapping[str, Any]) -> str | None:
@@ -85,6 +92,20 @@ def claim_and_spend(
     ``claimed`` False when the inbox already holds the message (nothing written);
     ``owner`` as :func:`spend` returns it (None: recorded).
     """
+    sql, params = claim_and_spend_statement(values, now, payment, order_id)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        claimed, recorded = cursor.fetchone()
+    if not claimed:
+        return False, None
+    return True, None if recorded else spent_by(payment)
+
+
+def claim_and_spend_statement(
+    values: Mapping[str, Any], now: Any, payment: str, order_id: Any
+) -> tuple[str, list[Any]]:
+    """:func:`claim_and_spend`'s statement and its arguments (PostgreSQL), for a caller that
+    sends it with others: it returns one row, ``(claimed, recorded)``, each 0 or 1."""
     template = inbox_template()
     key = (connection.alias, inbox_partitioned())
     sql = _claims.get(key)
@@ -98,13 +119,7 @@ def claim_and_spend(
             " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
         )
     params = template.params(values, now)
-    consumer, message_id = values["consumer"], values["message_id"]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, payment, order_id, consumer, message_id])
-        claimed, recorded = cursor.fetchone()
-    if not claimed:
-        return False, None
-    return True, None if recorded else spent_by(payment)
+    return sql, [*params, payment, order_id, values["consumer"], values["message_id"]]
 
 
 class Reservation:
