@@ -22,8 +22,8 @@ The claim comes before the decision (the usual road decides first), so it is an
 applied message's row; any other decision (a duplicate, a message to park or reject,
 a spent payment, an order with parked messages) rolls it back, and the usual road
 reads, decides, writes and says why, as ever. Where more than those writes is needed
-(fsm-2's ``on_error``, a receiver that saved the order, ``set_rollback``, a follow-up
-that does not hand its row over, a value only the ORM can write), the second text is
+(fsm-2's ``on_error``, a receiver that saved the order, a follow-up that does not
+hand its row over, a value only the ORM can write), the second text is
 the conditional UPDATE alone, or :func:`~idempotent_orders.consuming.writing.settle`,
 and Django's ``atomic`` commits as usual.
 
@@ -234,14 +234,13 @@ def _compile(
     """The conditional UPDATE of ``values`` (attnames) as :func:`running.commit` writes
     it, the follow-up's row when ``queued``, ``COMMIT`` when ``commit``; None when a
     column is not a plain one of the model's own table (the ORM writes it)."""
-    meta = model._meta
+    concrete = model._meta.concrete_model
+    assert concrete is not None
+    meta = concrete._meta  # a proxy's table is its concrete model's
     by_attname = {f.attname: f for f in meta.concrete_fields}
     fields = [by_attname.get(name) for name in (*values, *conditions)]
-    if meta.parents or any(
-        f is None or f.model._meta.concrete_model is not meta.concrete_model or f.primary_key
-        for f in fields
-    ):
-        return None
+    if meta.parents or any(f is None or f.model is not concrete or f.primary_key for f in fields):
+        return None  # a parent's column (multi-table inheritance): the ORM writes it
     if any(hasattr(f, "get_placeholder") for f in fields):
         return None
     qn = conn.ops.quote_name
@@ -287,7 +286,7 @@ def _finish(
     """The second text: write what the transition did, queue its follow-up and commit,
     then announce it (its publish and ``order_transitioned`` run after the block). False,
     with nothing sent, where :func:`~idempotent_orders.consuming.writing.settle` must."""
-    if ran.error is not None or ran.saved or conn.needs_rollback:
+    if ran.error is not None or ran.saved:
         return False
     if any(hasattr(v, "resolve_expression") or isinstance(v, Model) for v in ran.values.values()):
         return False
