@@ -124,8 +124,9 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
         return None
     payment = payment_id(envelope.payload) if envelope.handler.money else None
     try:
-        with transaction.atomic(using=alias):
-            order = _claim_and_read(envelope, consumer, model, conn, plan, payment)
+        # One cursor for both texts (the project's code in between may use its own).
+        with transaction.atomic(using=alias), conn.cursor() as cursor:
+            order = _claim_and_read(envelope, consumer, model, cursor, plan, payment)
             verdict = decide(order, envelope)
             if verdict.outcome is not Outcome.APPLIED:
                 raise _Declined
@@ -134,7 +135,7 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
                 conditions["last_seq"] = envelope.seq - 1
             version: int = order.version
             ran = call_transition(order, name, verdict.kwargs, fields=verdict.values)
-            if not _finish(order, ran, version, conditions, conn):
+            if not _finish(order, ran, version, conditions, cursor):
                 return settle(envelope, consumer, order, ran, version, conditions)
             return Outcome.APPLIED
     except (_Declined, Conflict):
@@ -161,7 +162,7 @@ def _claim_and_read(
     envelope: Envelope,
     consumer: str,
     model: type[Model],
-    conn: Any,
+    cursor: Any,
     plan: Any,
     payment: str | None,
 ) -> AbstractOrder:
@@ -186,18 +187,18 @@ def _claim_and_read(
     else:
         template = inbox_template()
         claim, args = f"{template.sql} RETURNING 1, 1", template.params(values, now)
+    conn = cursor.db
     pk = model._meta.pk
     assert pk is not None
     args.append(pk.get_db_prep_value(envelope.order_id, conn))
     opening = _opening(conn)
     try:
-        with conn.cursor() as cursor:
-            cursor.execute(f"{opening}{claim}; {plan.sql}", args)
-            if opening:
-                cursor.nextset()
-            claimed = cursor.fetchone()
+        cursor.execute(f"{opening}{claim}; {plan.sql}", args)
+        if opening:
             cursor.nextset()
-            row = cursor.fetchone()
+        claimed = cursor.fetchone()
+        cursor.nextset()
+        row = cursor.fetchone()
     except (IntegrityError, DataError):
         # Our own statements only (a value a column refuses, say): the usual road says why.
         raise _Declined from None
@@ -281,13 +282,14 @@ def _finish(
     ran: Ran,
     version: int,
     conditions: Mapping[str, Any],
-    conn: Any,
+    cursor: Any,
 ) -> bool:
     """The second text: write what the transition did, queue its follow-up and commit,
     then announce it (its publish and ``order_transitioned`` run after the block). False,
     with nothing sent, where :func:`~idempotent_orders.consuming.writing.settle` must."""
     if ran.error is not None or ran.saved:
         return False
+    conn = cursor.db
     if any(hasattr(v, "resolve_expression") or isinstance(v, Model) for v in ran.values.values()):
         return False
     model = type(order)
@@ -319,9 +321,8 @@ def _finish(
     if handed is not None:
         args += [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in update.queued]
     try:
-        with conn.cursor() as cursor:
-            cursor.execute(update.sql, args)
-            row = cursor.fetchone()
+        cursor.execute(update.sql, args)
+        row = cursor.fetchone()
     except DataError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == _MOVED:
             raise Conflict from None
