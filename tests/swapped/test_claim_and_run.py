@@ -27,6 +27,7 @@ from idempotent_orders.consuming import registry as handlers
 from idempotent_orders.consuming import running
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.consuming.sql import inbox_partitioned
 from idempotent_orders.models import (
     InboxStatus,
     OutboxMessage,
@@ -212,6 +213,8 @@ def test_a_follow_up_that_writes_on_its_own_commits_with_the_transition(make_ord
 
 
 def test_the_isolation_level_of_the_settings_begins_the_transaction(make_order) -> None:
+    if inbox_partitioned():
+        pytest.skip("a partitioned inbox is claimed at READ COMMITTED only")
     order = make_order()
     levels: list[str] = []
 
