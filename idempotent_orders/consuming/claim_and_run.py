@@ -56,7 +56,7 @@ from idempotent_orders.consuming.decision import decide
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.payments import claim_and_spend_statement, payment_id
+from idempotent_orders.consuming.payments import claim_and_spend_sql, payment_id
 from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
@@ -71,11 +71,12 @@ from idempotent_orders.consuming.sql import (
     build,
     compiled_read,
     handed_over,
+    inbox_partitioned,
     inbox_template,
     queue_follow_up,
 )
 from idempotent_orders.consuming.writing import Conflict, settle
-from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome
+from idempotent_orders.models import AbstractOrder, Outcome
 
 __all__ = ["can_claim_and_run", "claim_and_run"]
 
@@ -169,31 +170,27 @@ def _claim_and_read(
     """The first text: claim the message as applied (and spend its payment), read the
     order. Raises _Declined for a duplicate, a spent payment, an unknown order, or an
     order with parked messages (the usual road answers those)."""
-    values = {
+    conn = cursor.db
+    claim = _claim(conn, payment is not None)
+    now = timezone.now()
+    per_message = {
         "consumer": consumer,
         "message_id": envelope.message_id,
         "message_type": envelope.message_type,
-        "status": InboxStatus.DONE,
-        "outcome": Outcome.APPLIED,
         "order_id": envelope.order_id,
         "seq": envelope.seq,
-        "error": "",
-        "body": "",
         "fingerprint": envelope.fingerprint,
+        "updated_at": claim.updated_at.get_db_prep_save(now, conn),
     }
-    now = timezone.now()
+    args = [per_message[name] for name in claim.names]
     if payment is not None:
-        claim, args = claim_and_spend_statement(values, now, payment, envelope.order_id)
-    else:
-        template = inbox_template()
-        claim, args = f"{template.sql} RETURNING 1, 1", template.params(values, now)
-    conn = cursor.db
+        args += [payment, envelope.order_id, consumer, envelope.message_id]
     pk = model._meta.pk
     assert pk is not None
     args.append(pk.get_db_prep_value(envelope.order_id, conn))
     opening = _opening(conn)
     try:
-        cursor.execute(f"{opening}{claim}; {plan.sql}", args)
+        cursor.execute(f"{opening}{claim.sql}; {plan.sql}", args)
         if opening:
             cursor.nextset()
         claimed = cursor.fetchone()
@@ -208,6 +205,43 @@ def _claim_and_read(
     if order.has_parked:  # type: ignore[attr-defined]
         raise _Declined  # released after the write by the usual road
     return order  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """The first text's claim: an applied message's inbox row (its columns that no message
+    changes written as literals) and, for money, the spent payment."""
+
+    sql: str
+    #: The inbox columns it takes as arguments, in order (then the spent payment's four).
+    names: tuple[str, ...]
+    updated_at: Field[Any, Any]
+
+
+#: The inbox columns a message fills in (the others are an applied row's constants).
+_PER_MESSAGE = ("consumer", "message_id", "message_type", "order_id", "seq", "fingerprint")
+_claims: dict[tuple[Any, ...], _Claim] = {}
+
+
+def _claim(conn: Any, money: bool) -> _Claim:
+    key = (conn.alias, inbox_partitioned(conn), money)
+    claim = _claims.get(key)
+    if claim is None:
+        template = inbox_template()  # its sample row is an applied message's
+        names: list[str] = []
+        values: list[str] = []
+        for field, value in zip(template.fields, template.base, strict=True):
+            if field.attname in (*_PER_MESSAGE, "updated_at"):
+                names.append(field.attname)
+                values.append("%s")
+            else:
+                literal = str(conn.ops.compose_sql("%s", [value]))
+                values.append(literal.replace("%", "%%"))
+        inbox = template.insert(values)
+        sql = claim_and_spend_sql(inbox) if money else f"{inbox} RETURNING 1, 1"
+        updated_at = template.fields[template.positions["updated_at"]]
+        claim = _claims[key] = _Claim(sql, tuple(names), updated_at)
+    return claim
 
 
 @dataclass(frozen=True)

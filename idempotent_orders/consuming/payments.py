@@ -21,7 +21,7 @@ from idempotent_orders.models import SpentPayment
 __all__ = [
     "Reservation",
     "claim_and_spend",
-    "claim_and_spend_statement",
+    "claim_and_spend_sql",
     "payment_id",
     "spend",
     "spent_by",
@@ -92,34 +92,34 @@ def claim_and_spend(
     ``claimed`` False when the inbox already holds the message (nothing written);
     ``owner`` as :func:`spend` returns it (None: recorded).
     """
-    sql, params = claim_and_spend_statement(values, now, payment, order_id)
+    template = inbox_template()
+    key = (connection.alias, inbox_partitioned())
+    sql = _claims.get(key)
+    if sql is None:
+        sql = _claims[key] = claim_and_spend_sql(template.sql)
+    params = template.params(values, now)
+    consumer, message_id = values["consumer"], values["message_id"]
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, [*params, payment, order_id, consumer, message_id])
         claimed, recorded = cursor.fetchone()
     if not claimed:
         return False, None
     return True, None if recorded else spent_by(payment)
 
 
-def claim_and_spend_statement(
-    values: Mapping[str, Any], now: Any, payment: str, order_id: Any
-) -> tuple[str, list[Any]]:
-    """:func:`claim_and_spend`'s statement and its arguments (PostgreSQL), for a caller that
-    sends it with others: it returns one row, ``(claimed, recorded)``, each 0 or 1."""
-    template = inbox_template()
-    key = (connection.alias, inbox_partitioned())
-    sql = _claims.get(key)
-    if sql is None:
-        table, columns = _table()
-        sql = _claims[key] = (
-            f"WITH new_inbox AS ({template.sql} RETURNING 1),"
-            f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
-            " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
-            f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
-            " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
-        )
-    params = template.params(values, now)
-    return sql, [*params, payment, order_id, values["consumer"], values["message_id"]]
+def claim_and_spend_sql(inbox_sql: str) -> str:
+    """PostgreSQL: the statement that runs ``inbox_sql`` (an inbox ``INSERT ... ON CONFLICT
+    DO NOTHING``) and, when it inserted the row, records the spent payment (four more
+    arguments: the payment id, the order, the consumer, the message id). It returns one
+    row, ``(claimed, recorded)``, each 0 or 1."""
+    table, columns = _table()
+    return (
+        f"WITH new_inbox AS ({inbox_sql} RETURNING 1),"
+        f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
+        " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
+        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
+        " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
+    )
 
 
 class Reservation:
