@@ -72,6 +72,11 @@ def _timed(step: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def _statement_kind(sql: Any, tables: dict[str, str]) -> str:
     text = sql.decode() if isinstance(sql, bytes) else str(sql)
     head = text.lstrip()[:16].upper()
+    if head.startswith("BEGIN; "):  # claim_and_run's first text
+        return "BEGIN + inbox claim + spent payment + order read (one text)"
+    if head.startswith("WITH MOVED"):  # claim_and_run's second text
+        commit = " + COMMIT" if text.rstrip().endswith("COMMIT") else ""
+        return f"order UPDATE + outbox row{commit} (one text)"
     if head.startswith("WITH CLAIM") or head.startswith("EXECUTE"):
         return "one statement (WITH claim ...)"
     if head.startswith("WITH NEW_INBOX"):
@@ -167,7 +172,7 @@ def _patch(tables: dict[str, str]) -> None:
     import importlib
 
     # Wherever this version of the road calls them from (the modules moved over time).
-    for name in ("single", "writing"):
+    for name in ("single", "writing", "claim_and_run"):
         try:
             module = importlib.import_module(f"idempotent_orders.consuming.{name}")
         except ImportError:

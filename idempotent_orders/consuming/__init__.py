@@ -14,26 +14,33 @@ the ones above it (``tests/test_structure.py`` keeps it so):
    order as read.
 6. :mod:`~idempotent_orders.consuming.prepared`: hot statements straight to the
    driver, prepared once per database session.
-7. :mod:`~idempotent_orders.consuming.sql`: the per-vendor statements (the
+7. :mod:`~idempotent_orders.consuming.arrays`: PostgreSQL array literals of a
+   batch's columns.
+8. :mod:`~idempotent_orders.consuming.sql`: the per-vendor statements (the
    order read, the inbox insert, the claim-and-apply statement).
-8. :mod:`~idempotent_orders.consuming.payments`: a payment pays one order, once.
-9. :mod:`~idempotent_orders.consuming.failures`: what raised is kept, retried,
-   dead-lettered.
-10. :mod:`~idempotent_orders.consuming.one_statement`: PostgreSQL's one-statement
+9. :mod:`~idempotent_orders.consuming.payments`: a payment pays one order, once.
+10. :mod:`~idempotent_orders.consuming.failures`: what raised is kept, retried,
+    dead-lettered.
+11. :mod:`~idempotent_orders.consuming.savepoints`: a batch message's savepoint,
+    taken at its first statement.
+12. :mod:`~idempotent_orders.consuming.one_statement`: PostgreSQL's one-statement
     road for transitions with nothing of the project's to run.
-11. :mod:`~idempotent_orders.consuming.one_transaction`: MariaDB's and SQLite's road
+13. :mod:`~idempotent_orders.consuming.one_transaction`: MariaDB's and SQLite's road
     for a decided message: its writes sent as one transaction of their own.
-12. :mod:`~idempotent_orders.consuming.writing`: the read-decide-write road's
+14. :mod:`~idempotent_orders.consuming.update_many`: a batch chunk's one UPDATE of
+    many orders written as SQL on MariaDB and SQLite.
+15. :mod:`~idempotent_orders.consuming.writing`: the read-decide-write road's
     transaction (claim, run the transition, the conditional UPDATE, park).
-13. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
-14. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
+16. :mod:`~idempotent_orders.consuming.claim_and_run`: PostgreSQL's road for
+    transitions that run the project's code: two round trips.
+17. :mod:`~idempotent_orders.consuming.single`: ``consume_message``.
+18. :mod:`~idempotent_orders.consuming.chunk`: a batch chunk's claim, order lock
     and one UPDATE.
-15. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
-16. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
+19. :mod:`~idempotent_orders.consuming.batch`: ``consume_batch``.
+20. :mod:`~idempotent_orders.consuming.aio`: ``aconsume_message`` and
     ``aconsume_batch``, the road from async code (a worker thread per message).
 
-Between 11 and 12, :mod:`~idempotent_orders.consuming.update_many` writes a batch
-chunk's one UPDATE of many orders as SQL on MariaDB and SQLite. The dedup layers in
+The dedup layers in
 front of the database are :mod:`idempotent_orders.dedup`.
 """
 
@@ -54,6 +61,7 @@ LAYERS = (
     "one_transaction",
     "update_many",
     "writing",
+    "claim_and_run",
     "single",
     "chunk",
     "batch",

@@ -22,6 +22,7 @@ from idempotent_orders.models import SpentPayment
 __all__ = [
     "Reservation",
     "claim_and_spend",
+    "claim_and_spend_sql",
     "payment_id",
     "record_spent",
     "spend",
@@ -135,14 +136,7 @@ def claim_and_spend(
     key = (connection.alias, inbox_partitioned())
     sql = _claims.get(key)
     if sql is None:
-        table, columns = _table()
-        sql = _claims[key] = (
-            f"WITH new_inbox AS ({template.sql} RETURNING 1),"
-            f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
-            " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
-            f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
-            " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
-        )
+        sql = _claims[key] = claim_and_spend_sql(template.sql)
     params = template.params(values, now)
     consumer, message_id = values["consumer"], values["message_id"]
     with connection.cursor() as cursor:
@@ -151,6 +145,21 @@ def claim_and_spend(
     if not claimed:
         return False, None
     return True, None if recorded else spent_by(payment)
+
+
+def claim_and_spend_sql(inbox_sql: str) -> str:
+    """PostgreSQL: the statement that runs ``inbox_sql`` (an inbox ``INSERT ... ON CONFLICT
+    DO NOTHING``) and, when it inserted the row, records the spent payment (four more
+    arguments: the payment id, the order, the consumer, the message id). It returns one
+    row, ``(claimed, recorded)``, each 0 or 1."""
+    table, columns = _table()
+    return (
+        f"WITH new_inbox AS ({inbox_sql} RETURNING 1),"
+        f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
+        " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
+        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
+        " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
+    )
 
 
 class Reservation:

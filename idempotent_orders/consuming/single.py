@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.conf import conf
+from idempotent_orders.consuming.claim_and_run import claim_and_run
 from idempotent_orders.consuming.decision import (
     Verdict,
     announce,
@@ -133,7 +134,10 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     try:
         applied = None
         if can_claim_and_apply():
+            # No read first where the transition is SQL; two texts where it is the project's.
             applied = presume(envelope, consumer, get_order_model())
+            if applied is None:
+                applied = claim_and_run(envelope, consumer, get_order_model())
         elif can_presume_at_once():
             applied = presume_at_once(envelope, consumer, get_order_model())
         if applied is not None:

@@ -70,6 +70,7 @@ __all__ = [
     "Spent",
     "on_error_reason",
     "park",
+    "settle",
     "spent_verdict",
     "write",
 ]
@@ -263,16 +264,30 @@ def run(
     """
     version: int = order.version
     ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+    return settle(envelope, consumer, order, ran, version, conditions)
+
+
+def settle(
+    envelope: Envelope,
+    consumer: str,
+    order: AbstractOrder,
+    ran: Ran,
+    version: int,
+    conditions: Mapping[str, Any],
+) -> Outcome:
+    """Commit what the model's transition did (``ran``, on ``order`` read at ``version``)
+    with one conditional UPDATE and announce it: :func:`run`'s second half. Raises
+    Conflict when the order changed; keeps an ``on_error`` body's exception as rejected."""
     if not commit(order, ran, version, conditions):
         raise Conflict
     result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
-    transition_written(order, verdict.transition, result, fsm_sent=True)
+    transition_written(order, ran.name, result, fsm_sent=True)
     if ran.error is None:
         return Outcome.APPLIED
     # fsm-2's on_error: the body raised and the order moved to the error state,
     # which is committed, as fsm-2 and a save() would. The message is kept as
     # rejected, with what was raised.
-    reason = on_error_reason(envelope, consumer, order, verdict.transition, ran)
+    reason = on_error_reason(envelope, consumer, order, ran.name, ran)
     ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id).update(
         outcome=Outcome.REJECTED,
         status=InboxStatus.REJECTED,

@@ -1,0 +1,253 @@
+"""PostgreSQL's road for a transition that runs the project's code (``claim_and_run``):
+two texts, ``BEGIN`` + claim + read, then UPDATE + outbox row + ``COMMIT``, with the same
+result as the usual road, and the usual road wherever that cannot hold.
+
+A ``pre_transition`` receiver makes ``shop.Order.settle`` (no body) run the project's code;
+``FlowOrder.pay`` has a body that writes a row of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from django.db.models import F
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django_fsm.signals import pre_transition
+
+from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import running
+from idempotent_orders.consuming.failures import MessageFailed
+from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.consuming.sql import inbox_partitioned
+from idempotent_orders.models import (
+    InboxStatus,
+    OutboxMessage,
+    Outcome,
+    ProcessedMessage,
+    SpentPayment,
+)
+from tests.shop.models import FlowOrder, Order, Payment, Phase
+from tests.support.messages import payment, shipment
+from tests.support.threads import run_threads
+from tests.swapped.test_own_model import assert_all_received_once, storm
+
+pytestmark = [pytest.mark.backends("postgresql"), pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(autouse=True)
+def warm(make_order: Callable[..., Any]) -> None:
+    """One message first: what the first one of a process does once (the Bloom filter
+    read from the inbox, the statements compiled) is not what these tests count."""
+    consume_message(payment(make_order()), consumer="payments")
+
+
+@pytest.fixture
+def heard() -> Iterator[list[Any]]:
+    """A ``pre_transition`` receiver on every order (the project's code runs): its calls."""
+    calls: list[Any] = []
+
+    def receive(sender: Any, instance: Any, **kwargs: Any) -> None:
+        calls.append((instance.pk, kwargs["name"]))
+
+    pre_transition.connect(receive, weak=False, dispatch_uid="test-claim-and-run")
+    yield calls
+    pre_transition.disconnect(dispatch_uid="test-claim-and-run")
+
+
+@contextmanager
+def round_trips() -> Iterator[Callable[[], int]]:
+    """Counts what the client sends to be answered (libpq's protocol trace: each ``Query``
+    or ``Sync`` is one round trip) on this thread's connection."""
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+
+        def count() -> int:
+            with open(path, encoding="utf-8", errors="replace") as trace:
+                return sum(
+                    1
+                    for line in trace
+                    if len(parts := line.split("\t")) > 3
+                    and parts[1] == "F"
+                    and parts[3] in ("Query", "Sync")
+                )
+
+        pgconn.trace(fd)
+        try:
+            yield count
+        finally:
+            pgconn.untrace()
+            os.close(fd)
+
+
+def sent_texts(queries: CaptureQueriesContext) -> list[str]:
+    """The statements sent, without the BEGIN and COMMIT Django logs for its own
+    ``atomic`` whether or not the driver sent them."""
+    return [q["sql"] for q in queries.captured_queries if q["sql"] not in ("BEGIN", "COMMIT")]
+
+
+def test_a_transition_with_a_receiver_takes_two_round_trips(make_order, heard) -> None:
+    order = make_order()
+    with round_trips() as trips, CaptureQueriesContext(connection) as queries:
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+        sent = trips()
+    assert sent == 2
+    texts = sent_texts(queries)
+    assert len(texts) == 2
+    assert texts[0].startswith("BEGIN; ")
+    assert texts[1].endswith("; COMMIT")
+    assert heard == [(order.pk, "settle")]
+    row = Order.objects.get(pk=order.pk)
+    assert (row.phase, row.version, row.has_parked) == (Phase.SETTLED, 1, False)
+    inbox = ProcessedMessage.objects.get(consumer="payments", order_id=order.pk)
+    assert (inbox.status, inbox.outcome, inbox.error) == (InboxStatus.DONE, Outcome.APPLIED, "")
+
+
+@pytest.fixture
+def pay_with_money() -> Iterator[None]:
+    saved = dict(handlers._registry)
+    handlers.register("flow.pay", transition="pay", money=True)
+    yield
+    handlers._registry.clear()
+    handlers._registry.update(saved)
+
+
+def test_a_body_that_writes_and_spends_a_payment(make_order, pay_with_money) -> None:
+    order = make_order(amount=Decimal("10.00"))
+    message = {
+        "message_id": f"pay-{order.pk}",
+        "type": "flow.pay",
+        "order_id": order.pk,
+        "payload": {"payment_id": f"P{order.pk}", "amount": "10.00"},
+    }
+    with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
+        with round_trips() as trips:
+            assert consume_message(message, consumer="payments") is Outcome.APPLIED
+            sent = trips()
+        # The same payment for another order: the claim is rolled back, the usual road
+        # says why.
+        other = make_order(amount=Decimal("10.00"))
+        again = {**message, "message_id": f"again-{order.pk}", "order_id": other.pk}
+        assert consume_message(again, consumer="payments") is Outcome.REJECTED
+    assert sent == 3  # the body's own INSERT between the two texts
+    row = FlowOrder.objects.get(pk=order.pk)
+    assert (row.flow, row.paid_total, row.version) == ("paid", Decimal("10.00"), 1)
+    assert list(Payment.objects.filter(order=order).values_list("payment_id", flat=True)) == [
+        f"P{order.pk}"
+    ]
+    assert SpentPayment.objects.get(payment_id=f"P{order.pk}").order_id == order.pk
+    refused = ProcessedMessage.objects.get(message_id=f"again-{order.pk}")
+    assert f"already paid order {order.pk}" in refused.error
+    assert FlowOrder.objects.get(pk=other.pk).version == 0
+
+
+@pytest.mark.parametrize("fulfil", [False, True], ids=["no-follow-up", "outbox-row"])
+def test_an_order_that_moved_after_the_read_rolls_everything_back(
+    make_order, settings, fulfil
+) -> None:
+    settings.IDEMPOTENT_ORDERS = {
+        **settings.IDEMPOTENT_ORDERS,
+        "FULFIL_AFTER_PAYMENT": fulfil,  # the second text queues the outbox row too
+        "OUTBOX_PUBLISH_ON_COMMIT": False,
+    }
+    order = make_order()
+    calls: list[int] = []
+
+    def bump_once(sender: Any, instance: Any, **kwargs: Any) -> None:
+        # Another writer's UPDATE between our read and our write (here in our own
+        # transaction, so that it is rolled back with it).
+        calls.append(instance.version)
+        if len(calls) == 1:
+            Order.objects.filter(pk=instance.pk).update(version=F("version") + 1)
+
+    pre_transition.connect(bump_once, weak=False, dispatch_uid="test-bump-once")
+    try:
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    finally:
+        pre_transition.disconnect(dispatch_uid="test-bump-once")
+    assert calls == [0, 0]  # rolled back whole, then decided and run again
+    row = Order.objects.get(pk=order.pk)
+    assert (row.phase, row.version) == (Phase.SETTLED, 1)
+    assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+    queued = OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count()
+    assert queued == (1 if fulfil else 0)
+
+
+class _Refusing:
+    """A follow-up that writes on its own (no ``outbox_row``), and raises."""
+
+    def wanted(self, model: type[Any], target: Any) -> bool:
+        return target == Phase.SETTLED
+
+    def write(self, instance: Any, name: str, result: Any) -> None:
+        raise RuntimeError("the follow-up failed")
+
+
+def test_a_follow_up_that_writes_on_its_own_commits_with_the_transition(make_order, heard) -> None:
+    order = make_order()
+    follow_up = _Refusing()
+    running.register_follow_up(follow_up)
+    try:
+        with CaptureQueriesContext(connection) as queries, pytest.raises(MessageFailed):
+            consume_message(payment(order), consumer="payments")
+    finally:
+        running._follow_ups.remove(follow_up)
+    texts = sent_texts(queries)
+    assert texts[0].startswith("BEGIN; ")
+    assert not texts[1].endswith("COMMIT")
+    row = Order.objects.get(pk=order.pk)
+    assert (row.phase, row.version) == (Phase.NEW, 0)  # nothing of it committed
+    inbox = ProcessedMessage.objects.get(consumer="payments", order_id=order.pk)
+    assert inbox.status == InboxStatus.FAILED
+
+
+def test_the_isolation_level_of_the_settings_begins_the_transaction(make_order) -> None:
+    if inbox_partitioned():
+        pytest.skip("a partitioned inbox is claimed at READ COMMITTED only")
+    order = make_order()
+    levels: list[str] = []
+
+    def isolation(sender: Any, instance: Any, **kwargs: Any) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW transaction_isolation")
+            levels.append(cursor.fetchone()[0])
+
+    connection.ensure_connection()
+    connection.connection.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+    pre_transition.connect(isolation, weak=False, dispatch_uid="test-isolation")
+    try:
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    finally:
+        pre_transition.disconnect(dispatch_uid="test-isolation")
+        connection.connection.isolation_level = None
+    assert levels == ["serializable"]
+    assert Order.objects.get(pk=order.pk).phase == Phase.SETTLED
+
+
+def test_a_message_waiting_for_it_is_released(make_order, heard) -> None:
+    order = make_order()
+    shipped = shipment(order, seq=2)
+    assert consume_message(shipped, consumer="shipping") is Outcome.PARKED
+    assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    row = Order.objects.get(pk=order.pk)
+    assert (row.phase, row.version, row.last_seq) == (Phase.SENT, 2, 2)
+    assert heard == [(order.pk, "settle"), (order.pk, "send")]
+
+
+def test_threads_deliver_a_storm_exactly_once(make_order, heard) -> None:
+    orders = [make_order() for _ in range(6)]
+    deliveries = storm(orders, seed=5)
+    outcomes = run_threads(deliveries, 4)
+    assert sum(outcomes.values()) == len(deliveries)
+    assert_all_received_once(orders)
