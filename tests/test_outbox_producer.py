@@ -22,7 +22,14 @@ from django.utils import timezone
 from demo_project.tasks import award_points
 from idempotent_orders import tracing
 from idempotent_orders.models import OutboxMessage, OutboxStatus
-from idempotent_orders.outbox import Publisher, flush_publisher, publish_on_commit, relay_outbox
+from idempotent_orders.outbox import (
+    Publisher,
+    flush_publisher,
+    publish_on_commit,
+    relay,
+    relay_outbox,
+    sender,
+)
 from idempotent_orders.outbox.relay import _publish_unkeyed
 from tests.support.services import ROOT, stop_processes, wait_until, worker_env
 
@@ -171,6 +178,31 @@ def test_the_threads_batch_is_locked_and_marked_by_one_statement_each(
         OutboxStatus.PENDING,
     ]
     assert relay_outbox(ids=[keyed.pk]).published == 1
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db
+@pytest.mark.parametrize("in_the_publisher_thread", [True, False])
+def test_the_publisher_thread_hands_the_gil_over_between_rows(
+    monkeypatch: pytest.MonkeyPatch, in_the_publisher_thread: bool
+) -> None:
+    # A consumer in the same process whose answer came back gets the GIL after the
+    # row being published, not after the whole batch; a relay does not pause.
+    sent: list[str | None] = []
+    monkeypatch.setattr(
+        award_points, "apply_async", lambda task_id=None, **options: sent.append(task_id)
+    )
+    with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE):
+        rows = [publish_on_commit(award_points, message()) for _ in range(3)]
+    pauses: list[float] = []
+    monkeypatch.setattr(relay.time, "sleep", pauses.append)
+    monkeypatch.setattr(sender._batch, "keep", in_the_publisher_thread, raising=False)
+    try:
+        assert _publish_unkeyed("default", [r.pk for r in rows]).published == 3
+    finally:
+        sender._release_kept()
+    assert len(sent) == 3 or sent == []  # through apply_async or the batch's producer
+    assert pauses == ([0, 0] if in_the_publisher_thread else [])
 
 
 @pytest.mark.django_db(transaction=True)

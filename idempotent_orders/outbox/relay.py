@@ -207,7 +207,13 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
     with sender._batch_producer(len(rows)) as producer:
         cache = getattr(sender._batch, "templates", None)
         fast = sender._FastSender(producer, cache) if producer is not None else None
+        # The publisher thread (``keep``) runs beside a consumer in the same process: it
+        # hands the GIL over between rows, so that a consumer whose answer came back
+        # does not wait for the rest of the batch's Python (up to the switch interval).
+        polite = getattr(sender._batch, "keep", False)
         for position, row in enumerate(rows):
+            if polite and position:
+                time.sleep(0)
             if failures.breaker.paused():
                 # Tripped by an earlier row: the rest wait for the broker, unclaimed.
                 rest = [r.pk for r in rows[position:]]
