@@ -259,7 +259,7 @@ def _claim_and_read(
         # Our own statements only (a value a column refuses, say): the usual road says why.
         raise _Declined from None
     except (ProgrammingError, NotSupportedError) as exc:
-        if missed(conn, exc, [named for _, named, _ in statements]):
+        if missed(conn, exc):
             raise _Declined from None
         raise
     if claimed is None or not claimed[0] or not claimed[1] or row is None:
@@ -427,7 +427,7 @@ def _finish(
             raise Conflict from None
         raise
     except (ProgrammingError, NotSupportedError) as exc:
-        if missed(conn, exc, [_named(sql)]):
+        if missed(conn, exc):
             raise Conflict from None  # rolled back whole: the usual road runs it again
         raise
     order.__dict__["version"] = version + 1

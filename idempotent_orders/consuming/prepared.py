@@ -372,6 +372,9 @@ def inbox_preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
 
 # -- Statements composed into a longer text ------------------------------------------------
 
+#: The names :func:`execute_text` composed (a session that lost one lost them all, likely).
+_composed: set[str] = set()
+
 
 def execute_text(conn: Any, sql: str, args: Sequence[Any]) -> tuple[str | None, str] | None:
     """``sql`` (its arguments named as :func:`fetch_one`'s) as a prepared statement of the
@@ -390,14 +393,15 @@ def execute_text(conn: Any, sql: str, args: Sequence[Any]) -> tuple[str | None, 
         return None
     prepare = None if form.name in prepared else form.prepare
     prepared.add(form.name)  # sent with this text; :func:`missed` takes it back
+    _composed.add(form.name)
     return prepare, _execute(form, args, _transformer(conn, raw)).decode()
 
 
-def missed(conn: Any, exc: BaseException, sqls: Sequence[str]) -> bool:
+def missed(conn: Any, exc: BaseException) -> bool:
     """Whether ``exc`` (Django's error, the driver's as its cause) says the session lacks
-    one of the statements :func:`execute_text` composed of ``sqls``, holds one already
-    (a pooler's other session) or holds one with a stale plan; if so it counts as a miss
-    and the missing ones are prepared again next time."""
+    a statement :func:`execute_text` composed, holds one already (a pooler's other
+    session) or holds one with a stale plan; if so it counts as a miss, and all of them
+    are prepared again next time (the session lost them all, as ``DISCARD ALL`` does)."""
     cause = exc.__cause__
     if _errors is None or not isinstance(
         cause,
@@ -409,9 +413,6 @@ def missed(conn: Any, exc: BaseException, sqls: Sequence[str]) -> bool:
     state = _prepared_on.get(conn.connection)
     if state is not None:
         if not isinstance(cause, _errors.DuplicatePreparedStatement):
-            for sql in sqls:
-                form = _prepared_forms.get(sql)
-                if form is not None:
-                    state[0].discard(form.name)
+            state[0].difference_update(_composed)
         state[2][0] += 1
     return True
