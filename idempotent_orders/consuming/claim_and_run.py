@@ -27,6 +27,16 @@ hand its row over, a value only the ORM can write), the second text is
 the conditional UPDATE alone, or :func:`~idempotent_orders.consuming.writing.settle`,
 and Django's ``atomic`` commits as usual.
 
+Each statement of the two texts runs as a prepared statement of the session, its
+arguments as literals of an ``EXECUTE`` (``PREPARE`` goes in the text that first needs
+it, so no round trip is added): the server neither parses nor plans them again. A
+session that lost them (``DISCARD ALL``, a transaction pooler's other server) fails the
+text, which rolls back like a declined message; the next message prepares them again,
+up to a few misses per connection, then sends them as they are
+(:func:`~idempotent_orders.consuming.prepared.execute_text`). The texts go to the
+driver's own cursor unless something must see them (see
+:func:`~idempotent_orders.consuming.prepared.driver_cursor`).
+
 ``BEGIN`` goes in the first text because the driver's own autocommit is switched on
 inside Django's ``atomic`` block (where Django switched it off, and the driver would
 send ``BEGIN`` by itself, one more round trip); Django's ``commit()`` and
