@@ -62,6 +62,7 @@ from django.db import (
     connections,
     transaction,
 )
+from django.db.backends.utils import CursorWrapper
 from django.db.models import Field, Model
 from django.utils import timezone
 
@@ -165,7 +166,8 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
 def _cursor(conn: Any) -> Any:
     """The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper skipped,
     its error mapping kept by :func:`_send`), or Django's where something must see the
-    texts (see :func:`~idempotent_orders.consuming.prepared.driver_cursor`)."""
+    texts (see :func:`~idempotent_orders.consuming.prepared.driver_cursor`): there they
+    go as they are, not as ``EXECUTE`` of a prepared statement."""
     cursor = driver_cursor(conn, in_transaction=True)
     return conn.cursor() if cursor is None else cursor
 
@@ -190,22 +192,23 @@ def _send(conn: Any, cursor: Any, head: str, statements: Sequence[_Statement], t
     """Send ``head``, ``statements`` and ``tail`` as one text; the number of results
     before the first statement's (its ``PREPARE``s).
 
-    Each statement runs as a prepared statement of the session (prepared in this same
-    text the first time): the server neither parses nor plans it again. A session that
-    lost one (a pooler's other server, ``DISCARD ALL``) fails the text; the caller rolls
-    back and takes the usual road, and the next message prepares it again, up to a few
-    misses per connection (then the statements go as they are)."""
-    prepares: list[str] = []
-    executes: list[str] = []
-    for _, named, args in statements:
-        composed = execute_text(conn, named, args)
-        if composed is None:
-            break
-        if composed[0] is not None:
-            prepares.append(composed[0])
-        executes.append(composed[1])
+    On the driver's own cursor each statement runs as a prepared statement of the
+    session (prepared in this same text the first time): the server neither parses nor
+    plans it again. A session that lost one (a pooler's other server, ``DISCARD ALL``)
+    fails the text; the caller rolls back and takes the usual road, and the next message
+    prepares it again, up to a few misses per connection (then they go as they are)."""
+    composed: list[tuple[str | None, str]] = []
+    if not isinstance(cursor, CursorWrapper):  # Django's: something must see the SQL
+        for _, named, args in statements:
+            one = execute_text(conn, named, args)
+            if one is None:
+                composed = []
+                break
+            composed.append(one)
     with conn.wrap_database_errors:
-        if len(executes) == len(statements):
+        if composed:
+            prepares = [prepare for prepare, _ in composed if prepare is not None]
+            executes = [execute for _, execute in composed]
             cursor.execute(head + "; ".join([*prepares, *executes]) + tail)
             return len(prepares)
         text = head + "; ".join(sql for sql, _, _ in statements) + tail
