@@ -35,7 +35,8 @@ text, which rolls back like a declined message; the next message prepares them a
 up to a few misses per connection, then sends them as they are
 (:func:`~idempotent_orders.consuming.prepared.execute_text`). The texts go to the
 driver's own cursor unless something must see them (see
-:func:`~idempotent_orders.consuming.prepared.driver_cursor`).
+:func:`~idempotent_orders.consuming.prepared.driver_cursor`); then they go through
+Django's cursor as they are.
 
 ``BEGIN`` goes in the first text because the driver's own autocommit is switched on
 inside Django's ``atomic`` block (where Django switched it off, and the driver would
