@@ -74,7 +74,9 @@ def _statement_kind(sql: Any, tables: dict[str, str]) -> str:
     head = text.lstrip()[:16].upper()
     if head.startswith("BEGIN; "):  # claim_and_run's first text
         return "BEGIN + inbox claim + spent payment + order read (one text)"
-    if head.startswith("WITH MOVED"):  # claim_and_run's second text
+    prepared = head.startswith(("EXECUTE", "PREPARE"))
+    if head.startswith("WITH MOVED") or (prepared and text.rstrip().endswith("; COMMIT")):
+        # claim_and_run's second text (as it is, or its prepared statement's EXECUTE)
         commit = " + COMMIT" if text.rstrip().endswith("COMMIT") else ""
         return f"order UPDATE + outbox row{commit} (one text)"
     if head.startswith("WITH CLAIM") or head.startswith("EXECUTE"):

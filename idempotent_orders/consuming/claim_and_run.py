@@ -27,6 +27,17 @@ hand its row over, a value only the ORM can write), the second text is
 the conditional UPDATE alone, or :func:`~idempotent_orders.consuming.writing.settle`,
 and Django's ``atomic`` commits as usual.
 
+Each statement of the two texts runs as a prepared statement of the session, its
+arguments as literals of an ``EXECUTE`` (``PREPARE`` goes in the text that first needs
+it, so no round trip is added): the server neither parses nor plans them again. A
+session that lost them (``DISCARD ALL``, a transaction pooler's other server) fails the
+text, which rolls back like a declined message; the next message prepares them again,
+up to a few misses per connection, then sends them as they are
+(:func:`~idempotent_orders.consuming.prepared.execute_text`). The texts go to the
+driver's own cursor unless something must see them (see
+:func:`~idempotent_orders.consuming.prepared.driver_cursor`); then they go through
+Django's cursor as they are.
+
 ``BEGIN`` goes in the first text because the driver's own autocommit is switched on
 inside Django's ``atomic`` block (where Django switched it off, and the driver would
 send ``BEGIN`` by itself, one more round trip); Django's ``commit()`` and
@@ -37,6 +48,7 @@ an isolation level or read-only mode: the driver's own ``BEGIN`` says so.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +57,13 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DataError,
     IntegrityError,
+    NotSupportedError,
     OperationalError,
+    ProgrammingError,
     connections,
     transaction,
 )
+from django.db.backends.utils import CursorWrapper
 from django.db.models import Field, Model
 from django.utils import timezone
 
@@ -57,6 +72,7 @@ from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
 from idempotent_orders.consuming.payments import claim_and_spend_sql, payment_id
+from idempotent_orders.consuming.prepared import driver_cursor, execute_text, missed
 from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
@@ -82,6 +98,7 @@ __all__ = ["can_claim_and_run", "claim_and_run"]
 
 #: SQLSTATE of the division by zero that stops the second text when the order moved.
 _MOVED = "22012"
+_COMMIT = "; COMMIT"
 #: libpq's PQTRANS_IDLE: no transaction open on the connection.
 _IDLE = 0
 
@@ -126,8 +143,8 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
     payment = payment_id(envelope.payload) if envelope.handler.money else None
     try:
         # One cursor for both texts (the project's code in between may use its own).
-        with transaction.atomic(using=alias), conn.cursor() as cursor:
-            order = _claim_and_read(envelope, consumer, model, cursor, plan, payment)
+        with transaction.atomic(using=alias), _cursor(conn) as cursor:
+            order = _claim_and_read(envelope, consumer, model, conn, cursor, plan, payment)
             verdict = decide(order, envelope)
             if verdict.outcome is not Outcome.APPLIED:
                 raise _Declined
@@ -136,7 +153,7 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
                 conditions["last_seq"] = envelope.seq - 1
             version: int = order.version
             ran = call_transition(order, name, verdict.kwargs, fields=verdict.values)
-            if not _finish(order, ran, version, conditions, cursor):
+            if not _finish(order, ran, version, conditions, conn, cursor):
                 return settle(envelope, consumer, order, ran, version, conditions)
             return Outcome.APPLIED
     except (_Declined, Conflict):
@@ -145,6 +162,59 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
         if not is_retryable(exc):
             raise
         return None  # rolled back whole (a deadlock, say): the usual road runs it again
+
+
+def _cursor(conn: Any) -> Any:
+    """The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper skipped,
+    its error mapping kept by :func:`_send`), or Django's where something must see the
+    texts (see :func:`~idempotent_orders.consuming.prepared.driver_cursor`): there they
+    go as they are, not as ``EXECUTE`` of a prepared statement."""
+    cursor = driver_cursor(conn, in_transaction=True)
+    return conn.cursor() if cursor is None else cursor
+
+
+#: A statement of a text: as it is (``%s`` arguments), its arguments named (``%(a0)s``).
+_Statement = tuple[str, str, Sequence[Any]]
+_named_forms: dict[str, str] = {}
+
+
+def _named(sql: str) -> str:
+    """``sql`` with its ``%s`` arguments named by position, as prepared statements take them."""
+    named = _named_forms.get(sql)
+    if named is None:
+        count = iter(range(sql.count("%s")))
+        named = _named_forms[sql] = re.sub(
+            r"%s|%%", lambda m: m[0] if m[0] == "%%" else f"%(a{next(count)})s", sql
+        )
+    return named
+
+
+def _send(conn: Any, cursor: Any, head: str, statements: Sequence[_Statement], tail: str) -> int:
+    """Send ``head``, ``statements`` and ``tail`` as one text; the number of results
+    before the first statement's (its ``PREPARE``s).
+
+    On the driver's own cursor each statement runs as a prepared statement of the
+    session (prepared in this same text the first time): the server neither parses nor
+    plans it again. A session that lost one (a pooler's other server, ``DISCARD ALL``)
+    fails the text; the caller rolls back and takes the usual road, and the next message
+    prepares it again, up to a few misses per connection (then they go as they are)."""
+    composed: list[tuple[str | None, str]] = []
+    if not isinstance(cursor, CursorWrapper):  # Django's: something must see the SQL
+        for _, named, args in statements:
+            one = execute_text(conn, named, args)
+            if one is None:
+                composed = []
+                break
+            composed.append(one)
+    with conn.wrap_database_errors:
+        if composed:
+            prepares = [prepare for prepare, _ in composed if prepare is not None]
+            executes = [execute for _, execute in composed]
+            cursor.execute(head + "; ".join([*prepares, *executes]) + tail)
+            return len(prepares)
+        text = head + "; ".join(sql for sql, _, _ in statements) + tail
+        cursor.execute(text, [arg for _, _, args in statements for arg in args])
+        return 0
 
 
 def _opening(conn: Any) -> str:
@@ -163,6 +233,7 @@ def _claim_and_read(
     envelope: Envelope,
     consumer: str,
     model: type[Model],
+    conn: Any,
     cursor: Any,
     plan: Any,
     payment: str | None,
@@ -170,7 +241,6 @@ def _claim_and_read(
     """The first text: claim the message as applied (and spend its payment), read the
     order. Raises _Declined for a duplicate, a spent payment, an unknown order, or an
     order with parked messages (the usual road answers those)."""
-    conn = cursor.db
     claim = _claim(conn, payment is not None)
     now = timezone.now()
     per_message = {
@@ -187,11 +257,14 @@ def _claim_and_read(
         args += [payment, envelope.order_id, consumer, envelope.message_id]
     pk = model._meta.pk
     assert pk is not None
-    args.append(pk.get_db_prep_value(envelope.order_id, conn))
+    statements = [
+        (claim.sql, _named(claim.sql), args),
+        (plan.sql, _named(plan.sql), [pk.get_db_prep_value(envelope.order_id, conn)]),
+    ]
     opening = _opening(conn)
     try:
-        cursor.execute(f"{opening}{claim.sql}; {plan.sql}", args)
-        if opening:
+        skipped = _send(conn, cursor, opening, statements, "")
+        for _ in range(skipped + bool(opening)):
             cursor.nextset()
         claimed = cursor.fetchone()
         cursor.nextset()
@@ -199,6 +272,10 @@ def _claim_and_read(
     except (IntegrityError, DataError):
         # Our own statements only (a value a column refuses, say): the usual road says why.
         raise _Declined from None
+    except (ProgrammingError, NotSupportedError) as exc:
+        if missed(conn, exc):
+            raise _Declined from None
+        raise
     if claimed is None or not claimed[0] or not claimed[1] or row is None:
         raise _Declined
     order = build(model, conn.alias, plan, row)
@@ -302,7 +379,7 @@ def _compile(
     else:
         sql += " SELECT 1 / (SELECT count(*) FROM moved)"
     if commit:
-        sql += "; COMMIT"
+        sql += _COMMIT
     return _Update(
         sql,
         tuple(by_attname[n] for n in values),
@@ -316,6 +393,7 @@ def _finish(
     ran: Ran,
     version: int,
     conditions: Mapping[str, Any],
+    conn: Any,
     cursor: Any,
 ) -> bool:
     """The second text: write what the transition did, queue its follow-up and commit,
@@ -323,7 +401,6 @@ def _finish(
     with nothing sent, where :func:`~idempotent_orders.consuming.writing.settle` must."""
     if ran.error is not None or ran.saved:
         return False
-    conn = cursor.db
     if any(hasattr(v, "resolve_expression") or isinstance(v, Model) for v in ran.values.values()):
         return False
     model = type(order)
@@ -354,12 +431,18 @@ def _finish(
     args += [f.get_db_prep_value(v, conn) for f, v in tested]
     if handed is not None:
         args += [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in update.queued]
+    sql, tail = (update.sql[: -len(_COMMIT)], _COMMIT) if commit else (update.sql, "")
     try:
-        cursor.execute(update.sql, args)
+        for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], tail)):
+            cursor.nextset()
         row = cursor.fetchone()
     except DataError as exc:
         if getattr(exc.__cause__, "sqlstate", None) == _MOVED:
             raise Conflict from None
+        raise
+    except (ProgrammingError, NotSupportedError) as exc:
+        if missed(conn, exc):
+            raise Conflict from None  # rolled back whole: the usual road runs it again
         raise
     order.__dict__["version"] = version + 1
     if handed is not None and row[1] is not None:  # NULL: the message was queued already

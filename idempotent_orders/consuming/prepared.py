@@ -50,7 +50,15 @@ try:
 except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
     _Psycopg = _DriverCursor = _errors = _Transformer = None  # type: ignore[assignment,misc]
 
-__all__ = ["PreparedMissing", "driver_cursor", "fetch_one", "inbox_preparation", "preparation"]
+__all__ = [
+    "PreparedMissing",
+    "driver_cursor",
+    "execute_text",
+    "fetch_one",
+    "inbox_preparation",
+    "missed",
+    "preparation",
+]
 
 
 class PreparedMissing(Exception):
@@ -360,3 +368,51 @@ def inbox_preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
         return field.get_db_prep_save(value, conn)
 
     return prepare
+
+
+# -- Statements composed into a longer text ------------------------------------------------
+
+#: The names :func:`execute_text` composed (a session that lost one lost them all, likely).
+_composed: set[str] = set()
+
+
+def execute_text(conn: Any, sql: str, args: Sequence[Any]) -> tuple[str | None, str] | None:
+    """``sql`` (its arguments named as :func:`fetch_one`'s) as a prepared statement of the
+    session under ``conn``, for a caller that sends several statements in one text:
+    ``(PREPARE text or None where the session has it already, EXECUTE text with args as
+    literals)``; None: send ``sql`` itself (a ``%`` that is no argument, or a connection
+    whose prepared statements went missing too often). A ``PREPARE`` sent in a transaction
+    that rolls back stays prepared; the caller reports a failed one to :func:`missed`."""
+    raw = conn.connection
+    form = _prepared_form(sql)
+    state = _prepared_on.get(raw)
+    if state is None:
+        state = _prepared_on[raw] = (set(), set(), [0])
+    prepared, _, misses = state
+    if form is None or misses[0] >= _MAX_MISSES:
+        return None
+    prepare = None if form.name in prepared else form.prepare
+    prepared.add(form.name)  # sent with this text; :func:`missed` takes it back
+    _composed.add(form.name)
+    return prepare, _execute(form, args, _transformer(conn, raw)).decode()
+
+
+def missed(conn: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` (Django's error, the driver's as its cause) says the session lacks
+    a statement :func:`execute_text` composed, holds one already (a pooler's other
+    session) or holds one with a stale plan; if so it counts as a miss, and all of them
+    are prepared again next time (the session lost them all, as ``DISCARD ALL`` does)."""
+    cause = exc.__cause__
+    if _errors is None or not isinstance(
+        cause,
+        _errors.InvalidSqlStatementName
+        | _errors.DuplicatePreparedStatement
+        | _errors.FeatureNotSupported,
+    ):
+        return False
+    state = _prepared_on.get(conn.connection)
+    if state is not None:
+        if not isinstance(cause, _errors.DuplicatePreparedStatement):
+            state[0].difference_update(_composed)
+        state[2][0] += 1
+    return True

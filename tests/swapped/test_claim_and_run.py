@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import F
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
@@ -37,6 +37,7 @@ from idempotent_orders.models import (
 )
 from tests.shop.models import FlowOrder, Order, Payment, Phase
 from tests.support.messages import payment, shipment
+from tests.support.pgbouncer import pgbouncer
 from tests.support.threads import run_threads
 from tests.swapped.test_own_model import assert_all_received_once, storm
 
@@ -64,7 +65,7 @@ def heard() -> Iterator[list[Any]]:
 
 
 @contextmanager
-def round_trips() -> Iterator[Callable[[], int]]:
+def round_trips(texts: list[str] | None = None) -> Iterator[Callable[[], int]]:
     """Counts what the client sends to be answered (libpq's protocol trace: each ``Query``
     or ``Sync`` is one round trip) on this thread's connection."""
     connection.ensure_connection()
@@ -75,13 +76,16 @@ def round_trips() -> Iterator[Callable[[], int]]:
 
         def count() -> int:
             with open(path, encoding="utf-8", errors="replace") as trace:
-                return sum(
-                    1
+                sent = [
+                    parts
                     for line in trace
                     if len(parts := line.split("\t")) > 3
                     and parts[1] == "F"
                     and parts[3] in ("Query", "Sync")
-                )
+                ]
+            if texts is not None:  # the simple protocol's texts, as sent
+                texts[:] = [parts[4].strip() for parts in sent if parts[3] == "Query"]
+            return len(sent)
 
         pgconn.trace(fd)
         try:
@@ -107,6 +111,8 @@ def test_a_transition_with_a_receiver_takes_two_round_trips(make_order, heard) -
     assert len(texts) == 2
     assert texts[0].startswith("BEGIN; ")
     assert texts[1].endswith("; COMMIT")
+    # Captured queries show the statements themselves, not EXECUTE of prepared ones.
+    assert not any("EXECUTE" in text for text in texts)
     assert heard == [(order.pk, "settle")]
     row = Order.objects.get(pk=order.pk)
     assert (row.phase, row.version, row.has_parked) == (Phase.SETTLED, 1, False)
@@ -249,5 +255,63 @@ def test_threads_deliver_a_storm_exactly_once(make_order, heard) -> None:
     orders = [make_order() for _ in range(6)]
     deliveries = storm(orders, seed=5)
     outcomes = run_threads(deliveries, 4)
+    assert sum(outcomes.values()) == len(deliveries)
+    assert_all_received_once(orders)
+
+
+def test_the_texts_run_prepared_statements_of_the_session(make_order, heard) -> None:
+    first, second = make_order(), make_order()
+    assert consume_message(payment(first), consumer="payments") is Outcome.APPLIED
+    texts: list[str] = []  # the first message's texts prepared them
+    with round_trips(texts) as trips:
+        assert consume_message(payment(second), consumer="payments") is Outcome.APPLIED
+        sent = trips()
+    assert sent == 2
+    assert texts[0].startswith('"BEGIN; EXECUTE idempotent_orders_')
+    assert texts[0].count("; EXECUTE idempotent_orders_") == 2  # the claim, the read
+    assert texts[1].startswith('"EXECUTE idempotent_orders_')
+    assert texts[1].endswith('; COMMIT"')
+    assert not any("PREPARE" in text for text in texts)
+
+
+def test_a_session_that_lost_them_prepares_them_again(make_order, heard) -> None:
+    first, order = make_order(), make_order()
+    assert consume_message(payment(first), consumer="payments") is Outcome.APPLIED
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # as a pooler's other session, or DISCARD ALL
+    assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert heard == [(first.pk, "settle"), (order.pk, "settle")]  # the usual road ran it
+    row = Order.objects.get(pk=order.pk)
+    assert (row.phase, row.version) == (Phase.SETTLED, 1)
+    assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
+    texts: list[str] = []
+    later = make_order()
+    with round_trips(texts) as trips:
+        assert consume_message(payment(later), consumer="payments") is Outcome.APPLIED
+        sent = trips()
+    assert sent == 2
+    assert texts[0].count("PREPARE idempotent_orders_") == 2
+
+
+def test_a_storm_through_pgbouncer_transaction_pooling_is_delivered_exactly_once(
+    make_order, heard
+) -> None:
+    # Each transaction may go to another server session than the one that prepared the
+    # statements: a miss rolls back and takes the usual road.
+    orders = [make_order() for _ in range(6)]
+    deliveries = storm(orders, seed=7)
+    db = connections.settings[DEFAULT_DB_ALIAS]
+    saved = dict(db)
+    with pgbouncer(db["HOST"] or "127.0.0.1", int(db["PORT"] or 5432), db["USER"]) as port:
+        connections.settings[DEFAULT_DB_ALIAS] = {
+            **saved,
+            "HOST": "127.0.0.1",
+            "PORT": str(port),
+            "CONN_MAX_AGE": 600,
+        }
+        try:
+            outcomes = run_threads(deliveries, 4)
+        finally:
+            connections.settings[DEFAULT_DB_ALIAS] = saved
     assert sum(outcomes.values()) == len(deliveries)
     assert_all_received_once(orders)
