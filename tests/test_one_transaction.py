@@ -215,6 +215,27 @@ def test_a_follow_up_queued_already_is_not_queued_twice(make_order, fulfil: None
     assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
 
 
+def test_only_a_follow_up_queued_now_is_handed_to_the_publisher(
+    make_order, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idempotent_orders.outbox import producer
+
+    handed: list[int] = []
+    monkeypatch.setattr(
+        producer, "_publish_after_commit", lambda pk, db, keyed=False: handed.append(pk)
+    )
+    earlier, order = make_order(), make_order()
+    OutboxMessage.objects.create(
+        message_id=f"fulfil-{earlier.pk}", task_name="idempotent_orders.fulfil_order", payload=1
+    )
+    config = {**settings.IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        assert consume_message(payment(earlier), consumer="payments") is Outcome.APPLIED
+        assert handed == []  # the row there already is not the message's to publish
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert handed == [OutboxMessage.objects.get(message_id=f"fulfil-{order.pk}").pk]
+
+
 def _receiver(sender: Any, **kwargs: Any) -> None:
     """A pre_transition receiver: it may write in the transaction."""
 

@@ -10,7 +10,7 @@ outbox row. :func:`claim_and_apply_at_once` sends them together:
 
 - MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
   unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
-  UPDATE order; <guard>; INSERT IGNORE outbox; SELECT its id; COMMIT``: one round trip
+  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``: one round trip
   where Django's ``atomic`` and the ORM take eight. The server stops at the first
   statement that fails, so a duplicate (the inbox's unique index), a spent payment
   (its unique index) or an order that moved (the guard fails when the UPDATE matched
@@ -357,10 +357,6 @@ def _mysql(
         if step == "update":
             texts.append(_GUARD)
             steps.append("guard")
-    queues = "queue" in steps
-    if queues:
-        texts.append("SELECT ROW_COUNT(), LAST_INSERT_ID()")
-        steps.append("queued")
     texts.append("COMMIT")
     steps.append("commit")
     queued_id: int | None = None
@@ -370,9 +366,10 @@ def _mysql(
             with conn.wrap_database_errors:
                 cursor.execute("; ".join(texts), args)
                 while True:
-                    if steps[at] == "queued":
-                        count, last = cursor.fetchone()
-                        queued_id = last if count == 1 else None
+                    if steps[at] == "queue":
+                        # The INSERT IGNORE's own result: one row inserted, and its id
+                        # (0 rows: the message id was in the outbox already).
+                        queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
                     elif steps[at] == "read" and read is not None:
                         read.append(cursor.fetchone())
                     if not cursor.nextset():
