@@ -361,7 +361,13 @@ def _mysql(
     steps.append("commit")
     queued_id: int | None = None
     at = 0
-    with conn.cursor() as cursor:
+    # The driver's cursor unless something must see the query, as on SQLite (Django's
+    # wrapper translates errors of its execute only: START TRANSACTION's, none of ours).
+    conn.ensure_connection()
+    watched = conn.queries_logged or conn.execute_wrappers
+    if not watched:
+        conn.validate_thread_sharing()
+    with conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor:
         try:
             with conn.wrap_database_errors:
                 cursor.execute("; ".join(texts), args)
