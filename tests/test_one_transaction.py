@@ -116,6 +116,19 @@ def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil:
     assert queued.available_at is not None
 
 
+def test_the_order_is_read_back_only_for_a_receiver(make_order, fulfil: None) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    order = make_order()
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    table = Order._meta.db_table
+    reads = [s for s in " ; ".join(_statements(queries)).split(";") if f"FROM `{table}`" in s]
+    reads += [s for s in _statements(queries) if f'FROM "{table}"' in s]
+    assert reads == []  # nobody hears the transition: the writes alone
+    assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
+    assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
+
+
 def test_the_follow_up_is_published_after_the_commit(make_order) -> None:
     config = {**settings.IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
     handed: list[tuple[str, int]] = []

@@ -56,7 +56,6 @@ from idempotent_orders.consuming.running import (
     follow_up_rows,
     in_transaction_work,
     runs_user_code,
-    transition_heard,
     transition_written,
     written_values,
 )
@@ -68,6 +67,7 @@ from idempotent_orders.consuming.sql import (
     inbox_template,
 )
 from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
+from idempotent_orders.signals import order_transitioned
 
 __all__ = [
     "AtOnce",
@@ -508,8 +508,9 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))
     statements.append(("update", update.sql, args))
-    announced = transition_heard(model, shape.target)
-    if announced:  # the order as written, read in its own transaction
+    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned.
+    announced = order_transitioned.has_listeners(model)
+    if announced:
         statements.append(("read", plan.sql, [args[len(values) + 1]]))
     if handed is not None:
         queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
