@@ -116,6 +116,19 @@ def test_a_new_payment_and_its_follow_up_are_one_transaction(make_order, fulfil:
     assert queued.available_at is not None
 
 
+def test_the_order_is_read_back_only_for_a_receiver(make_order, fulfil: None) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    order = make_order()
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    table = Order._meta.db_table
+    reads = [s for s in " ; ".join(_statements(queries)).split(";") if f"FROM `{table}`" in s]
+    reads += [s for s in _statements(queries) if f'FROM "{table}"' in s]
+    assert reads == []  # nobody hears the transition: the writes alone
+    assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
+    assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
+
+
 def test_the_follow_up_is_published_after_the_commit(make_order) -> None:
     config = {**settings.IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
     handed: list[tuple[str, int]] = []
@@ -213,6 +226,27 @@ def test_a_follow_up_queued_already_is_not_queued_twice(make_order, fulfil: None
     assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
     assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
     assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
+
+
+def test_only_a_follow_up_queued_now_is_handed_to_the_publisher(
+    make_order, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idempotent_orders.outbox import producer
+
+    handed: list[int] = []
+    monkeypatch.setattr(
+        producer, "_publish_after_commit", lambda pk, db, keyed=False: handed.append(pk)
+    )
+    earlier, order = make_order(), make_order()
+    OutboxMessage.objects.create(
+        message_id=f"fulfil-{earlier.pk}", task_name="idempotent_orders.fulfil_order", payload=1
+    )
+    config = {**settings.IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        assert consume_message(payment(earlier), consumer="payments") is Outcome.APPLIED
+        assert handed == []  # the row there already is not the message's to publish
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert handed == [OutboxMessage.objects.get(message_id=f"fulfil-{order.pk}").pk]
 
 
 def _receiver(sender: Any, **kwargs: Any) -> None:

@@ -10,7 +10,7 @@ outbox row. :func:`claim_and_apply_at_once` sends them together:
 
 - MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
   unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
-  UPDATE order; <guard>; INSERT IGNORE outbox; SELECT its id; COMMIT``: one round trip
+  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``: one round trip
   where Django's ``atomic`` and the ORM take eight. The server stops at the first
   statement that fails, so a duplicate (the inbox's unique index), a spent payment
   (its unique index) or an order that moved (the guard fails when the UPDATE matched
@@ -56,7 +56,6 @@ from idempotent_orders.consuming.running import (
     follow_up_rows,
     in_transaction_work,
     runs_user_code,
-    transition_heard,
     transition_written,
     written_values,
 )
@@ -68,6 +67,7 @@ from idempotent_orders.consuming.sql import (
     inbox_template,
 )
 from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
+from idempotent_orders.signals import order_transitioned
 
 __all__ = [
     "AtOnce",
@@ -357,22 +357,25 @@ def _mysql(
         if step == "update":
             texts.append(_GUARD)
             steps.append("guard")
-    queues = "queue" in steps
-    if queues:
-        texts.append("SELECT ROW_COUNT(), LAST_INSERT_ID()")
-        steps.append("queued")
     texts.append("COMMIT")
     steps.append("commit")
     queued_id: int | None = None
     at = 0
-    with conn.cursor() as cursor:
+    # The driver's cursor unless something must see the query, as on SQLite (Django's
+    # wrapper translates errors of its execute only: START TRANSACTION's, none of ours).
+    conn.ensure_connection()
+    watched = conn.queries_logged or conn.execute_wrappers
+    if not watched:
+        conn.validate_thread_sharing()
+    with conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor:
         try:
             with conn.wrap_database_errors:
                 cursor.execute("; ".join(texts), args)
                 while True:
-                    if steps[at] == "queued":
-                        count, last = cursor.fetchone()
-                        queued_id = last if count == 1 else None
+                    if steps[at] == "queue":
+                        # The INSERT IGNORE's own result: one row inserted, and its id
+                        # (0 rows: the message id was in the outbox already).
+                        queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
                     elif steps[at] == "read" and read is not None:
                         read.append(cursor.fetchone())
                     if not cursor.nextset():
@@ -505,8 +508,9 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))
     statements.append(("update", update.sql, args))
-    announced = transition_heard(model, shape.target)
-    if announced:  # the order as written, read in its own transaction
+    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned.
+    announced = order_transitioned.has_listeners(model)
+    if announced:
         statements.append(("read", plan.sql, [args[len(values) + 1]]))
     if handed is not None:
         queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
