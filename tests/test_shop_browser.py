@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import pytest
+from django.core.signals import request_started
 
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
@@ -21,7 +22,7 @@ SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "shop.png"
 def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: Any) -> None:
     sync_api = require_chromium()
     # Hold the first submit open, so the second click's submit arrives while it runs.
-    settings.DEMO_CHECKOUT_DELAY = 1.5
+    settings.DEMO_CHECKOUT_DELAY = 3.0
     outcomes: list[tuple[str, str]] = []
     lock = threading.Lock()
 
@@ -29,7 +30,14 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
         with lock:
             outcomes.append((key, outcome))
 
+    arrived = threading.Event()
+
+    def started(sender: Any, environ: dict[str, Any], **kwargs: Any) -> None:
+        if environ.get("REQUEST_METHOD") == "POST":
+            arrived.set()
+
     idempotent_request.connect(record, weak=False)
+    request_started.connect(started, weak=False)
     posts: list[str] = []
     try:
         with sync_api.sync_playwright() as pw:
@@ -59,6 +67,10 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
                 x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
                 with page.expect_request(lambda r: r.method == "POST"):
                     page.mouse.click(x, y)
+                # The request event fires before the POST reaches the server, and a
+                # second click before then cancels the first POST: the server would see
+                # one submit. Click again once the server has the first one.
+                assert arrived.wait(timeout=30)
                 page.mouse.click(x, y)
                 # The second click aborts the first navigation (the browser drops the
                 # first response): wait for the page the second submit lands on.
@@ -72,6 +84,7 @@ def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: A
                 browser.close()
     finally:
         idempotent_request.disconnect(record)
+        request_started.disconnect(started)
 
     order = Order.objects.get()  # exactly one
     assert landed == f"{live_server.url}/shop/orders/{order.pk}/"
