@@ -302,11 +302,11 @@ def run() -> list[Row]:
                 section,
                 "consume_message, new",
                 fmt(new),
-                f"{new / raw3:.2f}x raw (target >= {target}); {new / raw4:.2f}x raw with"
-                " the spent payment",
+                f"{new / raw4:.2f}x raw, the same writes (target >= {target});"
+                f" {new / raw3:.2f}x raw without the spent payment",
                 figure=new,
-                baseline=raw3,
-                baseline_what=f"raw {driver} txn, inbox + UPDATE + outbox",
+                baseline=raw4,
+                baseline_what=f"raw {driver} txn, the same writes",
             ),
         ]
         if "before" in got:
@@ -316,7 +316,7 @@ def run() -> list[Row]:
                     section,
                     "previous road (Django's atomic and the ORM), new",
                     fmt(before),
-                    f"{before / raw3:.2f}x raw; the road now {new / before:.1f}x it",
+                    f"{before / raw4:.2f}x raw; the road now {new / before:.1f}x it",
                 )
             )
         rows += [
@@ -324,10 +324,10 @@ def run() -> list[Row]:
                 section,
                 f"consume_batch, new, {BATCH}/batch",
                 fmt(batch),
-                f"{batch / raw3:.1f}x raw",
+                f"{batch / raw4:.1f}x raw, the same writes",
                 figure=batch,
-                baseline=raw3,
-                baseline_what=f"raw {driver} txn, inbox + UPDATE + outbox",
+                baseline=raw4,
+                baseline_what=f"raw {driver} txn, the same writes",
             ),
             Row(section, f"{tuned}: raw {driver} txn: inbox + UPDATE", fmt(raw2), ""),
             Row(
