@@ -79,6 +79,7 @@ from idempotent_orders.consuming.running import (
     Ran,
     call_transition,
     follow_up_rows,
+    guarded_update_sql,
     runs_user_code,
     transition_written,
 )
@@ -355,18 +356,12 @@ def _compile(
         return None  # a parent's column (multi-table inheritance): the ORM writes it
     if any(hasattr(f, "get_placeholder") for f in fields):
         return None
-    qn = conn.ops.quote_name
-    state = qn(str(state_field(model).column))
-    version = qn(str(by_attname["version"].column))
-    assert meta.pk is not None
-    sets = [f"{state} = %s", f"{version} = {version} + 1"]
-    sets += [f"{qn(str(by_attname[n].column))} = %s" for n in values]
-    where = [f"{qn(str(meta.pk.column))} = %s", f"{state} = %s", f"{version} = %s"]
-    where += [f"{qn(str(by_attname[n].column))} = %s" for n in conditions]
-    sql = (
-        f"WITH moved AS (UPDATE {qn(meta.db_table)} SET {', '.join(sets)}"
-        f" WHERE {' AND '.join(where)} RETURNING 1)"
+    value_fields = [by_attname[n] for n in values]
+    condition_fields = [by_attname[n] for n in conditions]
+    update = guarded_update_sql(
+        conn, meta, str(state_field(model).column), value_fields, condition_fields
     )
+    sql = f"WITH moved AS ({update} RETURNING 1)"
     outbox: list[Field[Any, Any]] = []
     if queued:
 
@@ -380,12 +375,7 @@ def _compile(
         sql += " SELECT 1 / (SELECT count(*) FROM moved)"
     if commit:
         sql += _COMMIT
-    return _Update(
-        sql,
-        tuple(by_attname[n] for n in values),
-        tuple(by_attname[n] for n in conditions),
-        tuple(outbox),
-    )
+    return _Update(sql, tuple(value_fields), tuple(condition_fields), tuple(outbox))
 
 
 def _finish(

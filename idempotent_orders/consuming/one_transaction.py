@@ -54,6 +54,7 @@ from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
     follow_up_rows,
+    guarded_update_sql,
     in_transaction_work,
     runs_user_code,
     transition_written,
@@ -154,27 +155,16 @@ def _compile(
     )
     spent = f"INSERT INTO {qn(smeta.db_table)} ({spent_columns}) VALUES (%s, %s, %s, %s)"
     meta = model._meta
-    assert meta.pk is not None
-    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
-    sets = [f"{qn(state_column)} = %s", f"{version} = {version} + 1"]
-    value_fields = []
-    for name in values:
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        sets.append(f"{qn(str(field.column))} = %s")
-        value_fields.append(field)
-    where = [
-        f"{qn(str(meta.pk.column))} = %s",
-        f"{qn(state_column)} IN ({', '.join(['%s'] * sources)})",
-        f"{version} = %s",
-    ]
-    condition_fields = []
-    for name in conditions:
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        where.append(f"{qn(str(field.column))} = %s")
-        condition_fields.append(field)
-    update = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    value_fields: list[Field[Any, Any]] = []
+    condition_fields: list[Field[Any, Any]] = []
+    for names, found in ((values, value_fields), (conditions, condition_fields)):
+        for name in names:
+            field = meta.get_field(name)
+            assert isinstance(field, Field)
+            found.append(field)
+    update = guarded_update_sql(
+        connection, meta, state_column, value_fields, condition_fields, sources
+    )
     ometa = OutboxMessage._meta
     sample = OutboxMessage()
     written = [f for f in ometa.concrete_fields if not f.primary_key and not f.has_db_default()]

@@ -22,7 +22,8 @@ from functools import cache, partial
 from typing import Any, Protocol
 
 from django.db import transaction
-from django.db.models import F, Model
+from django.db.models import F, Field, Model
+from django.db.models.options import Options
 from django.db.models.signals import post_save
 from django.utils import timezone
 from django_fsm.signals import post_transition, pre_transition
@@ -505,6 +506,33 @@ def commit(
         return False
     instance.__dict__["version"] = version + 1
     return True
+
+
+def guarded_update_sql(
+    conn: Any,
+    meta: Options[Any],
+    state_column: str,
+    values: Sequence[Field[Any, Any]],
+    conditions: Sequence[Field[Any, Any]],
+    sources: int = 1,
+) -> str:
+    """:func:`commit`'s UPDATE as SQL, for the roads that send it as a text of their own:
+    ``UPDATE <table> SET <state> = %s, version = version + 1, <value> = %s ... WHERE <pk> =
+    %s AND <state> IN (%s ...) AND version = %s AND <condition> = %s ...``; the arguments in
+    that order (``sources`` source states)."""
+    qn = conn.ops.quote_name
+    state = qn(state_column)
+    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
+    assert meta.pk is not None
+    sets = [f"{state} = %s", f"{version} = {version} + 1"]
+    sets += [f"{qn(str(f.column))} = %s" for f in values]
+    where = [
+        f"{qn(str(meta.pk.column))} = %s",
+        f"{state} IN ({', '.join(['%s'] * sources)})",
+        f"{version} = %s",
+    ]
+    where += [f"{qn(str(f.column))} = %s" for f in conditions]
+    return f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
 
 
 class _Lost(Exception):
