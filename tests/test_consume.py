@@ -315,3 +315,56 @@ def test_a_message_id_reused_with_another_payload_is_kept_and_flagged(
     assert consume(impostor) is Outcome.DUPLICATE  # kept once
     assert status(second) == (S.PENDING_PAYMENT, 0, 0)
     assert ProcessedMessage.objects.filter(consumer="payments").count() == 2
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_every_outcome_of_a_message_is_counted_whether_or_not_anyone_listens(
+    make_order, listening: bool
+) -> None:
+    # With only the app's own counters connected, consume_message counts its outcome
+    # without sending the signal; a receiver of anyone's gets every message as before.
+    from collections import Counter
+
+    import prometheus_client
+
+    from idempotent_orders import stats
+
+    def metric(outcome: Outcome) -> float:
+        labels = {"consumer": "payments", "outcome": str(outcome)}
+        value = prometheus_client.REGISTRY.get_sample_value(
+            "idempotent_orders_messages_total", labels
+        )
+        return value or 0.0
+
+    heard: list[tuple[str, Outcome, str]] = []
+
+    def on_consumed(
+        sender: Any, message_id: str, outcome: Outcome, reason: str, **kwargs: Any
+    ) -> None:
+        heard.append((message_id, outcome, reason))
+
+    order = make_order()
+    unknown = {**payment(order), "message_id": "to-nowhere", "order_id": 10**9}
+    messages = [payment(order), payment(order), unknown]
+    stats.reset()
+    before = {o: metric(o) for o in Outcome}
+    if listening:
+        message_consumed.connect(on_consumed)
+    try:
+        outcomes = [consume_message(m, consumer="payments") for m in messages]
+    finally:
+        message_consumed.disconnect(on_consumed)
+    assert outcomes == [Outcome.APPLIED, Outcome.DUPLICATE, Outcome.REJECTED]
+    expected = Counter(outcomes)
+    counted = {k: v for k, v in stats.local().items() if k.startswith("outcome:")}
+    assert counted == {f"outcome:{o}": n for o, n in expected.items()}
+    assert {o: metric(o) - before[o] for o in expected} == {
+        o: float(n) for o, n in expected.items()
+    }
+    if listening:
+        assert [(m, o) for m, o, _ in heard] == [
+            (m["message_id"], o) for m, o in zip(messages, outcomes, strict=True)
+        ]
+        assert "unknown order" in heard[2][2]
+    else:
+        assert heard == []

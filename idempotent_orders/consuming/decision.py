@@ -193,6 +193,15 @@ def consumed(
 COUNTERS: dict[str, Callable[[str, Outcome, int], None]] = {}
 
 
+def _counters_only() -> list[Callable[[str, Outcome, int], None]] | None:
+    """The counting functions of ``message_consumed``'s receivers when every receiver is
+    one of :data:`COUNTERS` (none at all: an empty list); None when anyone else listens."""
+    uids = [entry[0][0] for entry in message_consumed.receivers]
+    if all(uid in COUNTERS for uid in uids):
+        return [COUNTERS[uid] for uid in uids]
+    return None
+
+
 def announce_many(consumer: str, reports: Sequence[tuple[Envelope, Outcome, str]]) -> None:
     """:func:`announce` for many messages, in order (``(envelope, outcome, reason)`` each).
 
@@ -200,19 +209,25 @@ def announce_many(consumer: str, reports: Sequence[tuple[Envelope, Outcome, str]
     once per outcome instead of once per message: all those receivers would do. A
     receiver anyone else connects gets the signal for every message, as before.
     """
-    uids = [entry[0][0] for entry in message_consumed.receivers]
-    if reports and uids and all(uid in COUNTERS for uid in uids):
+    counters = _counters_only()
+    if counters is not None:
         counts = Counter(outcome for _, outcome, _ in reports)
-        for uid in uids:
+        for count in counters:
             for outcome, n in counts.items():
-                COUNTERS[uid](consumer, outcome, n)
+                count(consumer, outcome, n)
         return
     for envelope, outcome, reason in reports:
         announce(consumer, envelope, outcome, reason)
 
 
 def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:
-    """:func:`consumed` for a parsed envelope."""
+    """:func:`consumed` for a parsed envelope (where only :data:`COUNTERS` listen, they
+    count it without the signal, as :func:`announce_many` does)."""
+    counters = _counters_only()
+    if counters is not None:
+        for count in counters:
+            count(consumer, outcome, 1)
+        return
     consumed(
         consumer,
         envelope.message_id,
