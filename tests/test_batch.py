@@ -24,6 +24,7 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.signals import order_transitioned
 from tests.support.messages import payment, shipment
+from tests.support.metrics import messages_decided, outcome_counts
 from tests.support.services import require_service, wait_until
 
 S = OrderStatus
@@ -426,17 +427,11 @@ def test_every_outcome_of_a_batch_is_counted_whether_or_not_anyone_listens(
     # (no signal per message); a receiver of anyone's gets every message, as before.
     from collections import Counter
 
-    import prometheus_client
-
     from idempotent_orders import stats
     from idempotent_orders.signals import message_consumed
 
     def metric(outcome: Outcome) -> float:
-        labels = {"consumer": "payments", "outcome": str(outcome)}
-        value = prometheus_client.REGISTRY.get_sample_value(
-            "idempotent_orders_messages_total", labels
-        )
-        return value or 0.0
+        return messages_decided("payments", outcome)
 
     heard: list[tuple[str, Outcome]] = []
 
@@ -457,8 +452,7 @@ def test_every_outcome_of_a_batch_is_counted_whether_or_not_anyone_listens(
         message_consumed.disconnect(on_consumed)
     assert outcomes == [A, D, A, R, D]
     expected = Counter(outcomes)
-    counted = {k: v for k, v in stats.local().items() if k.startswith("outcome:")}
-    assert counted == {f"outcome:{o}": n for o, n in expected.items()}
+    assert outcome_counts() == {f"outcome:{o}": n for o, n in expected.items()}
     grown = {o: metric(o) - before[o] for o in expected}
     assert grown == {o: float(n) for o, n in expected.items()}
     if listening:

@@ -17,6 +17,7 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.signals import message_consumed, order_transitioned
 from tests.support.messages import payment, shipment
+from tests.support.metrics import messages_decided, outcome_counts
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus
@@ -325,16 +326,10 @@ def test_every_outcome_of_a_message_is_counted_whether_or_not_anyone_listens(
     # without sending the signal; a receiver of anyone's gets every message as before.
     from collections import Counter
 
-    import prometheus_client
-
     from idempotent_orders import stats
 
     def metric(outcome: Outcome) -> float:
-        labels = {"consumer": "payments", "outcome": str(outcome)}
-        value = prometheus_client.REGISTRY.get_sample_value(
-            "idempotent_orders_messages_total", labels
-        )
-        return value or 0.0
+        return messages_decided("payments", outcome)
 
     heard: list[tuple[str, Outcome, str]] = []
 
@@ -356,8 +351,7 @@ def test_every_outcome_of_a_message_is_counted_whether_or_not_anyone_listens(
         message_consumed.disconnect(on_consumed)
     assert outcomes == [Outcome.APPLIED, Outcome.DUPLICATE, Outcome.REJECTED]
     expected = Counter(outcomes)
-    counted = {k: v for k, v in stats.local().items() if k.startswith("outcome:")}
-    assert counted == {f"outcome:{o}": n for o, n in expected.items()}
+    assert outcome_counts() == {f"outcome:{o}": n for o, n in expected.items()}
     assert {o: metric(o) - before[o] for o in expected} == {
         o: float(n) for o, n in expected.items()
     }
