@@ -245,12 +245,7 @@ def _claim_and_read(
     claim = _claim(conn, payment is not None)
     now = timezone.now()
     per_message = {
-        "consumer": consumer,
-        "message_id": envelope.message_id,
-        "message_type": envelope.message_type,
-        "order_id": envelope.order_id,
-        "seq": envelope.seq,
-        "fingerprint": envelope.fingerprint,
+        **envelope.inbox_fields(consumer),
         "updated_at": claim.updated_at.get_db_prep_save(now, conn),
     }
     args = [per_message[name] for name in claim.names]

@@ -58,6 +58,18 @@ class Envelope:
         text = _FINGERPRINT.encode([self.message_type, self.order_id, self.seq, self.payload])
         return hashlib.sha256(text.encode("ascii")).hexdigest()
 
+    def inbox_fields(self, consumer: str) -> dict[str, Any]:
+        """The inbox columns this message fills in for ``consumer``, as the roads that write
+        the inbox row as SQL of their own take them."""
+        return {
+            "consumer": consumer,
+            "message_id": self.message_id,
+            "message_type": self.message_type,
+            "order_id": self.order_id,
+            "seq": self.seq,
+            "fingerprint": self.fingerprint,
+        }
+
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "message_id": self.message_id,

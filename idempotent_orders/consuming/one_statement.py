@@ -473,15 +473,10 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
         )
     now = timezone.now()
     values: dict[str, Any] = {
-        "consumer": consumer,
-        "message_id": envelope.message_id,
-        "message_type": envelope.message_type,
-        "order_id": envelope.order_id,
-        "seq": seq,
+        **envelope.inbox_fields(consumer),
         "previous_seq": None if seq is None else seq - 1,
         "now": now,
         "payment_id": payment,
-        "fingerprint": envelope.fingerprint,
     }
     for field_name, value in fields.items():
         values[f"set:{field_name}"] = value

@@ -482,14 +482,7 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
         args.append(field.get_db_prep_save(sent, conn))
     texts = _texts_for(model)
     now = timezone.now()
-    inbox = {
-        "consumer": consumer,
-        "message_id": envelope.message_id,
-        "message_type": envelope.message_type,
-        "order_id": envelope.order_id,
-        "seq": seq,
-        "fingerprint": envelope.fingerprint,
-    }
+    inbox = envelope.inbox_fields(consumer)
     statements: list[tuple[str, str, Sequence[Any]]] = [
         ("inbox", texts.inbox, inbox_template().params(inbox, now))
     ]
