@@ -134,15 +134,26 @@ Measured = dict[str, Any]
 RUN_TAG = uuid.uuid4().hex[:8]
 
 
-def _measure(tag: str, follow_up: bool) -> Measured:
+#: What the ``held`` series changes: the follow-up's outbox row is written in the message's
+#: transaction and left pending for a relay elsewhere, as the raw transaction leaves it,
+#: instead of being published by this process's publisher thread after commit.
+HELD = {"OUTBOX_PUBLISH_ON_COMMIT": False}
+
+
+def _measure(tag: str, follow_up: bool, held: bool = False) -> Measured:
     """Median rates (and pooled latencies) of the raw transaction, new messages,
-    duplicates and batches, interleaved run by run."""
+    duplicates and batches, interleaved run by run; with ``held``, new messages under
+    :data:`HELD` too (a NON-DEFAULT series: the same writes as the raw transaction)."""
+    from django.conf import settings
+    from django.test import override_settings
+
     from idempotent_orders import get_order_model
     from idempotent_orders.outbox import flush_publisher
 
     model = get_order_model()
     tag = f"{RUN_TAG}{tag}"
-    rates: dict[str, list[float]] = {k: [] for k in ("raw", "new", "dup", "batch")}
+    kinds = ("raw", "new", "dup", "batch", *(("held",) if held else ()))
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
     times: dict[str, list[float]] = {k: [] for k in rates}
     for run_no in range(RUNS):
         orders = make_orders(N, model=model)
@@ -161,6 +172,10 @@ def _measure(tag: str, follow_up: bool) -> Measured:
                 lambda m=messages: [one_by_one(m, times["dup"]) for _ in range(DUP_PASSES)],
             )
         )
+        if held:
+            messages = [payment(o, f"{tag}h{run_no}-") for o in make_orders(N, model=model)]
+            with override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **HELD}):
+                rates["held"].append(_rate(N, lambda m=messages: one_by_one(m, times["held"])))
         orders = make_orders(N, model=model)
         messages = [payment(o, f"{tag}b{run_no}-") for o in orders]
         rates["batch"].append(_rate(N, lambda m=messages: in_batches(m, times["batch"])))
@@ -207,7 +222,7 @@ def _child() -> None:
 
     config = default_configuration()
     with override_settings(IDEMPOTENT_ORDERS=config):
-        got = _measure("shop", follow_up=True)
+        got = _measure("shop", follow_up=True, held=True)
         got["settings"] = differences(config)
     print(json.dumps(got))
 
@@ -227,6 +242,22 @@ def _shop() -> Measured | str:
         return (done.stderr.strip().splitlines() or ["no output"])[-1][:100]
     got: Measured = json.loads(done.stdout.strip().splitlines()[-1])
     return got
+
+
+def _held_row(section: str, label: str, got: Measured) -> Row:
+    """The NON-DEFAULT ``held`` series beside the same run's raw transaction."""
+    raw, held = got["raw"]["rate"], got["held"]["rate"]
+    changed = ", ".join(f"{k}={v!r}" for k, v in HELD.items())
+    return Row(
+        section,
+        f"{label}, NON-DEFAULT ({changed}: the follow-up's row left to a relay,"
+        " as raw leaves it): consume_message, new",
+        fmt(held),
+        f"{held / raw:.2f}x raw, the same writes; {got['held']['latency']}",
+        figure=held,
+        baseline=raw,
+        baseline_what="raw psycopg txn, the same writes",
+    )
 
 
 def _rows(section: str, label: str, got: Measured, same: str) -> list[Row]:
@@ -275,7 +306,7 @@ def run() -> list[Row]:
     config = default_configuration()
     # The default configuration first; then the tuned road (the follow-up off), labelled.
     with override_settings(IDEMPOTENT_ORDERS=config):
-        default = _measure("d", follow_up=True)
+        default = _measure("d", follow_up=True, held=True)
         settings_note = differences(config)
     tuned_config = {**config, "FULFIL_AFTER_PAYMENT": False}
     with override_settings(IDEMPOTENT_ORDERS=tuned_config):
@@ -304,6 +335,9 @@ def run() -> list[Row]:
             )
         )
         rows += _rows(section, "ShopOrder (demo, transition bodies)", shop, same)
+    rows.append(_held_row(section, "Order", default))
+    if not isinstance(shop, str) and "held" in shop:
+        rows.append(_held_row(section, "ShopOrder", shop))
     raw_t, new_t, batch_t = (tuned[k]["rate"] for k in ("raw", "new", "batch"))
     changed = sorted(set(tuned_note) - set(settings_note))
     label = f"Order, NON-DEFAULT ({', '.join(changed)})"

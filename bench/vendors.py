@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, RUNS, Row, fmt, median, na
-from bench.consumer import BATCH, N
+from bench.consumer import BATCH, HELD, N
 
 VENDORS = ("mariadb", "sqlite")
 
@@ -135,7 +135,7 @@ def child(vendor: str) -> None:
     config = default_configuration()
     tuned = {**config, "FULFIL_AFTER_PAYMENT": False}
     rates: dict[str, list[float]] = {
-        k: [] for k in (*RAW, "new", "batch", "new_t", "batch_t", "before")
+        k: [] for k in (*RAW, "new", "held", "batch", "new_t", "batch_t", "before")
     }
 
     def consumed(key: str, conf: dict[str, Any], tag: str, batch: bool = False) -> None:
@@ -152,6 +152,7 @@ def child(vendor: str) -> None:
             rates[key].append(rate(N, lambda o=orders, t=tag, w=writes: _raw(o, t, vendor, w)))
             if key == "raw4":
                 consumed("new", config, f"s{run_no}-")
+                consumed("held", {**config, **HELD}, f"h{run_no}-")
                 if before:
                     with (
                         mock.patch.object(
@@ -309,6 +310,21 @@ def run() -> list[Row]:
                 baseline_what=f"raw {driver} txn, the same writes",
             ),
         ]
+        if "held" in got:
+            held = got["held"]
+            changed = ", ".join(f"{k}={v!r}" for k, v in HELD.items())
+            rows.append(
+                Row(
+                    section,
+                    f"NON-DEFAULT ({changed}: the follow-up's row left to a relay,"
+                    " as raw leaves it): consume_message, new",
+                    fmt(held),
+                    f"{held / raw4:.2f}x raw, the same writes",
+                    figure=held,
+                    baseline=raw4,
+                    baseline_what=f"raw {driver} txn, the same writes",
+                )
+            )
         if "before" in got:
             before = got["before"]
             rows.append(
