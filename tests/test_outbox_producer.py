@@ -180,6 +180,89 @@ def test_the_threads_batch_is_locked_and_marked_by_one_statement_each(
     assert relay_outbox(ids=[keyed.pk]).published == 1
 
 
+@pytest.mark.backends("sqlite")
+@pytest.mark.django_db(transaction=True)
+def test_the_threads_batch_on_sqlite_is_claimed_and_marked_by_one_statement_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No read first: the claim itself takes only the due, pending, unkeyed rows that no
+    # other relay holds, and the batch's mark is one UPDATE after the publishes.
+    sent: list[str | None] = []
+    failing: set[str] = set()
+
+    def apply_async(task_id: str | None = None, **options: Any) -> None:
+        if task_id in failing:
+            raise ValueError("the broker refused this message")
+        sent.append(task_id)
+
+    monkeypatch.setattr(award_points, "apply_async", apply_async)
+    with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE):
+        plain = [publish_on_commit(award_points, message()) for _ in range(5)]
+        keyed, later, done, dead, flaky, held = (
+            publish_on_commit(award_points, message(), order_key="k" if n == 0 else None)
+            for n in range(6)
+        )
+    OutboxMessage.objects.filter(pk=later.pk).update(
+        available_at=timezone.now() + timedelta(hours=1)
+    )
+    OutboxMessage.objects.filter(pk=done.pk).update(status=OutboxStatus.SENT)
+    OutboxMessage.objects.filter(pk=dead.pk).update(status=OutboxStatus.DEAD)
+    OutboxMessage.objects.filter(pk=flaky.pk).update(attempts=3)
+    lease = timezone.now() + timedelta(minutes=1)  # another relay is publishing it
+    OutboxMessage.objects.filter(pk=held.pk).update(claimed_until=lease)
+    failing.add(flaky.message_id)
+    ids = [r.pk for r in (*plain, keyed, later, done, dead, flaky, held)]
+    with CaptureQueriesContext(connection) as queries:
+        result = _publish_unkeyed("default", ids)
+    assert (result.published, result.retried, result.dead) == (5, 1, 0)
+    assert sent == [r.message_id for r in plain]
+    statements = [q["sql"].lstrip().upper() for q in queries.captured_queries]
+    assert not [sql for sql in statements if sql.startswith("SELECT")], statements
+    (claim,) = [sql for sql in statements if "RETURNING" in sql]
+    assert statements.index(claim) == 0, statements
+    marks = [sql for sql in statements if sql.startswith("UPDATE") and "'SENT'" in sql]
+    assert len(marks) == 1, statements
+    rows = {r.pk: r for r in OutboxMessage.objects.all()}
+    assert {rows[r.pk].status for r in plain} == {OutboxStatus.SENT}
+    assert {rows[r.pk].claimed_until for r in plain} == {None}
+    assert [rows[r.pk].status for r in (keyed, later, dead, flaky, held)] == [
+        OutboxStatus.PENDING,
+        OutboxStatus.PENDING,
+        OutboxStatus.DEAD,
+        OutboxStatus.PENDING,
+        OutboxStatus.PENDING,
+    ]
+    # Left as they were: the keyed row and the one not yet due unclaimed, the other
+    # relay's lease untouched; the failed row backs off, its attempts counted on.
+    assert [rows[r.pk].claimed_until for r in (keyed, later)] == [None, None]
+    assert rows[held.pk].claimed_until == lease
+    assert rows[flaky.pk].attempts == 4
+    assert rows[flaky.pk].claimed_until is None
+    assert rows[flaky.pk].available_at > timezone.now()
+    assert relay_outbox(ids=[keyed.pk]).published == 1
+
+
+@pytest.mark.backends("sqlite")
+@pytest.mark.django_db(transaction=True)
+def test_the_threads_batch_on_sqlite_waits_while_the_broker_is_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[str | None] = []
+    monkeypatch.setattr(
+        award_points, "apply_async", lambda task_id=None, **kw: sent.append(task_id)
+    )
+    with override_settings(IDEMPOTENT_ORDERS=NO_IMMEDIATE):
+        rows = [publish_on_commit(award_points, message()) for _ in range(2)]
+    monkeypatch.setattr(relay.failures.breaker, "paused", lambda: True)
+    with CaptureQueriesContext(connection) as queries:
+        assert _publish_unkeyed("default", [r.pk for r in rows]).published == 0
+    assert sent == []
+    assert queries.captured_queries == []
+    assert set(OutboxMessage.objects.values_list("status", "claimed_until")) == {
+        (OutboxStatus.PENDING, None)
+    }
+
+
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.django_db
 @pytest.mark.parametrize("in_the_publisher_thread", [True, False])

@@ -173,24 +173,26 @@ def _claims_at_once(db: str) -> bool:
     return connection.vendor == "sqlite" and version >= (3, 35)
 
 
-def _claim_at_once(db: str, ids: list[int], until: Any) -> list[OutboxMessage]:
+def _claim_at_once(
+    db: str, ids: list[int], until: Any, *, unkeyed: bool = False
+) -> list[OutboxMessage]:
     """Claim the rows ``ids`` that are still pending and unclaimed (or their lease ran
     out) with one ``UPDATE ... RETURNING``; the claimed rows, in id order.
 
     SQLite has one write lock for the whole database: the batch takes it once, for one
     statement, so a consumer committing meanwhile waits once and briefly. The test is the
     one the candidates were read with, made again by the statement on each row: of two
-    relays, one wins each row.
+    relays, one wins each row. ``unkeyed`` (the publisher thread's ids, not read first):
+    only rows that are due and have no order key, the statement's own test.
     """
     connection = connections[db]
     statements = _statements(db)
-    sql, params = statements.claim(ids)
+    sql, params = statements.claim(ids, unkeyed=unkeyed)
     now = connection.ops.adapt_datetimefield_value(timezone.now())
+    lease = connection.ops.adapt_datetimefield_value(until)
+    tested = [OutboxStatus.PENDING, now, now] if unkeyed else [OutboxStatus.PENDING, now]
     with connection.cursor() as cursor:
-        cursor.execute(
-            sql,
-            [connection.ops.adapt_datetimefield_value(until), *params, OutboxStatus.PENDING, now],
-        )
+        cursor.execute(sql, [lease, *params, *tested])
         rows = statements.rows(db, cursor.fetchall())
     return sorted(rows, key=lambda row: row.pk)
 
@@ -284,10 +286,14 @@ class _Statements:
             f" {column['claimed_until']} = NULL WHERE {column['id']}"
         )
         self.claim_head = f"UPDATE {table} SET {column['claimed_until']} = %s WHERE {column['id']}"
-        self.claim_tail = (
-            f" AND {column['status']} = %s AND ({column['claimed_until']} IS NULL"
-            f" OR {column['claimed_until']} < %s)"
+        lease_over = (
+            f" ({column['claimed_until']} IS NULL OR {column['claimed_until']} < %s)"
             f" RETURNING {', '.join(column[f.name] for f in fields)}"
+        )
+        self.claim_tail = f" AND {column['status']} = %s AND" + lease_over
+        self.claim_unkeyed_tail = (
+            f" AND {column['status']} = %s AND {column['available_at']} <= %s"
+            f" AND {column['order_key']} IS NULL AND" + lease_over
         )
         self.array = connection.vendor == "postgresql"
         self.converters = []
@@ -301,11 +307,13 @@ class _Statements:
         sql, params = self._in(ids)
         return self.lock_head + sql + self.lock_tail, params
 
-    def claim(self, ids: list[int]) -> tuple[str, list[Any]]:
+    def claim(self, ids: list[int], *, unkeyed: bool = False) -> tuple[str, list[Any]]:
         """The leased claim of rows ``ids`` (SQLite), and its id parameters (after the
-        lease's end; then status, now)."""
+        lease's end; then status, now; ``unkeyed``: status, now, now, and only due rows
+        without an order key)."""
         sql, params = self._in(ids)
-        return self.claim_head + sql + self.claim_tail, params
+        tail = self.claim_unkeyed_tail if unkeyed else self.claim_tail
+        return self.claim_head + sql + tail, params
 
     def mark(self, ids: list[int]) -> tuple[str, list[Any]]:
         """The mark statement for rows ``ids``, and its id parameters (after status, now)."""
@@ -355,13 +363,22 @@ def _publish_unkeyed(db: str, ids: list[int]) -> RelayResult:
     statement to lock and one to mark instead of the general query (which
     checks, for keyed rows, the earlier rows of their key). A row that has an
     order key is not read (the guard is in the statement), nor one another
-    relay holds or that is not due: the relay publishes those. Without SKIP
-    LOCKED it is :func:`relay_outbox`.
+    relay holds or that is not due: the relay publishes those. On SQLite (no SKIP
+    LOCKED, ``UPDATE ... RETURNING``) the same rows are claimed with a lease by one
+    statement, without the read :func:`relay_outbox` makes first; elsewhere without
+    SKIP LOCKED it is :func:`relay_outbox`.
     """
     connection = connections[db]
     features = connection.features
     if not (features.has_select_for_update and features.has_select_for_update_skip_locked):
-        return relay_outbox(ids=ids, using=db)
+        if not _claims_at_once(db):
+            return relay_outbox(ids=ids, using=db)
+        if failures.breaker.paused():
+            return _relayed(0, 0, 0)  # the broker is away: the rows wait, untouched
+        until = timezone.now() + timedelta(seconds=conf.OUTBOX_CLAIM_TIMEOUT)
+        rows = _claim_at_once(db, ids, until, unkeyed=True)
+        published, retried, dead, _ = _publish_rows(db, rows, full=False)
+        return _relayed(published, retried, dead)
     statements = _statements(db)
     with transaction.atomic(using=db):
         with connection.cursor() as cursor:
