@@ -2,8 +2,8 @@
 
 :func:`relay_outbox` is the general path (every due row, keyed rows in their
 key's order); :func:`_publish_unkeyed` is the publisher thread's path for rows
-without an order key (one prepared statement to lock, one to mark:
-:class:`_Statements`). Both publish a batch through :func:`_publish_rows`, which
+without an order key (one statement to lock, or on SQLite to claim with a lease, and
+one to mark: :class:`_Statements`). Both publish a batch through :func:`_publish_rows`, which
 hands each row to :mod:`~idempotent_orders.outbox.sender` and each failure to
 :mod:`~idempotent_orders.outbox.failures`. :class:`OutboxListener` wakes
 ``relay_outbox --loop`` when a row is inserted.
