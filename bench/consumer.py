@@ -244,14 +244,18 @@ def _shop() -> Measured | str:
     return got
 
 
+def held_label() -> str:
+    """How a row of the ``held`` series is labelled (sections 1 and 1b)."""
+    changed = ", ".join(f"{k}={v!r}" for k, v in HELD.items())
+    return f"NON-DEFAULT ({changed}: the follow-up's row left to a relay, as raw leaves it)"
+
+
 def _held_row(section: str, label: str, got: Measured) -> Row:
     """The NON-DEFAULT ``held`` series beside the same run's raw transaction."""
     raw, held = got["raw"]["rate"], got["held"]["rate"]
-    changed = ", ".join(f"{k}={v!r}" for k, v in HELD.items())
     return Row(
         section,
-        f"{label}, NON-DEFAULT ({changed}: the follow-up's row left to a relay,"
-        " as raw leaves it): consume_message, new",
+        f"{label}, {held_label()}: consume_message, new",
         fmt(held),
         f"{held / raw:.2f}x raw, the same writes; {got['held']['latency']}",
         figure=held,
