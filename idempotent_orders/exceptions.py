@@ -37,6 +37,15 @@ class UnknownTransition(IdempotentOrdersError):
     default_code = "unknown-transition"
 
 
+class OrderChanged(Exception):
+    """The guarded ``save()`` of a transition found the order changed since it was read.
+
+    Raised from the order model's ``_do_update`` when the ``UPDATE`` that ``save()``
+    sends matches no row with the state and ``version`` read; the consumer rolls back,
+    reads the order again and decides again. Never reaches the project's code.
+    """
+
+
 class ConcurrentUpdate(IdempotentOrdersError):
     """Optimistic-lock conflicts did not settle within ``CONFLICT_RETRIES``; retry later.
 

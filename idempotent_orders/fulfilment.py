@@ -30,7 +30,7 @@ from idempotent_orders.consuming.graph import (
     edge,
     has_transition,
 )
-from idempotent_orders.consuming.running import FollowUpRow, apply_transition
+from idempotent_orders.consuming.running import FollowUpRow, apply_transition, keeps_parked_flag
 from idempotent_orders.consuming.single import release_parked
 from idempotent_orders.leases import ClaimState, Lease, LeasedStep, StepResult, Verification
 from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
@@ -150,7 +150,9 @@ class FulfilmentStep(LeasedStep):
                     self._announce(lease, Outcome.APPLIED, "")
                     # Messages parked until this step (read after our commit, so a
                     # message parked meanwhile is seen here or re-checks itself).
-                    if model._default_manager.filter(pk=order.pk, has_parked=True).exists():
+                    if not keeps_parked_flag(model) or (
+                        model._default_manager.filter(pk=order.pk, has_parked=True).exists()
+                    ):
                         release_parked(order.pk)
                     return StepResult.COMPLETED
                 if not _held(lease):

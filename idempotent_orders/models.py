@@ -11,6 +11,10 @@ from django.db.models.functions import Now
 from django_fsm import FSMField, FSMModelMixin, transition
 
 from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
+from idempotent_orders.exceptions import OrderChanged
+
+#: Where a guarded ``save()`` keeps its optimistic condition until ``_do_update`` takes it.
+SAVE_GUARD = "_idempotent_orders_guard"
 
 
 class OrderStatus(models.TextChoices):
@@ -53,6 +57,23 @@ class AbstractOrder(FSMModelMixin, models.Model):
 
     class Meta:
         abstract = True
+
+    def _do_update(self, base_qs: Any, *args: Any, **kwargs: Any) -> Any:
+        """Add the consumer's optimistic condition (the state and ``version`` as read) to
+        the ``UPDATE`` that ``save()`` sends, as django-fsm-2's
+        ``ConcurrentTransitionMixin`` adds the state; no matching row raises
+        :class:`~idempotent_orders.exceptions.OrderChanged` instead of an INSERT.
+
+        The condition is set by the consumer for one ``save()`` of a transition and
+        taken by its first UPDATE; any other save is Django's own.
+        """
+        guard = self.__dict__.pop(SAVE_GUARD, None)
+        if guard is None:
+            return super()._do_update(base_qs, *args, **kwargs)
+        updated = super()._do_update(base_qs.filter(**guard), *args, **kwargs)
+        if not updated:
+            raise OrderChanged(f"order {self.pk} changed since it was read")
+        return updated
 
 
 class Order(AbstractOrder):

@@ -34,26 +34,34 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-SWAPPED_SUITE = ROOT / "tests" / "swapped"
+#: The suites of the projects' own order models, by the model each runs on.
+OWN_MODEL_SUITES = {
+    "shop.Order": ROOT / "tests" / "swapped",
+    "history.Order": ROOT / "tests" / "history",
+}
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
-    """Under the swapped settings only tests/swapped runs; elsewhere it does not.
+    """Under an own model's settings only its suite runs; elsewhere none of them does.
 
     The order model is chosen once per process (as the user model is), so the
     suite for a project's own model runs in its own pytest process
-    (``DJANGO_SETTINGS_MODULE=tests.settings_swapped``; tests/support/matrix.py runs both).
+    (``DJANGO_SETTINGS_MODULE=tests.settings_swapped`` or ``tests.settings_history``;
+    tests/support/matrix.py runs them all).
     """
-    from idempotent_orders.conf import DEFAULT_ORDER_MODEL, order_model_label
+    from idempotent_orders.conf import order_model_label
 
-    swapped = order_model_label() != DEFAULT_ORDER_MODEL
     path = Path(str(collection_path))
-    inside = path == SWAPPED_SUITE or SWAPPED_SUITE in path.parents
     if path.suffix != ".py" and not path.is_dir():
         return None
-    if swapped:
-        return not (inside or path in SWAPPED_SUITE.parents)
-    return inside or None
+    own = OWN_MODEL_SUITES.get(order_model_label())
+
+    def inside(suite: Path) -> bool:
+        return path == suite or suite in path.parents
+
+    if own is not None:
+        return not (inside(own) or path in own.parents)
+    return any(inside(suite) for suite in OWN_MODEL_SUITES.values()) or None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

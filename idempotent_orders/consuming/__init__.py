@@ -81,6 +81,7 @@ _PUBLIC = {
     "register": "registry",
     "MessageFailed": "failures",
     "apply_transition": "running",
+    "current_message": "envelope",
 }
 
 __all__ = ["LAYERS", *_PUBLIC]

@@ -56,7 +56,7 @@ from idempotent_orders.consuming.decision import (
     decide,
     unknown_order,
 )
-from idempotent_orders.consuming.envelope import Envelope, parse_envelope, serialise
+from idempotent_orders.consuming.envelope import Envelope, consuming, parse_envelope, serialise
 from idempotent_orders.consuming.failures import (
     RETRYABLE,
     TRANSIENT,
@@ -69,6 +69,7 @@ from idempotent_orders.consuming.running import (
     advance,
     call_transition,
     runs_user_code,
+    save_hooks,
     transition_heard,
     transition_starting,
     transitions_written,
@@ -137,8 +138,10 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             continue
         items[envelope.message_id] = Item(index=index, envelope=envelope)
     user = _runs_user_code(get_order_model(), items.values())
-    if user is None:
+    if user is None or save_hooks(get_order_model()):
         # A message type bound to a transition the model lacks: the single path says why.
+        # Where the model's save() runs the project's code (history, audit, receivers),
+        # every transition is a save() of its own, in arrival order: the single path's.
         rest = sorted([(i.index, i.envelope) for i in items.values()] + repeats, key=lambda x: x[0])
         outcomes.update(_one_by_one([(index, messages[index]) for index, _ in rest], consumer))
         return outcomes
@@ -386,8 +389,7 @@ def _decide_and_write(
             [
                 (payment, i.envelope.order_id, i.envelope.message_id)
                 for i in live
-                if i.envelope.handler.money
-                and (payment := payment_id(i.envelope.payload)) is not None
+                if (payment := payment_id(i.envelope)) is not None
             ],
         )
         if user
@@ -399,7 +401,7 @@ def _decide_and_write(
     def take(order: AbstractOrder, verdict: Verdict, env: Envelope) -> Verdict:
         """The verdict's effect on the order, in memory (written by one UPDATE later);
         the verdict it ends with (a payment spent already, a body's ``on_error``)."""
-        payment = payment_id(env.payload) if verdict.transition and env.handler.money else None
+        payment = payment_id(env) if verdict.transition else None
         paid = None
         if payment is not None and reservation is not None:
             # Spent first, as the single path does: a payment spent already runs no body.
@@ -452,8 +454,9 @@ def _decide_and_write(
         """``decide`` and, unless the message must wait, ``take``; what raised, returned."""
 
         def step() -> Verdict:
-            verdict = decide(order, env)
-            return verdict if verdict.outcome is Outcome.PARKED else take(order, verdict, env)
+            with consuming(env, consumer):
+                verdict = decide(order, env)
+                return verdict if verdict.outcome is Outcome.PARKED else take(order, verdict, env)
 
         return guarded(order, step, conn) if user else step()
 

@@ -81,6 +81,7 @@ from idempotent_orders.consuming.running import (
     follow_up_rows,
     guarded_update_sql,
     runs_user_code,
+    save_hooks,
     transition_written,
 )
 from idempotent_orders.consuming.sql import (
@@ -133,15 +134,17 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
     project's code propagates after the rollback, as on the usual road.
     """
     name = envelope.handler.transition
-    if not runs_user_code(model, name):
-        return None  # decided in SQL (one_statement), or by the usual road
+    if not runs_user_code(model, name) or save_hooks(model):
+        # Decided in SQL (one_statement), or by the usual road; committed by the
+        # model's own save() there where anything of the project's runs on it.
+        return None
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
     conn = connections[alias]
     if not can_claim_and_run(conn):
         return None
-    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    payment = payment_id(envelope)
     try:
         # One cursor for both texts (the project's code in between may use its own).
         with transaction.atomic(using=alias), _cursor(conn) as cursor:

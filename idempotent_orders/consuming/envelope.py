@@ -7,11 +7,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from idempotent_orders.conf import conf
@@ -20,7 +23,10 @@ from idempotent_orders.exceptions import InvalidMessage
 
 __all__ = [
     "BODY_EXCERPT",
+    "ConsumedMessage",
     "Envelope",
+    "consuming",
+    "current_message",
     "has_nul",
     "parse_envelope",
     "serialise",
@@ -180,3 +186,52 @@ def synthetic_id(message: Any) -> str:
     """A stable inbox id for a message whose own id is unusable, so copies dedup too."""
     digest = hashlib.sha256(serialise(message).encode("ascii")).hexdigest()
     return f"invalid:{digest}"
+
+
+@dataclass(frozen=True)
+class ConsumedMessage:
+    """The message being consumed, as :func:`current_message` shows it to the project's code."""
+
+    message_id: str
+    message_type: str
+    order_id: int
+    seq: int | None
+    payload: Mapping[str, Any]
+    consumer: str
+
+
+_current: contextvars.ContextVar[ConsumedMessage | None] = contextvars.ContextVar(
+    "idempotent_orders_current_message", default=None
+)
+
+
+def current_message() -> ConsumedMessage | None:
+    """The message whose transition is running now: its id, type, order, seq, payload
+    and consumer; None outside a consume.
+
+    For the project's code that runs while a message is applied: a transition body or
+    condition, a receiver of ``pre_transition``/``post_transition``/``pre_save``/
+    ``post_save``, a ``save()`` override. It is what the message says, for reading: a
+    receiver of a ``shipment.dispatched`` whose transition takes no arguments reads the
+    tracking number here. It is set for each attempt of a message (a lost race runs
+    the transition again), never across messages.
+    """
+    return _current.get()
+
+
+@contextlib.contextmanager
+def consuming(envelope: Envelope, consumer: str) -> Iterator[ConsumedMessage]:
+    """Make ``envelope`` the :func:`current_message` for the code run inside."""
+    message = ConsumedMessage(
+        message_id=envelope.message_id,
+        message_type=envelope.message_type,
+        order_id=envelope.order_id,
+        seq=envelope.seq,
+        payload=MappingProxyType(envelope.payload),
+        consumer=consumer,
+    )
+    token = _current.set(message)
+    try:
+        yield message
+    finally:
+        _current.reset(token)

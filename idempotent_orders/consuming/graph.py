@@ -200,7 +200,9 @@ def classify(model: type[Model], name: str, current: Any) -> TransitionStatus:
     """Where ``current`` stands relative to transition ``name``, without touching the database.
 
     ``APPLIED`` when fsm-2 itself would let the transition start from ``current``
-    (its ``has_transition``: the listed sources, ``"*"``, ``"+"``), conditions aside.
+    (its ``has_transition``: the listed sources, ``"*"``, ``"+"``), conditions aside;
+    ``LATER`` whenever some path leads from ``current`` back to a state it may start
+    from, even past its target (a cyclic graph); ``PAST_TARGET`` only when none does.
     """
     e = edge(model, name)
     if e.allows(current):
@@ -208,13 +210,12 @@ def classify(model: type[Model], name: str, current: Any) -> TransitionStatus:
     if not e.targetless and not e.dynamic and current in e.targets:
         # (Where the body picks the target, being at one of them proves nothing.)
         return TransitionStatus.AT_TARGET
+    # "May still apply" is decided before "moved past": in a graph with cycles (``'*'``
+    # and ``'+'`` sources, a way back) an order past the target may come round again.
+    if may_apply_later(model, name, current):
+        return TransitionStatus.LATER
     if any(current in reachable_from(model, t) for t in e.targets):
         return TransitionStatus.PAST_TARGET
-    later = reachable_from(model, current)
-    if any(src in later for src in e.sources) or (
-        (e.any_source or e.any_other) and any(e.allows(s) for s in later)
-    ):
-        return TransitionStatus.LATER
     return TransitionStatus.NOT_ALLOWED
 
 

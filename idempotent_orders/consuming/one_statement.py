@@ -432,7 +432,7 @@ def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | 
     fields, tests = guessed
     seq = envelope.seq
     shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
-    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    payment = payment_id(envelope)
     # The spent record's payment id is the one written on the order when it is (one argument).
     spends = (
         ""

@@ -486,7 +486,7 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
     statements: list[tuple[str, str, Sequence[Any]]] = [
         ("inbox", texts.inbox, inbox_template().params(inbox, now))
     ]
-    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    payment = payment_id(envelope)
     if payment is not None:
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))

@@ -16,6 +16,7 @@ from typing import Any
 from django.db import connection
 
 from idempotent_orders.consuming.arrays import array_literal
+from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
 
@@ -30,9 +31,13 @@ __all__ = [
 ]
 
 
-def payment_id(payload: Mapping[str, Any]) -> str | None:
-    """The payment id a money message spends; None when it names none (nothing to record)."""
-    value = payload.get("payment_id")
+def payment_id(envelope: Envelope) -> str | None:
+    """The payment id a money message spends, from the payload key its type names
+    (``payment_key``, ``"payment_id"`` unless registered otherwise); None for a message
+    that carries no money or names no payment (nothing to record)."""
+    if not envelope.handler.money:
+        return None
+    value = envelope.payload.get(envelope.handler.payment_key)
     if isinstance(value, str) and value and len(value) <= 128:
         return value
     return None

@@ -41,9 +41,15 @@ class MessageHandler:
     #: The message carries money (a payment): when it cannot apply, it is kept as
     #: rejected and said to be money to give back, never counted stale.
     money: bool = False
+    #: The payload key that names the payment a money message spends (recorded once:
+    #: the same payment under a new message id is never applied twice).
+    payment_key: str = "payment_id"
 
 
 _registry: dict[str, MessageHandler] = {}
+
+#: The built-in types that carry money: money messages unless registered with ``money=False``.
+MONEY = frozenset({"payment.succeeded"})
 
 
 def register(
@@ -53,7 +59,8 @@ def register(
     validate: Validator | None = None,
     consumers: frozenset[str] | set[str] | None = None,
     arguments: Arguments | None = None,
-    money: bool = False,
+    money: bool | None = None,
+    payment_key: str | None = None,
 ) -> None:
     """Make ``message_type`` drive the order model's ``transition``.
 
@@ -61,15 +68,24 @@ def register(
     django-fsm-2 would: with the payload entries whose names are parameters of
     the method as keyword arguments (every entry when it takes ``**kwargs``),
     or with what ``arguments(order, payload)`` returns when given. ``money``
-    marks a type that carries a payment: one that arrives after its order was
-    cancelled or moved past its step is rejected as money to give back.
+    marks a type that carries a payment: one that can never apply to its order is
+    rejected as money to give back, and the payment its payload names under
+    ``payment_key`` (``"payment_id"`` by default) is spent once. Left out, both keep
+    what the type had: registering ``payment.succeeded`` again with another
+    transition or validator keeps it a money message.
 
     ``validate(order, payload)`` returns the columns the transition writes
     besides the state (``{}`` for none) or raises
     :class:`~idempotent_orders.exceptions.InvalidMessage` with a reason.
     ``consumers`` restricts which consumers accept the type (others reject it).
-    Registering a type again replaces it.
+    Registering a type again replaces it, but for ``money`` and ``payment_key`` when
+    they are left out.
     """
+    before = _registry.get(message_type)
+    if money is None:
+        money = before.money if before is not None else message_type in MONEY
+    if payment_key is None:
+        payment_key = before.payment_key if before is not None else "payment_id"
     _registry[message_type] = MessageHandler(
         message_type=message_type,
         transition=transition,
@@ -77,6 +93,7 @@ def register(
         consumers=frozenset(consumers or ()),
         arguments=arguments,
         money=money,
+        payment_key=payment_key,
     )
 
 
@@ -208,7 +225,6 @@ def register_built_in(model: type[Model]) -> list[str]:
             transition=transition,
             validate=validate,
             consumers=consumers,
-            money=message_type == "payment.succeeded",
         )
         done.append(message_type)
     return done

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from django.db import transaction
 from django.db.models import F, Field, Model
 from django.db.models.options import Options
-from django.db.models.signals import post_save
+from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 from django_fsm.signals import post_transition, pre_transition
 
@@ -36,6 +36,8 @@ from idempotent_orders.consuming.graph import (
     edge,
     state_field,
 )
+from idempotent_orders.exceptions import OrderChanged
+from idempotent_orders.models import SAVE_GUARD
 from idempotent_orders.signals import order_transitioned
 
 
@@ -299,14 +301,104 @@ def has_body(model: type[Model], name: str) -> bool:
 
 def runs_user_code(model: type[Model], name: str) -> bool:
     """Whether committing ``name`` must call the model's method: it has a body
-    (:func:`has_body`) or someone receives fsm-2's ``pre_transition``/``post_transition``.
+    (:func:`has_body`), someone receives fsm-2's ``pre_transition``/``post_transition``,
+    or the model's ``save()`` runs something of the project's (:func:`save_hooks`).
     A transition for which this is false may be committed by one SQL statement.
     """
     return (
         has_body(model, name)
         or pre_transition.has_listeners(model)
         or post_transition.has_listeners(model)
+        or bool(save_hooks(model))
     )
+
+
+def _own(receiver: Any) -> bool:
+    """Whether ``receiver`` is one of this app's (they only count and watch)."""
+    module = getattr(receiver, "__module__", "") or ""
+    return module == "idempotent_orders" or module.startswith("idempotent_orders.")
+
+
+def _receivers(signal: Any, model: type[Model]) -> list[Any]:
+    """The receivers ``signal`` would call for ``model`` (any sender's included)."""
+    live = signal._live_receivers(model)
+    if isinstance(live, tuple):  # Django 5+: (sync receivers, async receivers)
+        return [*live[0], *live[1]]
+    return list(live)
+
+
+def _describe(receiver: Any) -> str:
+    owner = getattr(receiver, "__self__", None)
+    if owner is not None:
+        kind = type(owner)
+        return f"{kind.__module__}.{kind.__qualname__}.{receiver.__name__}"
+    name = getattr(receiver, "__qualname__", None) or repr(receiver)
+    return f"{getattr(receiver, '__module__', '?')}.{name}"
+
+
+_save_hooks: dict[type[Model], tuple[tuple[int, int], tuple[str, ...]]] = {}
+
+
+def save_hooks(model: type[Model]) -> tuple[str, ...]:
+    """What of the project's would run if an order of ``model`` were saved: a ``save()``
+    override, receivers of ``pre_save``/``post_save`` for it (history and audit packages
+    connect theirs there), database triggers that django-pgtrigger declares on it.
+    Empty: nothing would run, and a transition may be committed by the app's own SQL.
+
+    Each entry says what it is, for ``manage.py idempotent_orders_explain`` and the
+    system check. Read from the model and the signals as they are now (receivers
+    connected later are seen: the answer is kept until a receiver is connected or
+    disconnected).
+    """
+    key = (len(pre_save.receivers), len(post_save.receivers))
+    cached = _save_hooks.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    found: list[str] = []
+    for klass in model.__mro__:
+        if "save" in vars(klass):
+            if klass is not Model:
+                found.append(f"save() override in {klass.__module__}.{klass.__qualname__}")
+            break
+    for signal, label in ((pre_save, "pre_save"), (post_save, "post_save")):
+        for receiver in _receivers(signal, model):
+            if not _own(receiver):
+                found.append(f"{label} receiver {_describe(receiver)}")
+    triggers = getattr(model._meta, "triggers", None) or ()
+    for trigger in triggers:
+        found.append(f"database trigger {getattr(trigger, 'name', trigger)}")
+    hooks = tuple(found)
+    _save_hooks[model] = (key, hooks)
+    return hooks
+
+
+def keeps_parked_flag(model: type[Model]) -> bool:
+    """Whether the app keeps its ``has_parked`` flag on orders of ``model``.
+
+    Not where the project watches the order's saves or rows (:func:`save_hooks`): there
+    the app's bookkeeping never shows up as a change of its own in the project's trail.
+    The flag only lets a consumer skip its look for parked successors; without it every
+    message looks (one query), and parking writes nothing on the order.
+    """
+    return not save_hooks(model)
+
+
+def road(model: type[Model], name: str) -> tuple[str, str]:
+    """The road a message driving transition ``name`` takes on ``model``, and why:
+    ``("save", reasons)`` when the model's ``save()`` commits it, ``("transition",
+    reasons)`` when the model's method runs and the app's conditional UPDATE commits
+    it, ``("raw", reason)`` when one of the app's statements does it all."""
+    hooks = save_hooks(model)
+    if hooks:
+        return "save", "; ".join(hooks)
+    why = []
+    if has_body(model, name):
+        why.append(f"{model.__name__}.{name}() has a body")
+    for signal, label in ((pre_transition, "pre_transition"), (post_transition, "post_transition")):
+        why += [f"{label} receiver {_describe(r)}" for r in _receivers(signal, model)]
+    if why:
+        return "transition", "; ".join(why)
+    return "raw", "nothing of the project's runs: no body, no receiver, no save() override"
 
 
 @dataclass(frozen=True)
@@ -462,13 +554,15 @@ def call_transition(
     values: dict[str, Any] = {}
     state_attname = field.attname
     now = instance.__dict__
+    # Where save() commits, it stamps auto_now itself, after its pre_save receivers.
+    stamp = not save_hooks(model)
     for f in _tracked(model):
         if f.attname == state_attname:
             continue
         value = now.get(f.attname, _DEFERRED)
         if value is _DEFERRED:
             continue
-        if getattr(f, "auto_now", False):
+        if stamp and getattr(f, "auto_now", False):
             values[f.attname] = f.pre_save(instance, False)
         elif value != before.get(f.attname, _DEFERRED):
             values[f.attname] = value
@@ -496,15 +590,38 @@ def commit(
             if held != expected:
                 del conditions[name]
                 conditions[f"{name}__in"] = [expected, held]
-    rows = model._default_manager.filter(
-        pk=instance.pk,
-        **{f"{field.attname}__in": states},
-        version=version,
-        **conditions,
-    ).update(**{field.attname: ran.target, "version": F("version") + 1}, **ran.values)
+    guard = {f"{field.attname}__in": states, "version": version, **conditions}
+    if save_hooks(model):
+        # save() writes every column: the sequence as read is a condition too (the
+        # app moves last_seq on without a transition, and so without a new version).
+        if "last_seq" not in guard and "last_seq__in" not in guard:
+            guard["last_seq"] = getattr(instance, "last_seq", 0)
+        return _save(instance, guard, version)
+    rows = model._default_manager.filter(pk=instance.pk, **guard).update(
+        **{field.attname: ran.target, "version": F("version") + 1}, **ran.values
+    )
     if rows != 1:
         return False
     instance.__dict__["version"] = version + 1
+    return True
+
+
+def _save(instance: Model, guard: Mapping[str, Any], version: int) -> bool:
+    """Commit a transition through the model's own ``save()``, called as the project's
+    code calls it after a transition (no ``update_fields``), with ``guard`` added to the
+    UPDATE it sends (:meth:`~idempotent_orders.models.AbstractOrder._do_update`). Its
+    override, ``pre_save``/``post_save`` receivers and history packages run as they do
+    for ``order.pay(); order.save()``. False when another writer changed the row first
+    (nothing after the UPDATE ran: the caller rolls back)."""
+    instance.__dict__["version"] = version + 1
+    instance.__dict__[SAVE_GUARD] = dict(guard)
+    try:
+        instance.save()
+    except OrderChanged:
+        instance.__dict__["version"] = version
+        return False
+    finally:
+        instance.__dict__.pop(SAVE_GUARD, None)
     return True
 
 

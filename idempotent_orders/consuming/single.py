@@ -32,6 +32,7 @@ from idempotent_orders.consuming.decision import (
 from idempotent_orders.consuming.envelope import (
     BODY_EXCERPT,
     Envelope,
+    consuming,
     has_nul,
     parse_envelope,
     serialise,
@@ -48,6 +49,7 @@ from idempotent_orders.consuming.failures import (
     retryable,
 )
 from idempotent_orders.consuming.one_statement import presume
+from idempotent_orders.consuming.running import keeps_parked_flag
 from idempotent_orders.consuming.one_transaction import can_presume_at_once, presume_at_once
 from idempotent_orders.consuming.sql import (
     can_claim_and_apply,
@@ -132,19 +134,22 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     dead: list[bool] = []
     began = timezone.now()
     try:
-        applied = None
-        if can_claim_and_apply():
-            # No read first where the transition is SQL; two texts where it is the project's.
-            applied = presume(envelope, consumer, get_order_model())
+        with consuming(envelope, consumer):
+            applied = None
+            if can_claim_and_apply():
+                # No read first where the transition is SQL; two texts where it is the
+                # project's.
+                applied = presume(envelope, consumer, get_order_model())
+                if applied is None:
+                    applied = claim_and_run(envelope, consumer, get_order_model())
+            elif can_presume_at_once():
+                applied = presume_at_once(envelope, consumer, get_order_model())
             if applied is None:
-                applied = claim_and_run(envelope, consumer, get_order_model())
-        elif can_presume_at_once():
-            applied = presume_at_once(envelope, consumer, get_order_model())
+                outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
         if applied is not None:
             announce(consumer, envelope, applied, "")
             dedup.remember_on_commit(consumer, envelope.message_id)
             return applied
-        outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
     except TRANSIENT as exc:
         # Nothing was written, or the connection dropped while the message committed
         # (in doubt): the inbox row, read back on a new connection, says which.
@@ -329,7 +334,8 @@ def _consume(
     for _attempt in range(conf.CONFLICT_RETRIES):
         order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
         if order is not None and waiting is not None:
-            waiting[:] = [order.has_parked]
+            # Where the app keeps no flag, every message looks for parked successors.
+            waiting[:] = [order.has_parked or not keeps_parked_flag(type(order))]
         if order is None:
             if parked is not None:  # the order was deleted; its parked rows went with it
                 return Outcome.PARKED
@@ -446,7 +452,8 @@ def release_parked(order_id: int) -> list[Outcome]:
                         )
                 continue
             try:
-                outcome = _consume(envelope, parked.consumer, parked=parked)
+                with consuming(envelope, parked.consumer):
+                    outcome = _consume(envelope, parked.consumer, parked=parked)
             except TRANSIENT:
                 raise
             except Exception as exc:

@@ -46,6 +46,7 @@ from idempotent_orders.consuming.running import (
     commit,
     follow_up_rows,
     in_transaction_work,
+    keeps_parked_flag,
     runs_user_code,
     transition_written,
     written_values,
@@ -124,8 +125,9 @@ def write(
     outcome = verdict.outcome
     # A write that may unblock a successor is conditional on the has_parked
     # flag as read, so a message parked since our read makes it conflict.
-    unflagged: dict[str, Any] = {} if order.has_parked else {"has_parked": False}
     model = type(order)
+    flagged = order.has_parked or not keeps_parked_flag(model)
+    unflagged: dict[str, Any] = {} if flagged else {"has_parked": False}
     if (
         verdict.transition
         and parked is None
@@ -133,7 +135,7 @@ def write(
         and can_claim_and_apply()
         and not runs_user_code(model, verdict.transition)
         and not in_transaction_work(model, edge(model, verdict.transition).target)
-        and not (envelope.handler.money and payment_id(envelope.payload))
+        and not payment_id(envelope)
     ):
         # No body, no receiver, nothing else to write: one statement commits it.
         return claim_and_apply_one(envelope, consumer, order, verdict, unflagged)
@@ -153,7 +155,7 @@ def write(
     body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
     # The payment id the transition spends (recorded with the claim where it can be).
     payment = (
-        payment_id(envelope.payload) if verdict.transition and envelope.handler.money else None
+        payment_id(envelope) if verdict.transition else None
     )
     with transaction.atomic():
         # The first statement claims the message: the inbox insert (the unique
@@ -231,7 +233,7 @@ def write(
                     error=reason,
                 )
                 outcome = Outcome.REJECTED
-            elif not order.has_parked:
+            elif not flagged:
                 # In the parking transaction, so that a predecessor's
                 # conditional write either sees it or commits before it.
                 type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
@@ -393,7 +395,7 @@ def apply_at_once(
     (:mod:`~idempotent_orders.consuming.one_transaction`). Raises as :func:`write` does."""
     model = type(order)
     e, values, conditions = _guarded_write(envelope, order, verdict, unflagged)
-    payment = payment_id(envelope.payload) if envelope.handler.money else None
+    payment = payment_id(envelope)
     done = claim_and_apply_at_once(
         inbox={
             "consumer": consumer,
