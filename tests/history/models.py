@@ -60,6 +60,10 @@ class Order(AbstractOrder):
         if reason == "boom":
             raise ValueError("the warehouse system is down")
 
+    @transition(field=status, source="on_hold", target="new")
+    def reset(self) -> None:
+        """Back to the start after a hold (the graph has a cycle)."""
+
     @transition(field=status, source="new", target="cancelled")
     def cancel(self) -> None:
         """Cancelled before payment."""

@@ -204,3 +204,26 @@ def test_parking_writes_nothing_on_the_order() -> None:
         consume_message(message, consumer="payments")
     order.refresh_from_db()
     assert order.status == "completed"  # released without the flag
+
+
+def test_a_payment_that_may_still_apply_in_a_cycle_is_parked_not_misfiled() -> None:
+    """on_hold -> reset -> new: an order on hold may come round to ``pay`` again, so a
+    payment arriving then is not "moved past this step" (stale) nor money to give back."""
+    from idempotent_orders.consuming.graph import classify
+
+    assert classify(Order, "pay", "on_hold") is TransitionStatus.LATER
+    assert classify(Order, "pay", "completed") is TransitionStatus.PAST_TARGET
+    order = new_order()
+    consume_message(messages(order, seq=False)[0], consumer="payments")
+    assert apply_transition(Order.objects.get(pk=order.pk), "hold").applied
+    again = {**messages(order, seq=False)[0], "message_id": f"{order.pk}-pay-again"}
+    assert consume_message(again, consumer="payments") is Outcome.PARKED
+    # Back at the start, the parked payment goes ahead: its payment was spent by this
+    # very order, so it is a duplicate, never a second charge.
+    reset = Order.objects.get(pk=order.pk)
+    assert apply_transition(reset, "reset").applied
+    from idempotent_orders.consuming.single import release_parked
+
+    assert release_parked(order.pk) == [Outcome.DUPLICATE]
+    order.refresh_from_db()
+    assert order.status == "new"

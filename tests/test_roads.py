@@ -1,0 +1,145 @@
+"""The road a message takes is detected from the model and its receivers, never set.
+
+The default ``Order`` has nothing of the project's to run: the app's own statement
+commits a message. Connect a ``post_save`` receiver and the same message goes through
+the model's ``save()``: the receiver runs once per applied transition, as it does for
+``order.pay(); order.save()``, and never for a duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db.models.signals import post_save
+
+from idempotent_orders import get_order_model
+from idempotent_orders.consuming import current_message, registry
+from idempotent_orders.consuming.running import keeps_parked_flag, road, save_hooks
+from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.models import Outcome
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def payment(order: Any, message_id: str = "pay-1") -> dict[str, Any]:
+    return {
+        "message_id": f"{message_id}-{order.pk}",
+        "type": "payment.succeeded",
+        "order_id": order.pk,
+        "payload": {"payment_id": f"pi-{order.pk}", "amount": "12.50", "currency": "CNY"},
+    }
+
+
+@pytest.fixture
+def receiver() -> Iterator[list[tuple[str, str | None]]]:
+    """A project's ``post_save`` receiver on the order model, for one test."""
+    calls: list[tuple[str, str | None]] = []
+
+    def saved(sender: Any, instance: Any, **kwargs: Any) -> None:
+        message = current_message()
+        calls.append((instance.status, message.message_id if message else None))
+
+    model = get_order_model()
+    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.test_roads")
+    try:
+        yield calls
+    finally:
+        post_save.disconnect(sender=model, dispatch_uid="tests.test_roads")
+
+
+def test_nothing_of_the_project_takes_the_raw_road() -> None:
+    model = get_order_model()
+    assert save_hooks(model) == ()
+    assert road(model, "pay")[0] == "raw"
+    assert keeps_parked_flag(model)
+
+
+def test_a_post_save_receiver_takes_the_save_road(make_order: Any, receiver: list[Any]) -> None:
+    model = get_order_model()
+    name, why = road(model, "pay")
+    assert name == "save"
+    assert "post_save receiver tests.test_roads" in why
+    assert not keeps_parked_flag(model)
+    order = make_order()
+    receiver.clear()  # the create
+    message = payment(order)
+    assert consume_message(message, consumer="payments") is Outcome.APPLIED
+    assert consume_message(message, consumer="payments") is Outcome.DUPLICATE
+    # A copy under a new id: the spent payment says duplicate, nothing is saved.
+    assert consume_message(payment(order, "pay-2"), consumer="payments") is Outcome.DUPLICATE
+    assert receiver == [("paid", message["message_id"])]
+    order.refresh_from_db()
+    assert (order.status, order.version) == ("paid", 1)
+
+
+def test_the_road_follows_the_receivers(make_order: Any) -> None:
+    model = get_order_model()
+    calls: list[str] = []
+
+    def saved(sender: Any, instance: Any, **kwargs: Any) -> None:
+        calls.append(instance.status)
+
+    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.test_roads.follow")
+    assert road(model, "pay")[0] == "save"
+    post_save.disconnect(sender=model, dispatch_uid="tests.test_roads.follow")
+    assert road(model, "pay")[0] == "raw"
+    order = make_order()
+    calls.clear()
+    assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert calls == []
+
+
+def test_explain_names_each_type_and_its_road(receiver: list[Any]) -> None:
+    import io
+
+    out = io.StringIO()
+    call_command("idempotent_orders_explain", stdout=out)
+    text = out.getvalue()
+    assert "payment.succeeded -> pay: save road" in text
+    assert "post_save receiver tests.test_roads" in text
+
+
+def test_registering_a_money_type_again_keeps_it_money() -> None:
+    before = registry.get_handler("payment.succeeded")
+    assert before is not None and before.money
+    try:
+        registry.register("payment.succeeded", transition="pay", validate=before.validate)
+        again = registry.get_handler("payment.succeeded")
+        assert again is not None and again.money and again.payment_key == "payment_id"
+        registry.register(
+            "payment.succeeded", transition="pay", validate=before.validate, payment_key="charge"
+        )
+        keyed = registry.get_handler("payment.succeeded")
+        assert keyed is not None and keyed.money and keyed.payment_key == "charge"
+        registry.register("payment.succeeded", transition="pay", money=False)
+        plain = registry.get_handler("payment.succeeded")
+        assert plain is not None and not plain.money
+    finally:
+        registry._registry["payment.succeeded"] = before
+
+
+def test_the_payment_key_names_the_spent_payment(make_order: Any) -> None:
+    before = registry.get_handler("payment.succeeded")
+    assert before is not None
+    registry.register(
+        "provider.charge", transition="pay", money=True, payment_key="charge_id"
+    )
+    try:
+        first, second = make_order(), make_order()
+        charge = {
+            "message_id": f"charge-{first.pk}",
+            "type": "provider.charge",
+            "order_id": first.pk,
+            "payload": {"charge_id": "ch_1"},
+        }
+        assert consume_message(charge, consumer="payments") is Outcome.APPLIED
+        # The same charge for another order: money to give back, never a second payment.
+        other = {**charge, "message_id": f"charge-{second.pk}", "order_id": second.pk}
+        assert consume_message(other, consumer="payments") is Outcome.REJECTED
+        second.refresh_from_db()
+        assert second.status == "pending_payment"
+    finally:
+        registry._registry.pop("provider.charge", None)
