@@ -109,7 +109,9 @@ def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
     ``applied`` may differ (the order still moves once). A message repeated
     within the batch is a duplicate from its second copy on.
     Database errors propagate and roll back the whole chunk, so the batch can
-    be retried as it is.
+    be retried as it is. Where the order model's ``save()`` runs the project's code
+    (:func:`~idempotent_orders.consuming.running.save_hooks`), each message is consumed
+    as ``consume_message`` consumes it, in order: every transition a ``save()`` of its own.
     """
     outcomes: list[Outcome | None] = [None] * len(messages)
     for start in range(0, len(messages), CHUNK):

@@ -1,9 +1,11 @@
-"""Running a transition: the model's own fsm-2 method, then one conditional UPDATE.
+"""Running a transition: the model's own fsm-2 method, then its commit.
 
 :func:`call_transition` calls the ``@transition`` method as django-fsm-2 does
 (conditions, body, signals with the arguments, ``on_error``, ``RETURN_VALUE`` /
-``GET_STATE``) and collects what it changed; :func:`commit` writes it with one
-``UPDATE ... WHERE pk AND state AND version``. :func:`apply_transition` does both
+``GET_STATE``) and collects what it changed; :func:`commit` writes it: through the
+model's own ``save()`` where anything of the project's runs on it
+(:func:`save_hooks`), with the condition added to the UPDATE it sends, and otherwise
+with one ``UPDATE ... WHERE pk AND state AND version``. :func:`apply_transition` does both
 for one order (the admin, the fulfilment step); the consumers call the two steps
 inside the transaction that claimed the message. Follow-ups (work a transition
 queues in its own transaction, such as the fulfilment outbox row) are registered here.
@@ -572,9 +574,10 @@ def call_transition(
 def commit(
     instance: Model, ran: Ran, version: int, extra_filters: Mapping[str, Any] | None = None
 ) -> bool:
-    """Write what :func:`call_transition` did with one conditional UPDATE: the state, every
-    changed field and ``version + 1``, ``WHERE pk AND state AND version`` (and
-    ``extra_filters``). False when another writer changed the row first.
+    """Write what :func:`call_transition` did, ``WHERE pk AND state AND version`` (and
+    ``extra_filters``): through the model's ``save()`` where :func:`save_hooks` finds
+    anything of the project's, else with one conditional UPDATE of the state, every
+    changed field and ``version + 1``. False when another writer changed the row first.
     """
     model = type(instance)
     field = state_field(model)
