@@ -2,7 +2,8 @@
 
 A ``save()`` override that derives ``total`` and writes a search-index row after
 ``super().save()``, a ``post_save`` receiver that records each call, django-simple-history's
-``HistoricalRecords`` and django-auditlog (registered in ``apps.py``).
+``HistoricalRecords``, django-pghistory's triggers (PostgreSQL), django-auditlog and
+django-reversion (registered in ``apps.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+import pghistory
 from django.db import models
 from django.db.models.signals import post_save
 from django_fsm import FSMField, transition
@@ -20,6 +22,7 @@ from idempotent_orders.models import AbstractOrder
 SHIPPING_FEE = Decimal("4.90")
 
 
+@pghistory.track()
 class Order(AbstractOrder):
     business_key = models.CharField(max_length=128, unique=True)
     amount = models.DecimalField(max_digits=10, decimal_places=2)

@@ -16,8 +16,11 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+import reversion
 from auditlog.models import LogEntry
 from django.contrib.contenttypes.models import ContentType
+from django.db import connection
+from reversion.models import Version
 
 from idempotent_orders.consuming import current_message, registry
 from idempotent_orders.consuming.batch import consume_batch
@@ -26,7 +29,7 @@ from idempotent_orders.consuming.running import apply_transition, road, save_hoo
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.consuming.graph import TransitionStatus
 from idempotent_orders.models import Outcome, ProcessedMessage
-from tests.history.models import Order, SavedCall, SearchEntry
+from tests.history.models import Order, OrderEvent, SavedCall, SearchEntry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,15 +45,19 @@ def new_order() -> Order:
 
 
 def plain(order: Order) -> None:
-    """The project's own code, without the app: what each event does, then save()."""
-    order.pay(payment_id=PAYMENT["payment_id"])
-    order.save()
-    # What the shipment validator writes, set as the shop's own code would.
-    order.tracking_number, order.carrier = SHIPMENT["tracking_number"], SHIPMENT["carrier"]
-    order.ship()
-    order.save()
-    order.complete()
-    order.save()
+    """The project's own code, without the app: what each event does, then save(),
+    each in a revision of its own (as a view under ``RevisionMiddleware``)."""
+    with reversion.create_revision():
+        order.pay(payment_id=PAYMENT["payment_id"])
+        order.save()
+    with reversion.create_revision():
+        # What the shipment validator writes, set as the shop's own code would.
+        order.tracking_number, order.carrier = SHIPMENT["tracking_number"], SHIPMENT["carrier"]
+        order.ship()
+        order.save()
+    with reversion.create_revision():
+        order.complete()
+        order.save()
 
 
 def messages(order: Order, *, seq: bool) -> list[dict[str, Any]]:
@@ -101,6 +108,15 @@ def trail(order: Order) -> dict[str, Any]:
             for c in SavedCall.objects.filter(order_id=order.pk).order_by("id")
         ],
         "search": list(SearchEntry.objects.filter(order_id=order.pk).values_list("text", flat=True)),
+        "reversion": [
+            (v.field_dict["status"], v.field_dict["total"])
+            for v in Version.objects.get_for_object(order).order_by("pk")
+        ],
+        # django-pghistory's triggers (PostgreSQL only; elsewhere nothing is recorded).
+        "pghistory": [
+            (e.pgh_label, e.status, e.total, e.payment_id, e.tracking_number)
+            for e in OrderEvent.objects.filter(pgh_obj_id=order.pk).order_by("pgh_id")
+        ],
     }
 
 
@@ -123,7 +139,11 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
     plain(Order.objects.get(pk=expected_order.pk))  # as read, as a shop's view reads it
     expected = trail(expected_order)
     # The plain road's trail is what a shop sees: one row per save, the derived total.
-    assert [row[1] for row in expected["simple_history"]] == ["new", "paid", "shipped", "completed"]
+    steps = ["new", "paid", "shipped", "completed"]
+    assert [row[1] for row in expected["simple_history"]] == steps
+    assert [row[0] for row in expected["reversion"]] == steps[1:]
+    if connection.vendor == "postgresql":
+        assert [row[1] for row in expected["pghistory"]] == steps
     assert expected["fields"][1] == Decimal("34.90")
 
     order = new_order()
@@ -137,14 +157,25 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
         head, tail = deliveries[:3], deliveries[3:]
         rng.shuffle(tail)
         deliveries = head + sorted(tail, key=lambda m: m["type"] == "shipment.delivered")
+    outcomes = []
     if way == "single":
-        outcomes = [consume_message(m, consumer="payments") for m in deliveries]
+        for m in deliveries:
+            with reversion.create_revision():
+                outcomes.append(consume_message(m, consumer="payments"))
     else:
-        outcomes = []
         for start in range(0, len(deliveries), 4):
             outcomes += consume_batch(deliveries[start : start + 4], consumer="payments")
     assert Outcome.FAILED not in outcomes
     got = trail(order)
+    if way == "batch" or seq:
+        # reversion keeps one version per object per revision block: a batch, or a
+        # message that releases its parked successors, applies several transitions in
+        # one. Compared where each consume applies at most one (single, no seq).
+        revisions, wanted = got.pop("reversion"), expected.pop("reversion")
+        if way == "batch":
+            assert revisions == []  # no revision block around a batch here
+        else:
+            assert revisions[-1] == wanted[-1]
     assert got == expected
     assert ProcessedMessage.objects.filter(order_id=order.pk, outcome=Outcome.APPLIED).count() == 3
 
