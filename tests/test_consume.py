@@ -267,6 +267,33 @@ def test_a_payment_that_cannot_apply_is_kept_as_money_to_give_back(make_order) -
 
 
 @pytest.mark.parametrize("path", ["single", "batch"])
+def test_a_second_charge_or_a_wrong_amount_is_money_to_give_back(make_order, path: str) -> None:
+    from idempotent_orders.admin.dashboard import money_to_give_back
+    from idempotent_orders.consuming.batch import consume_batch
+
+    def consume(message: dict[str, Any]) -> Outcome:
+        if path == "batch":
+            return consume_batch([message], consumer="payments")[0]
+        return consume_message(message, consumer="payments")
+
+    order = make_order()
+    assert consume(payment(order, payment_id=f"pi-a-{order.pk}")) is Outcome.APPLIED
+    # Another payment intent for the same order: charged twice by the customer.
+    second = {**payment(order, payment_id=f"pi-b-{order.pk}"), "message_id": f"b-{order.pk}"}
+    assert consume(second) is Outcome.REJECTED
+    other = make_order()
+    wrong = payment(other)
+    wrong["payload"]["amount"] = "99.00"
+    assert consume(wrong) is Outcome.REJECTED
+    rows = ProcessedMessage.objects.filter(
+        message_id__in=[second["message_id"], wrong["message_id"]]
+    )
+    for row in rows:
+        assert row.error.endswith("; the payment is money to give back"), row.error
+    assert money_to_give_back().filter(pk__in=[r.pk for r in rows]).count() == 2
+
+
+@pytest.mark.parametrize("path", ["single", "batch"])
 def test_one_payment_pays_one_order(make_order, path: str) -> None:
     from idempotent_orders.consuming.batch import consume_batch
     from idempotent_orders.models import SpentPayment

@@ -104,19 +104,25 @@ def test_explain_names_each_type_and_its_road(receiver: list[Any]) -> None:
 
 def test_registering_a_money_type_again_keeps_it_money() -> None:
     before = registry.get_handler("payment.succeeded")
-    assert before is not None and before.money
+    assert before is not None
+    assert before.money
     try:
         registry.register("payment.succeeded", transition="pay", validate=before.validate)
         again = registry.get_handler("payment.succeeded")
-        assert again is not None and again.money and again.payment_key == "payment_id"
+        assert again is not None
+        assert again.money
+        assert again.payment_key == "payment_id"
         registry.register(
             "payment.succeeded", transition="pay", validate=before.validate, payment_key="charge"
         )
         keyed = registry.get_handler("payment.succeeded")
-        assert keyed is not None and keyed.money and keyed.payment_key == "charge"
+        assert keyed is not None
+        assert keyed.money
+        assert keyed.payment_key == "charge"
         registry.register("payment.succeeded", transition="pay", money=False)
         plain = registry.get_handler("payment.succeeded")
-        assert plain is not None and not plain.money
+        assert plain is not None
+        assert not plain.money
     finally:
         registry._registry["payment.succeeded"] = before
 
@@ -124,9 +130,7 @@ def test_registering_a_money_type_again_keeps_it_money() -> None:
 def test_the_payment_key_names_the_spent_payment(make_order: Any) -> None:
     before = registry.get_handler("payment.succeeded")
     assert before is not None
-    registry.register(
-        "provider.charge", transition="pay", money=True, payment_key="charge_id"
-    )
+    registry.register("provider.charge", transition="pay", money=True, payment_key="charge_id")
     try:
         first, second = make_order(), make_order()
         charge = {

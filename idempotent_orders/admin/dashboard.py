@@ -30,6 +30,14 @@ from idempotent_orders.models import (
 from idempotent_orders.outbox import outbox_stats
 
 
+def money_to_give_back(inbox: QuerySet[Any] | None = None) -> QuerySet[Any]:
+    """The inbox rows of payments that cannot apply: kept as rejected, their reason ending
+    in :data:`~idempotent_orders.consuming.decision.REFUND` (the one rule the dashboard's
+    count and its list share)."""
+    rows = ProcessedMessage.objects.all() if inbox is None else inbox
+    return rows.filter(status=InboxStatus.REJECTED, error__endswith=REFUND)
+
+
 def left_to_do(user: Any) -> str:
     """What still needs an operator, in one sentence (said after every action)."""
     due = [f"{line.count} {line.short}" for line in attention(user) if line.count and line.short]
@@ -68,7 +76,7 @@ class AttentionFilter(admin.SimpleListFilter):
         if value == "rejected_today":
             return queryset.filter(status=InboxStatus.REJECTED, created_at__gte=_start_of_today())
         if value == "refund":
-            return queryset.filter(status=InboxStatus.REJECTED, error__endswith=REFUND)
+            return money_to_give_back(queryset)
         if value in {"processing", "rejected", "failed", "dead"}:
             return queryset.filter(status=value)
         return queryset
@@ -219,7 +227,7 @@ def attention(user: Any) -> list[Attention]:
             Attention(
                 "refund",
                 "Money to give back (a payment that cannot apply)",
-                inbox.filter(status=InboxStatus.REJECTED, error__endswith=REFUND).count(),
+                money_to_give_back(inbox).count(),
                 changelist(ProcessedMessage, "?attention=refund"),
                 short="money to give back",
             ),

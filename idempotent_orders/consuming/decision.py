@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django.db.models import Model
@@ -65,6 +65,24 @@ class Verdict:
 
 
 def decide(order: Model, envelope: Envelope) -> Verdict:
+    """Judge ``envelope`` against ``order`` as read: pure, no writes (see :func:`_judge`).
+
+    A message that carries money (``money=True``) and is rejected, for whatever
+    reason (a second charge for a paid order, a charge for a cancelled order, one
+    whose conditions fail, a payload that does not match the order), is money to
+    give back: its reason says so, and the admin counts it there.
+    """
+    verdict = _judge(order, envelope)
+    if (
+        envelope.handler.money
+        and verdict.outcome is Outcome.REJECTED
+        and not verdict.reason.endswith(REFUND)
+    ):
+        return replace(verdict, reason=f"{verdict.reason}; {REFUND}")
+    return verdict
+
+
+def _judge(order: Model, envelope: Envelope) -> Verdict:
     """Judge ``envelope`` against ``order`` as read: pure, no writes.
 
     In this order: a message with ``seq`` at or below ``last_seq`` is stale, one

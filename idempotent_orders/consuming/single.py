@@ -49,8 +49,8 @@ from idempotent_orders.consuming.failures import (
     retryable,
 )
 from idempotent_orders.consuming.one_statement import presume
-from idempotent_orders.consuming.running import keeps_parked_flag
 from idempotent_orders.consuming.one_transaction import can_presume_at_once, presume_at_once
+from idempotent_orders.consuming.running import keeps_parked_flag
 from idempotent_orders.consuming.sql import (
     can_claim_and_apply,
     read_order,

@@ -154,9 +154,7 @@ def write(
             return apply_at_once(envelope, consumer, order, verdict, unflagged, follow_up)
     body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
     # The payment id the transition spends (recorded with the claim where it can be).
-    payment = (
-        payment_id(envelope) if verdict.transition else None
-    )
+    payment = payment_id(envelope) if verdict.transition else None
     with transaction.atomic():
         # The first statement claims the message: the inbox insert (the unique
         # index decides duplicates), or for a release, deleting the parked row.

@@ -78,6 +78,9 @@ class SearchEntry(models.Model):
     order_id = models.BigIntegerField(unique=True)
     text = models.CharField(max_length=300)
 
+    def __str__(self) -> str:
+        return self.text
+
 
 class SavedCall(models.Model):
     """One call of the project's ``post_save`` receiver, as it saw the order."""
@@ -89,6 +92,9 @@ class SavedCall(models.Model):
     #: The message being consumed, as ``current_message()`` showed it ("" for none).
     message_id = models.CharField(max_length=255, blank=True, default="")
     tracking_number = models.CharField(max_length=128, blank=True, default="")
+
+    def __str__(self) -> str:
+        return f"order {self.order_id} saved as {self.status}"
 
 
 def record_save(sender: Any, instance: Order, created: bool, **kwargs: Any) -> None:

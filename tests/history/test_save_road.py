@@ -25,9 +25,9 @@ from reversion.models import Version
 from idempotent_orders.consuming import current_message, registry
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
+from idempotent_orders.consuming.graph import TransitionStatus
 from idempotent_orders.consuming.running import apply_transition, road, save_hooks
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders.consuming.graph import TransitionStatus
 from idempotent_orders.models import Outcome, ProcessedMessage
 from tests.history.models import Order, OrderEvent, SavedCall, SearchEntry
 
@@ -107,7 +107,9 @@ def trail(order: Order) -> dict[str, Any]:
             (c.status, c.total, c.created)
             for c in SavedCall.objects.filter(order_id=order.pk).order_by("id")
         ],
-        "search": list(SearchEntry.objects.filter(order_id=order.pk).values_list("text", flat=True)),
+        "search": list(
+            SearchEntry.objects.filter(order_id=order.pk).values_list("text", flat=True)
+        ),
         "reversion": [
             (v.field_dict["status"], v.field_dict["total"])
             for v in Version.objects.get_for_object(order).order_by("pk")
@@ -153,7 +155,7 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
     else:
         # Without seq the messages must come in a causal order; copies are shuffled in.
         rng = random.Random(seed)
-        deliveries = sorted(deliveries, key=lambda m: (m["type"] != "payment.succeeded"))
+        deliveries = sorted(deliveries, key=lambda m: m["type"] != "payment.succeeded")
         head, tail = deliveries[:3], deliveries[3:]
         rng.shuffle(tail)
         deliveries = head + sorted(tail, key=lambda m: m["type"] == "shipment.delivered")
