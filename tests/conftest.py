@@ -38,6 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
 OWN_MODEL_SUITES = {
     "shop.Order": ROOT / "tests" / "swapped",
     "history.Order": ROOT / "tests" / "history",
+    "djshop.Order": ROOT / "tests" / "djshop",
 }
 
 
