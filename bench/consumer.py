@@ -299,6 +299,52 @@ def _rows(section: str, label: str, got: Measured, same: str) -> list[Row]:
     ]
 
 
+def _watched(sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
+    """A project's ``post_save`` receiver that does nothing: what makes the save() road."""
+
+
+def _save_road(tag: str) -> Measured:
+    """The default configuration on the same ``Order`` with a ``post_save`` receiver
+    connected: every transition committed by the model's ``save()``."""
+    from django.db.models.signals import post_save
+
+    from idempotent_orders import get_order_model
+    from idempotent_orders.consuming.running import road
+
+    model = get_order_model()
+    post_save.connect(_watched, sender=model, dispatch_uid="bench.consumer.watched")
+    try:
+        assert road(model, "pay")[0] == "save"
+        return _measure(tag, follow_up=True)
+    finally:
+        post_save.disconnect(sender=model, dispatch_uid="bench.consumer.watched")
+
+
+def _save_rows(section: str, got: Measured) -> list[Row]:
+    raw, new, batch = (got[k]["rate"] for k in ("raw", "new", "batch"))
+    label = "Order + a post_save receiver (the save() road)"
+    return [
+        Row(
+            section,
+            f"{label}: consume_message, new",
+            fmt(new),
+            f"{new / raw:.2f}x raw in its run; {got['new']['latency']}",
+            figure=new,
+            baseline=raw,
+            baseline_what="raw psycopg txn, the same writes",
+        ),
+        Row(
+            section.replace("1 consumer", "5 batch"),
+            f"{label}: consume_batch, new, {BATCH}/batch (one save() a transition)",
+            fmt(batch),
+            f"{batch / raw:.1f}x raw in its run; per batch {got['batch']['latency']}",
+            figure=batch,
+            baseline=raw,
+            baseline_what="raw psycopg txn, the same writes",
+        ),
+    ]
+
+
 def run() -> list[Row]:
     setup()
     from django.db import connection
@@ -312,6 +358,7 @@ def run() -> list[Row]:
     with override_settings(IDEMPOTENT_ORDERS=config):
         default = _measure("d", follow_up=True, held=True)
         settings_note = differences(config)
+        saved = _save_road("v")
     tuned_config = {**config, "FULFIL_AFTER_PAYMENT": False}
     with override_settings(IDEMPOTENT_ORDERS=tuned_config):
         tuned = _measure("t", follow_up=False)
@@ -339,6 +386,7 @@ def run() -> list[Row]:
             )
         )
         rows += _rows(section, "ShopOrder (demo, transition bodies)", shop, same)
+    rows += _save_rows(section, saved)
     rows.append(_held_row(section, "Order", default))
     if not isinstance(shop, str) and "held" in shop:
         rows.append(_held_row(section, "ShopOrder", shop))
