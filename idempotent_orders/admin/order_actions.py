@@ -87,10 +87,20 @@ def _verb(name: str) -> str:
     return name.replace("_", " ")
 
 
+def _targets(model: type[Model], e: Edge) -> str:
+    """The states a transition may end in, in words: ``refund payment or order canceled``."""
+    if e.target is not None:
+        return _label(model, e.target)
+    return " or ".join(sorted(_label(model, t) for t in e.targets))
+
+
 def action_label(model: type[Model], e: Edge, rule: Rule | None) -> str:
-    """``Mark as shipped``: what an operator reads in the action menu."""
+    """``Mark as shipped``: what an operator reads in the action menu; for a transition
+    whose body picks the target, its name and the targets it may pick."""
     if rule is Rule.LEASED:
         return f"Start fulfilment (asks the warehouse, marks as {_label(model, e.target)})"
+    if e.target is None:
+        return f"{_verb(e.name).capitalize()} (ends as {_targets(model, e)})"
     return f"Mark as {_label(model, e.target)}"
 
 
@@ -154,7 +164,7 @@ def plan(order: Model, name: str, user: Any, rule: Rule | None) -> Plan:
         return Plan(
             order,
             status.value,
-            f"already past {_label(model, e.target)} ({_label(model, state)}); nothing to do",
+            f"already past {_targets(model, e)} ({_label(model, state)}); nothing to do",
         )
     if status is not TransitionStatus.APPLIED:
         return Plan(order, status.value, f"cannot {_verb(name)} from {_label(model, state)}")
@@ -168,7 +178,9 @@ def plan(order: Model, name: str, user: Any, rule: Rule | None) -> Plan:
             TransitionStatus.NOT_ALLOWED.value,
             f"cannot {_verb(name)}: condition {', '.join(failing)} does not hold",
         )
-    move = f"{_label(model, state)} -> {_label(model, e.target)}"
+    move = f"{_label(model, state)} -> {_targets(model, e)}"
+    if e.target is None:
+        move += " (its body decides)"
     if rule is Rule.OPERATOR:
         return Plan(order, "apply", move)
     if rule is Rule.LEASED:
@@ -220,15 +232,22 @@ def _run(p: Plan, name: str, rule: Rule | None) -> tuple[str, str]:
     return result.status.value, p.text
 
 
-def drawable_edges(model: type[Model]) -> list[Edge]:
-    """The transitions the admin offers as actions: those with one declared target state.
+def drawable_edges(model: type[Model], operator: Iterable[str] = ()) -> list[Edge]:
+    """The transitions the admin offers as actions: those with one declared target state,
+    and the ``operator`` transitions whose body picks the target among several (fsm-2's
+    ``RETURN_VALUE``, ``GET_STATE``: django-SHOP's ``cancel_order``), whose confirmation
+    page names the states they may end in.
 
-    One whose target its body picks (fsm-2's ``RETURN_VALUE``, ``GET_STATE``) or
-    that has none (``target=None``) has no "Mark as ..." to offer; a model whose
+    A targetless transition (``target=None``) has no action to offer; a model whose
     graph cannot be read (no single state field) gives none. Never a crash.
     """
+    chosen = set(operator)
     try:
-        return [e for e in edges(model) if e.target is not None]
+        return [
+            e
+            for e in edges(model)
+            if e.target is not None or (e.dynamic and not e.targetless and e.name in chosen)
+        ]
     except UnknownTransition:
         return []
 

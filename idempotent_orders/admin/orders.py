@@ -182,7 +182,8 @@ class OrderAdminMixin(_ModelAdmin):
 
     def __init__(self, model: type[Model], admin_site: admin.AdminSite) -> None:
         super().__init__(model, admin_site)
-        transitions = [transition_action(model, e) for e in drawable_edges(model)]
+        operator = [n for n in self.operator_transitions if has_transition(model, n)]
+        transitions = [transition_action(model, e) for e in drawable_edges(model, operator)]
         self.actions = [*(self.actions or ()), *transitions]
 
     # -- what the form may change --

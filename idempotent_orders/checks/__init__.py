@@ -3,7 +3,7 @@
 - :mod:`~idempotent_orders.checks.configuration`: ``IDEMPOTENT_ORDERS`` itself
   (names, types, values: E001-E003, E035, E036, W030, W037);
 - :mod:`~idempotent_orders.checks.order_model`: the order model (E040-E045,
-  W041, E052);
+  W041, E052) and its admin's operator transitions (W046);
 - :mod:`~idempotent_orders.checks.delivery`: applied once however a message
   arrives (caches, broker, Celery, webhooks, MySQL isolation: E010, E012,
   E030-E034, W031, E050, E051, E080);
@@ -46,6 +46,7 @@ from idempotent_orders.checks.delivery import (
 from idempotent_orders.checks.http import check_http_settings
 from idempotent_orders.checks.metrics import check_metrics_access
 from idempotent_orders.checks.order_model import (
+    check_operator_transitions,
     check_order_model,
     check_order_model_history,
     check_payment_timeout,
@@ -64,6 +65,7 @@ __all__ = [
     "check_http_settings",
     "check_metrics_access",
     "check_mysql_isolation",
+    "check_operator_transitions",
     "check_order_model",
     "check_order_model_history",
     "check_outbox_and_locks",

@@ -1,6 +1,7 @@
 """Checks of the order model: it exists, its state graph drives every message type, and
 its setting did not change after the first migrate (E040-E045, W041); a payment
-timeout names one of its transitions (E052).
+timeout names one of its transitions (E052); an order admin's operator transitions
+each get an action (W046).
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from idempotent_orders.checks.configuration import well_typed
 
-__all__ = ["check_order_model", "check_order_model_history", "check_payment_timeout"]
+__all__ = [
+    "check_operator_transitions",
+    "check_order_model",
+    "check_order_model_history",
+    "check_payment_timeout",
+]
 
 
 @register(Tags.models)
@@ -177,3 +183,40 @@ def check_payment_timeout(app_configs: Any = None, **kwargs: Any) -> list[CheckM
             )
         ]
     return []
+
+
+@register(Tags.admin)
+def check_operator_transitions(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Every ``operator_transitions`` entry of an order admin gets its action (W046): it
+    names a transition of the admin's model, and one with a target (a targetless
+    transition moves no state: the admin offers no action for it)."""
+    from django.contrib import admin
+
+    from idempotent_orders.admin.orders import OrderAdminMixin
+    from idempotent_orders.consuming.graph import edge, has_transition
+    from idempotent_orders.exceptions import UnknownTransition
+
+    found: list[CheckMessage] = []
+    for model, model_admin in admin.site._registry.items():
+        if not isinstance(model_admin, OrderAdminMixin):
+            continue
+        for name in model_admin.operator_transitions:
+            try:
+                if not has_transition(model, name):
+                    why = "is not a transition of the model"
+                elif edge(model, name).targetless:
+                    why = "has no target (target=None): it moves no state"
+                else:
+                    continue
+            except UnknownTransition:
+                continue  # E042 says why the graph cannot be read
+            found.append(
+                Warning(
+                    f"{type(model_admin).__name__}.operator_transitions names {name!r}, "
+                    f"which {why}; the admin offers no action for it.",
+                    hint="Name a transition of the model with a target, or remove the entry.",
+                    obj=model_admin,
+                    id="idempotent_orders.W046",
+                )
+            )
+    return found
