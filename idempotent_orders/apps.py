@@ -18,10 +18,10 @@ class IdempotentOrdersConfig(AppConfig):
         _register_built_in_types()
 
         from idempotent_orders import fulfilment, leases
-        from idempotent_orders.consuming import running as transitions
+        from idempotent_orders.consuming import running
 
         leases.register_step(fulfilment.STEP)
-        transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
+        running.register_follow_up(fulfilment.QUEUE_FULFILMENT)
         _connect_timers()
         _register_webhook_admin()
 
@@ -34,11 +34,11 @@ def _register_built_in_types() -> None:
     from django.core.exceptions import ImproperlyConfigured
 
     from idempotent_orders import get_order_model
-    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming import registry
     from idempotent_orders.exceptions import UnknownTransition
 
     with contextlib.suppress(ImproperlyConfigured, UnknownTransition):
-        handlers.register_built_in(get_order_model())
+        registry.register_built_in(get_order_model())
 
 
 def _connect_timers() -> None:
