@@ -186,7 +186,6 @@ HTTP_IMPORTS: dict[str, set[str]] = {
     "views": {"decorators", "header", "principals", "problems", "schema", "tokens"},
     "middleware": {"problems"},
     "urls": {"views"},
-    "drf": set(),
     "keys": {
         "header",
         "principals",
@@ -354,29 +353,6 @@ def test_no_private_name_is_imported_across_packages() -> None:
     assert found == []
 
 
-def test_the_old_module_paths_answer_with_a_deprecation_warning() -> None:
-    import importlib
-    import warnings
-
-    from idempotent_orders.consuming.batch import consume_batch
-    from idempotent_orders.consuming.registry import register
-    from idempotent_orders.consuming.single import consume_message
-    from idempotent_orders.orders import create_order
-
-    for old, name, new in [
-        ("services", "consume_message", consume_message),
-        ("services", "create_order", create_order),
-        ("handlers", "register", register),
-        ("batch", "consume_batch", consume_batch),
-    ]:
-        module = importlib.import_module(f"idempotent_orders.{old}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert getattr(module, name) is new
-        assert [w.category for w in caught] == [DeprecationWarning]
-        assert "removed in 0.4.0" in str(caught[0].message)
-
-
 ADMIN = "idempotent_orders.admin"
 #: The admin package's modules and those of its siblings each may import: the dashboard
 #: at the bottom (what needs attention, said after every action), what the lists share
@@ -410,32 +386,3 @@ def test_the_admin_package_goes_down_its_layers() -> None:
     assert wrong == {}
     # Django's autodiscovery imports the package: it must import every module (registration).
     assert graph[ADMIN] == modules
-
-
-def test_the_renamed_and_moved_names_answer_at_their_old_paths_with_a_warning() -> None:
-    import importlib
-    import warnings
-
-    from idempotent_orders.http.claims import KeyClaim
-    from idempotent_orders.http.header import parse_key
-    from idempotent_orders.http.lease import heartbeat
-    from idempotent_orders.http.quotas import lock_principal
-    from idempotent_orders.leases import ClaimOutcome, Verification
-
-    for old, name, new in [
-        ("leases", "Claim", ClaimOutcome),
-        ("leases", "Verdict", Verification),
-        ("http.keys", "Claim", KeyClaim),
-        ("http.claims", "Claim", KeyClaim),
-        ("http.claims", "parse_key", parse_key),
-        ("http.claims", "heartbeat", heartbeat),
-        ("http.claims", "lock_principal", lock_principal),
-    ]:
-        module = importlib.import_module(f"idempotent_orders.{old}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert getattr(module, name) is new
-        assert [w.category for w in caught] == [DeprecationWarning], (old, name)
-        assert "removed in 0.4.0" in str(caught[0].message)
-    with pytest.raises(AttributeError):
-        importlib.import_module("idempotent_orders.http.keys").NoSuchName  # noqa: B018

@@ -21,10 +21,7 @@ runs the steps around a view, sync or async):
    (:mod:`~idempotent_orders.http.replay`). A 5xx or an exception releases the
    key so the client may retry.
 
-Import the public names from :mod:`idempotent_orders.http.keys`. The names that
-lived in this module before it was split answer from their new modules with a
-``DeprecationWarning`` (removed in 0.4.0), as does ``Claim``, now
-:class:`KeyClaim`.
+Import the public names from :mod:`idempotent_orders.http.keys`.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from typing import Any
 
 from django.utils import timezone
 
-from idempotent_orders._moved import moved
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import KeyInFlight, KeyMismatch, QuotaExceeded, TokenInvalid
 from idempotent_orders.http.claim_sql import insert_claim
@@ -189,15 +185,3 @@ def purge_expired(*, now: Any = None) -> int:
     )
     forget_stale_bounds(now=now)
     return deleted
-
-
-__getattr__ = moved(
-    __name__,
-    "idempotent_orders.http.header",
-    "idempotent_orders.http.principals",
-    "idempotent_orders.http.quotas",
-    "idempotent_orders.http.lease",
-    "idempotent_orders.http.replay",
-    "idempotent_orders.http.claim_sql",
-    renamed={"Claim": "idempotent_orders.http.claims.KeyClaim"},
-)
