@@ -404,7 +404,7 @@ def _relayed(published: int, retried: int, dead: int) -> RelayResult:
     return result
 
 
-#: PostgreSQL channel notified on every insert into the outbox (migration 0002_outbox).
+#: PostgreSQL channel notified on every insert into the outbox (a trigger of 0001_initial).
 NOTIFY_CHANNEL = "idempotent_orders_outbox"
 
 
