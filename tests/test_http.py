@@ -650,14 +650,14 @@ def test_the_heartbeat_thread_is_woken_only_for_a_beat_due_before_it_wakes(
 ) -> None:
     import time
 
-    from idempotent_orders.http import claims, lease
+    from idempotent_orders.http import lease
 
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
     beater = lease._Beater()
     notified: list[int] = []
     notify = beater.cond.notify
     monkeypatch.setattr(beater.cond, "notify", lambda: (notified.append(1), notify()))
-    held = claims.KeyClaim(IdempotencyKey(pk=1), "owner")
+    held = lease.KeyClaim(IdempotencyKey(pk=1), "owner")
     first = beater.add(held)  # starts the thread
     assert beater.thread is not None
     assert beater.thread.is_alive()

@@ -27,7 +27,6 @@ Import the public names from :mod:`idempotent_orders.http.keys`.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -37,24 +36,12 @@ from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import KeyInFlight, KeyMismatch, QuotaExceeded, TokenInvalid
 from idempotent_orders.http.claim_sql import insert_claim
 from idempotent_orders.http.header import TOKEN_PREFIX
-from idempotent_orders.http.lease import alive, lease_live, lease_values
+from idempotent_orders.http.lease import KeyClaim, alive, lease_live, lease_values
 from idempotent_orders.http.principals import scope_of, stored_principal
 from idempotent_orders.http.quotas import forget_stale_bounds, live_keys
 from idempotent_orders.models import IdempotencyKey, KeyState
 
-__all__ = ["KeyClaim", "claim", "purge_expired", "release"]
-
-
-@dataclass
-class KeyClaim:
-    """A key this request holds: its row and the lease owner that fences its writes.
-
-    The holder runs the view and stores the response; its lease is renewed by
-    :func:`~idempotent_orders.http.lease.heartbeat`.
-    """
-
-    row: IdempotencyKey
-    owner: str
+__all__ = ["claim", "purge_expired", "release"]
 
 
 def claim(

@@ -12,7 +12,7 @@ below :mod:`idempotent_orders.http.decorators` (which runs them around a view):
 
 from __future__ import annotations
 
-from idempotent_orders.http.claims import KeyClaim, claim, purge_expired, release
+from idempotent_orders.http.claims import claim, purge_expired, release
 from idempotent_orders.http.header import (
     HEADER,
     TOKEN_PREFIX,
@@ -23,7 +23,7 @@ from idempotent_orders.http.header import (
     parse_key,
     read_body,
 )
-from idempotent_orders.http.lease import heartbeat, renew
+from idempotent_orders.http.lease import KeyClaim, heartbeat, renew
 from idempotent_orders.http.principals import (
     default_principal,
     get_principal,
