@@ -15,6 +15,7 @@ class IdempotentOrdersConfig(AppConfig):
         from idempotent_orders.observability import connect
 
         connect()  # Prometheus metrics, when prometheus-client is installed
+        _count_through_the_dedup_layer()
         _register_built_in_types()
 
         from idempotent_orders import fulfilment, leases
@@ -39,6 +40,13 @@ def _register_built_in_types() -> None:
 
     with contextlib.suppress(ImproperlyConfigured, UnknownTransition):
         registry.register_built_in(get_order_model())
+
+
+def _count_through_the_dedup_layer() -> None:
+    """Counters flushed to a Redis Cluster go through the fast path's bounded calls."""
+    from idempotent_orders import dedup, stats
+
+    stats.write_on_cluster_with(dedup.redis.add_counts)
 
 
 def _connect_timers() -> None:
