@@ -141,6 +141,37 @@ def test_no_module_imports_itself_back(package: str) -> None:
     assert cycles == {}
 
 
+#: (lower, upper): the upper module imports the lower one, and the lower one is given what
+#: it needs or holds the shared piece, so it never imports the upper one back: not at the
+#: top, not inside a function, not for typing only.
+LAYERED = [
+    ("idempotent_orders.stats", "idempotent_orders.dedup"),
+    ("idempotent_orders.admin.order_actions", "idempotent_orders.admin.orders"),
+    ("idempotent_orders.http.lease", "idempotent_orders.http.claims"),
+]
+
+
+def _imported_names(module: str) -> set[str]:
+    """Every absolute dotted name ``module``'s file imports, ``TYPE_CHECKING`` included."""
+    path = ROOT / module.replace(".", "/")
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize(("lower", "upper"), LAYERED, ids=[lower for lower, _ in LAYERED])
+def test_a_lower_module_never_imports_the_upper_one_back(lower: str, upper: str) -> None:
+    upward = _imported_names(upper)
+    assert any(n == lower or n.startswith(f"{lower}.") for n in upward), "not layered"
+    back = {n for n in _imported_names(lower) if n == upper or n.startswith(f"{upper}.")}
+    assert back == set()
+
+
 def test_the_import_graph_sees_lazy_relative_and_circular_imports(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
