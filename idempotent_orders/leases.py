@@ -356,10 +356,7 @@ def expired(*, now: datetime | None = None) -> QuerySet[ProcessedMessage]:
 
 
 class Verification(enum.Enum):
-    """What :meth:`LeasedStep.verify` found out about a leased effect.
-
-    (Formerly ``Verdict``; ``consuming.decision.Verdict`` is the consume road's.)
-    """
+    """What :meth:`LeasedStep.verify` found out about a leased effect."""
 
     #: The other system has the effect: complete without calling it again.
     DONE = "done"
