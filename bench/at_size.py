@@ -1,21 +1,16 @@
 """The admin and the process start at size, on PostgreSQL (not part of ``make test``).
 
-    BENCH_INBOX_ROWS=2000000 BENCH_ORDERS=2000000 .venv/bin/python bench/at_size.py [before|after|both]
+    BENCH_INBOX_ROWS=2000000 BENCH_ORDERS=2000000 .venv/bin/python bench/at_size.py
 
 Creates two databases of its own (``size_<ns>`` filled, ``size_<ns>_empty``), migrates
-them through the app's migrations (``before``: up to 0009, the schema before the
-partial indexes; ``after``: the latest), fills one with ``INSERT ... SELECT
-generate_series`` and times, through Django's test ``Client`` logged in as a
+them, fills one with ``INSERT ... SELECT generate_series`` and times, through Django's test ``Client`` logged in as a
 superuser, the admin pages an operator opens, ``outbox_stats()`` and the Bloom
 filter's warm-up at process start. Each figure is also given as a ratio to the same
 measurement on the empty database, taken in the same run: the two alternate
 ``BENCH_ROUNDS`` times (3), medians. The databases are dropped at the end unless
-``BENCH_KEEP=1``; ``after`` on a kept database migrates it and measures again. At
+``BENCH_KEEP=1``; a run that finds a kept database migrates it and measures again. At
 10M inbox rows (``BENCH_INBOX_ROWS=10000000``) the fill takes about 7 minutes here
 and the databases about 5 GB.
-
-``after`` also sets ``paginator = EstimatedCountPaginator`` on the big lists' admins,
-as the project's admin will.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ OUTBOX = int(os.environ.get("BENCH_OUTBOX_ROWS", str(max(INBOX // 10, 1000))))
 PARKED = int(os.environ.get("BENCH_PARKED_ROWS", "10000"))
 REPEAT = int(os.environ.get("BENCH_REPEAT", "5"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-BEFORE = "0009_audit_order_message"
 PG = ["-h", "127.0.0.1", "-U", "postgres"]
 
 
@@ -119,20 +113,18 @@ FROM generate_series(1, {outbox}) g;
 """
 
 
-def setup(phase: str) -> None:
+def setup() -> None:
     for db in (FULL, EMPTY):
         subprocess.run(["dropdb", *PG, "--if-exists", db], check=True)
         subprocess.run(["createdb", *PG, db], check=True)
         _manage(db, "migrate")
-        if phase == "before":
-            _manage(db, "migrate", "idempotent_orders", BEFORE)
     started = time.perf_counter()
     _psql(FULL, FILL.format(orders=ORDERS, inbox=INBOX, parked=PARKED, outbox=OUTBOX))
     _psql(FULL, "VACUUM ANALYZE")
     print(f"filled {FULL} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
-def migrate_after() -> None:
+def migrate_kept() -> None:
     for db in (FULL, EMPTY):
         started = time.perf_counter()
         _manage(db, "migrate")
@@ -160,11 +152,10 @@ def sizes(db: str) -> dict[str, Any]:
 # -- run inside a child process, on one database ---------------------------------------
 
 
-def measure(phase: str) -> dict[str, float]:
+def measure() -> dict[str, float]:
     import django
 
     django.setup()
-    from django.contrib import admin
     from django.contrib.auth import get_user_model
     from django.db import connection
     from django.test import Client
@@ -172,19 +163,11 @@ def measure(phase: str) -> dict[str, float]:
 
     from idempotent_orders import dedup
     from idempotent_orders.models import (
-        AuditEntry,
-        OutboxMessage,
-        ParkedMessage,
         ProcessedMessage,
     )
     from idempotent_orders.outbox import outbox_stats
 
     setup_test_environment()
-    if phase == "after":
-        from idempotent_orders.paginators import EstimatedCountPaginator
-
-        for model in (ProcessedMessage, ParkedMessage, OutboxMessage, AuditEntry):
-            admin.site._registry[model].paginator = EstimatedCountPaginator  # type: ignore[attr-defined]
 
     user_model = get_user_model()
     user = user_model.objects.filter(username="bench-admin").first()
@@ -265,9 +248,9 @@ def measure(phase: str) -> dict[str, float]:
     return out
 
 
-def _child(db: str, phase: str) -> dict[str, float]:
+def _child(db: str) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, __file__, "--measure", phase],
+        [sys.executable, __file__, "--measure"],
         env=_env(db),
         check=True,
         capture_output=True,
@@ -277,18 +260,17 @@ def _child(db: str, phase: str) -> dict[str, float]:
     return result
 
 
-def report(phase: str) -> dict[str, Any]:
+def report() -> dict[str, Any]:
     # Full and empty alternate, ROUNDS times (medians): on a shared machine the load
     # moves between two children run one after the other.
     runs: dict[str, list[dict[str, float]]] = {FULL: [], EMPTY: []}
     for _ in range(ROUNDS):
         for db in (FULL, EMPTY):
-            runs[db].append(_child(db, phase))
+            runs[db].append(_child(db))
     full, empty = (
         {k: statistics.median(r[k] for r in runs[db]) for k in runs[db][0]} for db in (FULL, EMPTY)
     )
     result = {
-        "phase": phase,
         "sizes": sizes(FULL),
         "ms": {k: round(v, 1) for k, v in full.items()},
         "empty_ms": {k: round(v, 1) for k, v in empty.items()},
@@ -300,20 +282,13 @@ def report(phase: str) -> dict[str, Any]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--measure"]:
-        print(json.dumps(measure(sys.argv[2])))
+        print(json.dumps(measure()))
         return
-    what = sys.argv[1] if len(sys.argv) > 1 else "both"
-    if what in ("before", "both"):
-        setup("before")
-        report("before")
-    if what in ("after", "both"):
-        if what == "after" and not _psql(
-            "postgres", f"SELECT 1 FROM pg_database WHERE datname='{FULL}'"
-        ):
-            setup("after")
-        else:
-            migrate_after()
-        report("after")
+    if _psql("postgres", f"SELECT 1 FROM pg_database WHERE datname='{FULL}'"):
+        migrate_kept()
+    else:
+        setup()
+    report()
     if os.environ.get("BENCH_KEEP") != "1":
         for db in (FULL, EMPTY):
             subprocess.run(["dropdb", *PG, "--if-exists", db], check=True)

@@ -1,7 +1,7 @@
 """Which index serves each inbox query at size: ``EXPLAIN (ANALYZE, BUFFERS)`` of the SQL
 the app's own code sends (admin pages, dashboard, reconciler, purge, Bloom warm-up).
 
-    BENCH_KEEP=1 ... bench/at_size.py after      # a filled database, kept
+    BENCH_KEEP=1 ... bench/at_size.py            # a filled database, kept
     IO_TEST_NAMESPACE=<ns> .venv/bin/python bench/at_size_plans.py [-v] [name ...]
 
 Runs on ``size_<ns>`` (``BENCH_DB``), the database ``bench/at_size.py`` fills. Each

@@ -41,7 +41,7 @@ def main() -> None:
         from idempotent_orders.outbox import relay, sender
 
         current_app.conf.broker_url = url
-        fast_send, send = sender._FastSender.send, sender._send
+        fast_send, send = sender._TemplateSender.send, sender._send
 
         def counted_fast(self: Any, row: Any) -> bool:
             done = fast_send(self, row)
@@ -53,7 +53,7 @@ def main() -> None:
             send(row)
             tick(row.message_id)
 
-        sender._FastSender.send = counted_fast  # type: ignore[method-assign]
+        sender._TemplateSender.send = counted_fast  # type: ignore[method-assign]
         sender._send = counted  # type: ignore[assignment]
         relay.relay_outbox(batch_size=100)
         return

@@ -191,7 +191,7 @@ def _patch(tables: dict[str, str]) -> None:
     producer._publish_many_after_commit = _timed(
         "after-commit hand-off to the publisher", producer._publish_many_after_commit
     )
-    sender._FastSender.send = _timed("broker publish", sender._FastSender.send)  # type: ignore[method-assign]
+    sender._TemplateSender.send = _timed("broker publish", sender._TemplateSender.send)  # type: ignore[method-assign]
     sender._send = _timed("broker publish", sender._send)
 
 

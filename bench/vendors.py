@@ -116,7 +116,7 @@ def child(vendor: str) -> None:
     """Measure on ``vendor`` and print the medians as JSON (run in its own process).
 
     Interleaved run by run: each raw baseline, then the road it stands beside. With
-    ``BENCH_VENDORS_BEFORE=1`` the previous road (the one-transaction road off: Django's
+    ``BENCH_VENDORS_ORM_ROAD=1`` the general road (the one-transaction road off: Django's
     ``atomic`` and the ORM) is measured in the same runs too, on the default configuration.
     """
     setup_child(vendor)
@@ -130,12 +130,12 @@ def child(vendor: str) -> None:
     from idempotent_orders.consuming import single, writing
     from idempotent_orders.outbox import flush_publisher
 
-    before = os.environ.get("BENCH_VENDORS_BEFORE") == "1"
+    orm_road = os.environ.get("BENCH_VENDORS_ORM_ROAD") == "1"
     connection.ensure_connection()
     config = default_configuration()
     tuned = {**config, "FULFIL_AFTER_PAYMENT": False}
     rates: dict[str, list[float]] = {
-        k: [] for k in (*RAW, "new", "held", "batch", "new_t", "batch_t", "before")
+        k: [] for k in (*RAW, "new", "held", "batch", "new_t", "batch_t", "orm")
     }
 
     def consumed(key: str, conf: dict[str, Any], tag: str, batch: bool = False) -> None:
@@ -153,14 +153,14 @@ def child(vendor: str) -> None:
             if key == "raw4":
                 consumed("new", config, f"s{run_no}-")
                 consumed("held", {**config, **HELD}, f"h{run_no}-")
-                if before:
+                if orm_road:
                     with (
                         mock.patch.object(
                             writing, "can_claim_and_apply_at_once", return_value=False
                         ),
                         mock.patch.object(single, "can_presume_at_once", return_value=False),
                     ):
-                        consumed("before", config, f"o{run_no}-")
+                        consumed("orm", config, f"o{run_no}-")
                 consumed("batch", config, f"b{run_no}-", batch=True)
             elif key == "raw2":
                 consumed("new_t", tuned, f"t{run_no}-")
@@ -323,14 +323,14 @@ def run() -> list[Row]:
                     baseline_what=f"raw {driver} txn, the same writes",
                 )
             )
-        if "before" in got:
-            before = got["before"]
+        if "orm" in got:
+            orm = got["orm"]
             rows.append(
                 Row(
                     section,
-                    "previous road (Django's atomic and the ORM), new",
-                    fmt(before),
-                    f"{before / raw4:.2f}x raw; the road now {new / before:.1f}x it",
+                    "general road (Django's atomic and the ORM), new",
+                    fmt(orm),
+                    f"{orm / raw4:.2f}x raw; the one-transaction road {new / orm:.1f}x it",
                 )
             )
         rows += [

@@ -10,23 +10,23 @@ class DemoProjectConfig(AppConfig):
     def ready(self) -> None:
         from demo_project.models import ShopOrder
         from idempotent_orders import get_order_model
-        from idempotent_orders.consuming import registry as handlers
+        from idempotent_orders.consuming import registry
 
         if get_order_model() is not ShopOrder:
             return  # the test suite runs the demo's views on the default model
         # The recipe for a project's own order model: bind each message type to
         # one of the model's transitions (the built-in validators check only the
         # fields the model has). "refund" and "cancel" keep the built-in names.
-        handlers.register(
+        registry.register(
             "payment.succeeded",
             transition="mark_paid",
-            validate=handlers.validate_payment,
+            validate=registry.validate_payment,
             money=True,  # a payment that cannot apply is money to give back
         )
-        handlers.register(
-            "shipment.dispatched", transition="dispatch", validate=handlers.validate_shipment
+        registry.register(
+            "shipment.dispatched", transition="dispatch", validate=registry.validate_shipment
         )
-        handlers.register(
-            "shipment.delivered", transition="deliver", validate=handlers.validate_delivery
+        registry.register(
+            "shipment.delivered", transition="deliver", validate=registry.validate_delivery
         )
-        handlers.register("warehouse.packed", transition="pack", consumers={"shipping"})
+        registry.register("warehouse.packed", transition="pack", consumers={"shipping"})

@@ -15,13 +15,14 @@ class IdempotentOrdersConfig(AppConfig):
         from idempotent_orders.observability import connect
 
         connect()  # Prometheus metrics, when prometheus-client is installed
+        _count_through_the_dedup_layer()
         _register_built_in_types()
 
         from idempotent_orders import fulfilment, leases
-        from idempotent_orders.consuming import running as transitions
+        from idempotent_orders.consuming import running
 
         leases.register_step(fulfilment.STEP)
-        transitions.register_follow_up(fulfilment.QUEUE_FULFILMENT)
+        running.register_follow_up(fulfilment.QUEUE_FULFILMENT)
         _connect_timers()
         _register_webhook_admin()
 
@@ -34,11 +35,18 @@ def _register_built_in_types() -> None:
     from django.core.exceptions import ImproperlyConfigured
 
     from idempotent_orders import get_order_model
-    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming import registry
     from idempotent_orders.exceptions import UnknownTransition
 
     with contextlib.suppress(ImproperlyConfigured, UnknownTransition):
-        handlers.register_built_in(get_order_model())
+        registry.register_built_in(get_order_model())
+
+
+def _count_through_the_dedup_layer() -> None:
+    """Counters flushed to a Redis Cluster go through the fast path's bounded calls."""
+    from idempotent_orders import dedup, stats
+
+    stats.write_on_cluster_with(dedup.redis.add_counts)
 
 
 def _connect_timers() -> None:

@@ -41,7 +41,6 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
-from idempotent_orders._moved import moved
 from idempotent_orders.conf import conf
 from idempotent_orders.models import AbstractOrder, InboxStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import lease_finished
@@ -357,10 +356,7 @@ def expired(*, now: datetime | None = None) -> QuerySet[ProcessedMessage]:
 
 
 class Verification(enum.Enum):
-    """What :meth:`LeasedStep.verify` found out about a leased effect.
-
-    (Formerly ``Verdict``; ``consuming.decision.Verdict`` is the consume road's.)
-    """
+    """What :meth:`LeasedStep.verify` found out about a leased effect."""
 
     #: The other system has the effect: complete without calling it again.
     DONE = "done"
@@ -466,12 +462,3 @@ def run_step(step: LeasedStep, lease: Lease, *, via: str = "worker") -> StepResu
     result = step.finish(lease)
     _announce(lease, result, via)
     return result
-
-
-__getattr__ = moved(
-    __name__,
-    renamed={
-        "Claim": "idempotent_orders.leases.ClaimOutcome",
-        "Verdict": "idempotent_orders.leases.Verification",
-    },
-)

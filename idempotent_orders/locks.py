@@ -22,17 +22,8 @@ R = TypeVar("R")
 
 # Take the lock and draw the next fencing token in one step, so a token always
 # belongs to exactly one successful acquisition and grows with every holder.
-# KEYS[3], when given (not on a cluster), is the counter's key before the hash
-# tag (``fence:<name>``): a counter not there yet starts from it, so tokens
-# keep growing across the upgrade.
 _ACQUIRE = """
 if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    if KEYS[3] and redis.call('exists', KEYS[2]) == 0 then
-        local before = redis.call('get', KEYS[3])
-        if before then
-            redis.call('set', KEYS[2], before)
-        end
-    end
     return redis.call('incr', KEYS[2])
 end
 return 0
@@ -59,18 +50,6 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
     from redis.exceptions import RedisClusterException, RedisError
 
     return (RedisError, RedisClusterException, OSError)
-
-
-#: The server refused the old counter's key in the acquire script (a cluster behind a proxy).
-_legacy_refused = False
-
-
-def _is_cluster(client: Any) -> bool:
-    try:
-        from redis.cluster import RedisCluster
-    except ImportError:  # pragma: no cover - redis-py has it since 4.1
-        return False
-    return isinstance(client, RedisCluster)
 
 
 class FencedLock:
@@ -128,29 +107,10 @@ class FencedLock:
         tag = f"{{{self.name}}}"
         return client, cache.make_key(f"lock:{tag}"), cache.make_key(f"fence:{tag}")
 
-    def _legacy_fence_key(self) -> str:
-        """The fencing counter's key before the hash tag (``fence:<name>``), to carry it on."""
-        from django.core.cache import caches
-
-        return str(caches[self.cache_alias or conf.LOCK_CACHE].make_key(f"fence:{self.name}"))
-
     def _run(self, script: str, extra: list[Any]) -> int:
-        global _legacy_refused
         client, key, fence_key = self._client()
-        keys = [key, fence_key]
-        legacy = script is _ACQUIRE and not _legacy_refused and not _is_cluster(client)
-        if legacy:
-            keys.append(self._legacy_fence_key())
         try:
-            try:
-                return int(client.eval(script, len(keys), *keys, *extra))
-            except _redis_errors() as exc:
-                # A cluster behind a proxy (not a RedisCluster client) refuses the third
-                # key's slot: stop reading the old counter in this process.
-                if not (legacy and "CROSSSLOT" in str(exc)):
-                    raise
-                _legacy_refused = True
-                return int(client.eval(script, 2, key, fence_key, *extra))
+            return int(client.eval(script, 2, key, fence_key, *extra))
         except _redis_errors() as exc:
             from redis.exceptions import ConnectionError, TimeoutError
 

@@ -218,11 +218,11 @@ class ProcessedMessage(models.Model):
         # sort by time. A BRIN index costs ~0 bytes a row, but the sort then reads
         # the whole table (7 s at 10M rows, docs/operations.md "Admin at size").
         indexes = [models.Index(fields=["created_at"])]
-        # The rest differ by database, so migrations create them, not Meta (declared
-        # here, MariaDB would get a partial index as a full one): on PostgreSQL and
-        # SQLite, 0010's partial indexes for the rows operators and the reconciler
-        # look for (stuck, failed, dead, rejected) and 0011's of the outcomes other
-        # than "applied"; MariaDB keeps 0001's full (status, lease_expires_at) and
+        # The rest differ by database, so the migration creates them, not Meta
+        # (declared here, MariaDB would get a partial index as a full one): on
+        # PostgreSQL and SQLite, partial indexes for the rows operators and the
+        # reconciler look for (stuck, failed, dead, rejected) and for the outcomes
+        # other than "applied"; on MariaDB full (status, lease_expires_at) and
         # outcome indexes instead.
 
     def __str__(self) -> str:

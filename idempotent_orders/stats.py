@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from django.core.cache import caches
 
 from idempotent_orders.conf import conf
 
-__all__ = ["flush", "incr", "local", "read", "reset"]
+__all__ = ["flush", "incr", "local", "read", "reset", "write_on_cluster_with"]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -29,6 +30,19 @@ _lock = threading.Lock()
 _pending: Counter[str] = Counter()
 _local: Counter[str] = Counter()
 _last_flush = 0.0
+
+#: Adds a batch of counts to the hash on a Redis Cluster, bounded as a fast-path call (a
+#: master that failed is skipped until its back-off ends); False when the cache is not a
+#: cluster. Given by the dedup layer when the app is ready, which counts through this
+#: module: this module imports no dedup code.
+ClusterWriter = Callable[[Any, str, dict[str, int]], bool]
+_cluster_writer: ClusterWriter | None = None
+
+
+def write_on_cluster_with(writer: ClusterWriter | None) -> None:
+    """Flush the counts on a Redis Cluster through ``writer`` (None: a plain pipeline)."""
+    global _cluster_writer
+    _cluster_writer = writer
 
 
 def _client_and_key() -> tuple[Any, str] | None:
@@ -68,10 +82,9 @@ def flush() -> bool:
     client, key = target
     try:
         # On a Redis Cluster the flush is bounded as a fast-path call is (it runs on the
-        # consumers' hot path); a master that failed is skipped until its back-off ends.
-        from idempotent_orders.dedup import redis as fast_path
-
-        if not fast_path.add_counts(caches[conf.DEDUP_CACHE_ALIAS], key, batch):
+        # consumers' hot path): through the writer the dedup layer gave.
+        writer = _cluster_writer
+        if writer is None or not writer(caches[conf.DEDUP_CACHE_ALIAS], key, batch):
             pipe = client.pipeline(transaction=False)
             for name, amount in batch.items():
                 pipe.hincrby(key, name, amount)

@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from idempotent_orders import get_order_model
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, dead_letter, describe
 from idempotent_orders.consuming.graph import TransitionStatus, classify, current_state
 from idempotent_orders.consuming.single import consume_message
@@ -47,9 +47,9 @@ def message_type(transition: str) -> str:
 
 def _bind(transition: str) -> str:
     name = message_type(transition)
-    handler = handlers.get_handler(name)
+    handler = registry.get_handler(name)
     if handler is None or handler.transition != transition:
-        handlers.register(name, transition=transition, consumers={CONSUMER})
+        registry.register(name, transition=transition, consumers={CONSUMER})
     return name
 
 

@@ -369,7 +369,7 @@ def test_no_look_for_parked_messages_of_orders_the_batch_found_without_any(make_
 
 @pytest.mark.django_db
 def test_follow_ups_run_in_the_batch_without_any_signal_receiver(make_order) -> None:
-    from idempotent_orders.consuming import running as transitions
+    from idempotent_orders.consuming import running
 
     written: list[tuple[int, str, str]] = []
 
@@ -382,11 +382,11 @@ def test_follow_ups_run_in_the_batch_without_any_signal_receiver(make_order) -> 
 
     orders = [make_order() for _ in range(2)]
     recorder = Recorder()
-    transitions.register_follow_up(recorder)
+    running.register_follow_up(recorder)
     try:
         consume_batch([payment(o) for o in orders], consumer="payments")
     finally:
-        transitions._follow_ups.remove(recorder)
+        running._follow_ups.remove(recorder)
     assert sorted(written) == sorted((o.pk, "pay", S.PAID) for o in orders)
 
 

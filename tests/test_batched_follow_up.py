@@ -61,28 +61,28 @@ def _rows(orders: list[Any]) -> list[tuple[Any, ...]]:
 
 @pytest.mark.django_db
 def test_the_batch_writes_the_outbox_rows_one_by_one_would_write(make_order, monkeypatch) -> None:
-    new_road = [make_order() for _ in range(5)]
-    old_road = [make_order() for _ in range(5)]
+    handed_over = [make_order() for _ in range(5)]
+    one_by_one = [make_order() for _ in range(5)]
     with _fulfil(), tracing.use(TRACE, "batch-7"):
         with CaptureQueriesContext(connection) as queries:
             assert (
-                consume_batch([payment(o) for o in new_road], consumer="payments")
+                consume_batch([payment(o) for o in handed_over], consumer="payments")
                 == [Outcome.APPLIED] * 5
             )
         table = OutboxMessage._meta.db_table
         inserts = [q for q in queries if q["sql"].startswith("INSERT") and table in q["sql"]]
         assert len(inserts) == 1, "one INSERT for the chunk's follow-ups"
-        # The road before: the follow-up written once per applied order.
+        # A follow-up without write_many: its row written once per applied order.
         monkeypatch.delattr(QueueFulfilment, "write_many")
         with CaptureQueriesContext(connection) as queries:
             assert (
-                consume_batch([payment(o) for o in old_road], consumer="payments")
+                consume_batch([payment(o) for o in one_by_one], consumer="payments")
                 == [Outcome.APPLIED] * 5
             )
         inserts = [q for q in queries if q["sql"].startswith("INSERT") and table in q["sql"]]
         assert len(inserts) == 5
-    written = _rows(new_road)
-    assert written == _rows(old_road)
+    written = _rows(handed_over)
+    assert written == _rows(one_by_one)
     assert len(written) == 5
     assert written[0][1] == "idempotent_orders.fulfil_order"
     assert (written[0][-2], written[0][-1]) == (TRACE, "batch-7")
@@ -183,12 +183,12 @@ def test_a_follow_up_that_raises_in_the_batch_loses_nothing(make_order) -> None:
 def test_one_statement_writes_the_follow_ups_row_one_by_one_would_write(
     make_order, monkeypatch
 ) -> None:
-    new_road = [make_order() for _ in range(3)]
-    old_road = [make_order() for _ in range(3)]
+    handed_over = [make_order() for _ in range(3)]
+    one_by_one = [make_order() for _ in range(3)]
     outbox_table = OutboxMessage._meta.db_table
     inbox_partitioned()  # read once per process, not the message's own statement
     with _fulfil(), tracing.use(TRACE, "single-3"):
-        for order in new_road:
+        for order in handed_over:
             with CaptureQueriesContext(connection) as queries:
                 assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
             # (The Bloom filter's warm-up reads the inbox too; not the message's own.)
@@ -197,25 +197,25 @@ def test_one_statement_writes_the_follow_ups_row_one_by_one_would_write(
             assert len(statements) == 1, statements
             assert statements[0].startswith("WITH claim")
             assert outbox_table in statements[0]
-        # The road before: the statement in the follow-up's transaction, then its INSERT.
+        # A follow-up without outbox_row: the statement in its transaction, then its INSERT.
         monkeypatch.delattr(QueueFulfilment, "outbox_row")
-        for order in old_road:
+        for order in one_by_one:
             with CaptureQueriesContext(connection) as queries:
                 assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
             inserts = [q for q in queries if q["sql"].startswith("INSERT")]
             assert len(inserts) == 1
             assert outbox_table in inserts[0]["sql"]
-    written = _rows(new_road)
-    assert written == _rows(old_road)
+    written = _rows(handed_over)
+    assert written == _rows(one_by_one)
     assert len(written) == 3
     assert (written[0][-2], written[0][-1]) == (TRACE, "single-3")
-    for order in new_road:
+    for order in handed_over:
         order.refresh_from_db()
         assert (order.status, order.version) == (OrderStatus.PAID, 1)
     # Delivered again: duplicates, nothing written twice.
-    for order in new_road:
+    for order in handed_over:
         assert consume_message(payment(order), consumer="payments") is not Outcome.APPLIED
-    assert len(_rows(new_road)) == 3
+    assert len(_rows(handed_over)) == 3
 
 
 @pytest.mark.backends("postgresql")

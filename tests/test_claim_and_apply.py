@@ -14,10 +14,9 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders.consuming import prepared, writing
-from idempotent_orders.consuming import single as services
-from idempotent_orders.consuming import sql as statements
+from idempotent_orders.consuming import prepared, single, writing
 from idempotent_orders.consuming.single import consume_message
+from idempotent_orders.consuming.sql import claim_and_apply
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from tests.support.messages import payment, shipment, transitions_heard
 
@@ -131,9 +130,9 @@ def test_a_copy_of_a_claimed_message_is_a_duplicate_and_writes_nothing(make_orde
     assert consume_message(message, consumer="payments") is Outcome.APPLIED
     fresh = Order.objects.get(pk=order.pk)
     # A copy decided against a stale read still loses to the unique index.
-    verdict = services.decide(order, services.parse_envelope(message))
+    verdict = single.decide(order, single.parse_envelope(message))
     with pytest.raises(writing.Duplicate):
-        writing.write(services.parse_envelope(message), "payments", order, verdict, None)
+        writing.write(single.parse_envelope(message), "payments", order, verdict, None)
     assert Order.objects.get(pk=order.pk).version == fresh.version
     assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
 
@@ -142,7 +141,7 @@ def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
     make_order, monkeypatch
 ) -> None:
     order = make_order()
-    real = statements.claim_and_apply
+    real = claim_and_apply
     calls: list[int] = []
 
     def racing(row: Any, order_: Any, **kwargs: Any) -> bool:
@@ -153,7 +152,7 @@ def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
         return real(row, order_, **kwargs)
 
     monkeypatch.setattr(writing, "claim_and_apply", racing)
-    monkeypatch.setattr(services, "presume", lambda *args: None)  # the read-first path
+    monkeypatch.setattr(single, "presume", lambda *args: None)  # the read-first path
     # (A cancellation: a payment, which carries money, records its payment id as
     # spent, and takes the general path once presume() has declined it.)
     cancel = {"message_id": f"cancel-{order.pk}", "type": "order.cancelled", "order_id": order.pk}

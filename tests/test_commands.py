@@ -16,8 +16,6 @@ from idempotent_orders import stats
 COMMANDS = Path(idempotent_orders.__file__).parent / "management"
 #: Words that tie a command name to this app when it does not start with its label.
 OWN_WORDS = ("idempotent", "idempotency", "orders", "outbox", "parked")
-#: Old names kept for a release, each warning that it is deprecated.
-DEPRECATED = {"stats": "idempotent_orders_stats"}
 
 
 def test_every_command_name_says_whose_it_is() -> None:
@@ -25,7 +23,7 @@ def test_every_command_name_says_whose_it_is() -> None:
     assert "idempotent_orders_stats" in names
     generic = {
         name
-        for name in names - set(DEPRECATED)
+        for name in names
         if not name.startswith("idempotent_orders_")
         and not any(word in name.split("_") for word in OWN_WORDS)
     }
@@ -33,15 +31,10 @@ def test_every_command_name_says_whose_it_is() -> None:
 
 
 @pytest.mark.django_db  # the command reads the outbox rows too
-def test_the_old_stats_name_warns_and_still_works(settings: Any) -> None:
+def test_the_stats_command_reports_the_counts_as_json(settings: Any) -> None:
     settings.IDEMPOTENT_ORDERS = {"DEDUP_CACHE_ALIAS": ""}  # counts stay in this process
     stats.reset()
     stats.incr("outcome:applied")
-    new_out = StringIO()
-    call_command("idempotent_orders_stats", "--json", stdout=new_out)
-    old_out, old_err = StringIO(), StringIO()
-    with pytest.warns(DeprecationWarning, match="idempotent_orders_stats"):
-        call_command("stats", "--json", stdout=old_out, stderr=old_err)
-    assert json.loads(old_out.getvalue()) == json.loads(new_out.getvalue())
-    assert json.loads(new_out.getvalue())["outcome:applied"] == 1
-    assert "deprecated" in old_err.getvalue()
+    out = StringIO()
+    call_command("idempotent_orders_stats", "--json", stdout=out)
+    assert json.loads(out.getvalue())["outcome:applied"] == 1

@@ -10,7 +10,7 @@ from django.db import transaction
 from django.test import override_settings
 
 from idempotent_orders.consuming import batch as batch_module
-from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming import single
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
@@ -83,7 +83,7 @@ def test_a_redelivery_after_a_crash_before_release_releases_the_successor(make_o
     pay, ship = payment(order, seq=1), shipment(order, seq=2)
     assert consume_message(ship, consumer="shipping") is Outcome.PARKED
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(services, "release_parked", _crash)
+        patch.setattr(single, "release_parked", _crash)
         with pytest.raises(Crash):
             consume_message(pay, consumer="payments")
     assert ParkedMessage.objects.filter(order=order).exists()  # the crash left it parked

@@ -16,7 +16,7 @@ from django_fsm.signals import post_transition
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.admin.inbox import _requeue_and_redeliver
-from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed, dead_letter
 from idempotent_orders.consuming.single import consume_message
@@ -121,9 +121,9 @@ def fragile_type() -> Iterator[str]:
         return {}
 
     name = f"test.fragile.{uuid.uuid4().hex[:6]}"
-    handlers.register(name, transition="cancel", validate=validate)
+    registry.register(name, transition="cancel", validate=validate)
     yield name
-    handlers._registry.pop(name, None)
+    registry._registry.pop(name, None)
 
 
 def _message(order: Any, kind: str, **payload: Any) -> dict[str, Any]:

@@ -501,49 +501,6 @@ def test_drf_viewset_registered_with_a_router(alice: Any) -> None:
     assert not Order.objects.exists()
 
 
-def test_the_old_drf_module_warns_and_still_works() -> None:
-    import importlib
-    import sys
-
-    from idempotent_orders.contrib.drf import IdempotentAPIViewMixin
-
-    sys.modules.pop("idempotent_orders.http.drf", None)
-    with pytest.warns(DeprecationWarning, match=r"idempotent_orders\.contrib\.drf"):
-        old = importlib.import_module("idempotent_orders.http.drf")
-    assert old.IdempotentAPIViewMixin is IdempotentAPIViewMixin
-
-
-def test_the_old_decorator_name_warns_and_still_works(alice: Any) -> None:
-    from django.http import JsonResponse
-    from django.test import RequestFactory
-
-    from idempotent_orders.http import IdempotentMixin, keys
-
-    runs: list[int] = []
-
-    def view(request: Any) -> Any:
-        runs.append(1)
-        return JsonResponse({"run": len(runs)}, status=201)
-
-    with pytest.warns(DeprecationWarning, match=r"idempotent_orders\.http\.idempotent_view"):
-        old = keys.idempotent(view)
-    with pytest.warns(DeprecationWarning, match="idempotent_view"):
-        optional = keys.idempotent(required=False)(view)
-
-    def call(decorated: Any, key: str | None) -> Any:
-        headers = {} if key is None else {"Idempotency-Key": key}
-        request = RequestFactory().post("/old/", "{}", "application/json", headers=headers)
-        request.user = alice
-        return decorated(request)
-
-    assert call(old, "k").status_code == 201
-    assert call(old, "k")["Idempotent-Replayed"] == "true"
-    problem(call(old, None), 400, "key-missing")
-    assert call(optional, None).status_code == 201
-    assert len(runs) == 2
-    assert keys.IdempotentMixin is IdempotentMixin  # the mixin's old path, unchanged
-
-
 def test_keys_work_under_atomic_requests(alice: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from django.db import connection
 
@@ -693,14 +650,14 @@ def test_the_heartbeat_thread_is_woken_only_for_a_beat_due_before_it_wakes(
 ) -> None:
     import time
 
-    from idempotent_orders.http import claims, lease
+    from idempotent_orders.http import lease
 
     settings.IDEMPOTENT_ORDERS = {"KEY_LEASE": 30}
     beater = lease._Beater()
     notified: list[int] = []
     notify = beater.cond.notify
     monkeypatch.setattr(beater.cond, "notify", lambda: (notified.append(1), notify()))
-    held = claims.KeyClaim(IdempotencyKey(pk=1), "owner")
+    held = lease.KeyClaim(IdempotencyKey(pk=1), "owner")
     first = beater.add(held)  # starts the thread
     assert beater.thread is not None
     assert beater.thread.is_alive()

@@ -152,20 +152,6 @@ def test_the_keys_share_one_cluster_slot(name: str) -> None:
     assert key_slot(key.encode()) == key_slot(fence_key.encode())
 
 
-def test_the_fencing_counter_carries_on_from_the_key_before_the_hash_tag(name: str) -> None:
-    client = get_redis_connection("default")
-    old = caches["default"].make_key(f"fence:{name}")
-    client.set(old, 41, ex=60)
-    try:
-        with FencedLock(name, ttl=5) as lock:
-            assert lock.token == 42
-        with FencedLock(name, ttl=5) as lock:
-            assert lock.token == 43
-        assert int(client.get(old)) == 41  # read, never written
-    finally:
-        client.delete(old, caches["default"].make_key(f"fence:{{{name}}}"))
-
-
 @pytest.mark.parametrize(
     "raised",
     [
@@ -183,29 +169,6 @@ def test_any_redis_error_is_lock_unavailable(name: str, raised: Exception) -> No
     ):
         lock.acquire()
     assert lock.token == 0
-
-
-def test_a_proxy_refusing_the_old_counter_s_slot_still_locks(name: str, monkeypatch) -> None:
-    from redis import Redis
-
-    from idempotent_orders import locks
-
-    monkeypatch.setattr(locks, "_legacy_refused", False)
-    real = Redis.eval
-    calls: list[int] = []
-
-    def like_a_cluster_proxy(self: Any, script: str, numkeys: int, *args: Any) -> Any:
-        calls.append(numkeys)
-        if numkeys == 3:
-            raise ResponseError("CROSSSLOT Keys in request don't hash to the same slot")
-        return real(self, script, numkeys, *args)
-
-    with mock.patch.object(Redis, "eval", like_a_cluster_proxy):
-        with FencedLock(name, ttl=5) as lock:
-            assert lock.token >= 1
-        with FencedLock(name, ttl=5):
-            pass
-    assert calls == [3, 2, 2, 2, 2]  # asked once with the old key, then never again
 
 
 def test_a_cache_that_is_not_redis_is_refused() -> None:

@@ -15,7 +15,7 @@ def test_no_missing_migrations() -> None:
         pytest.fail(f"missing migration:\n{out.getvalue()} ({exc})")
 
 
-# -- the indexes for the admin and the reconciler at size (migration 0010) -------------
+# -- the indexes for the admin and the reconciler at size --------------------------------
 
 PARTIAL = {
     "idempotent_orders_processedmessage": {"io_inbox_stuck", "io_inbox_attention"},
@@ -36,7 +36,6 @@ def test_message_id_indexes_exist_everywhere_and_partial_ones_where_supported() 
 
     inbox = _index_names("idempotent_orders_processedmessage")
     assert "io_inbox_message_consumer" in inbox  # message id first: serves a search by it
-    assert "idempotent_orders_inbox_unique" not in inbox  # (consumer, message_id): replaced
     assert "io_parked_message_id" in _index_names("idempotent_orders_parkedmessage")
     for table, names in PARTIAL.items():
         found = _index_names(table) & names
@@ -90,15 +89,16 @@ def test_the_admin_queries_use_the_partial_and_message_id_indexes() -> None:
         assert name in plan, plan
 
 
-# -- the leaner inbox (migration 0011) ---------------------------------------------------
+# -- the leaner inbox ---------------------------------------------------------------------
 
-#: 0001's full indexes that 0011 keeps on MariaDB only, and the partial one it adds.
-FULL_STATUS, FULL_OUTCOME = "idempotent__status_88dabc_idx", "idempotent__outcome_353f4e_idx"
+#: The full indexes MariaDB gets instead of the partial ones, the partial one on the
+#: rare outcomes, and created_at's (everywhere).
+FULL_STATUS, FULL_OUTCOME = "io_inbox_status_lease", "io_inbox_outcome"
 RARE_OUTCOME, CREATED = "io_inbox_outcome_rare", "idempotent__created_aece4c_idx"
 
 
 def _expected_inbox_indexes(partial: bool) -> tuple[set[str], set[str]]:
-    """(present, absent) among the indexes 0011 touches (and created_at's, kept)."""
+    """(present, absent) among the status and outcome indexes (and created_at's)."""
     if partial:
         return {RARE_OUTCOME, CREATED}, {FULL_STATUS, FULL_OUTCOME}
     return {FULL_STATUS, FULL_OUTCOME, CREATED}, {RARE_OUTCOME}
@@ -131,7 +131,7 @@ def test_the_queries_the_dropped_indexes_served_use_the_leaner_ones() -> None:
             # and the paginator's capped count.
             (RARE_OUTCOME, inbox.filter(outcome=Outcome.PARKED).order_by("-id")[:100].explain()),
             (RARE_OUTCOME, inbox.filter(outcome=Outcome.STALE).values("id")[:10001].explain()),
-            # The reconciler: expired leases, oldest first (0010's partial index).
+            # The reconciler: expired leases, oldest first (a partial index).
             ("io_inbox_stuck", leases.expired()[:100].explain()),
             # The metrics' and the dashboard's counts by status.
             (
@@ -144,22 +144,3 @@ def test_the_queries_the_dropped_indexes_served_use_the_leaner_ones() -> None:
         ]
     for name, plan in plans:
         assert name in plan, plan
-
-
-@pytest.mark.django_db(transaction=True)
-def test_0011_reverses_to_the_full_indexes_and_forward_again() -> None:
-    from django.db import connection
-
-    partial = connection.features.supports_partial_indexes
-    app = "idempotent_orders"
-    try:
-        call_command("migrate", app, "0010", verbosity=0)
-        inbox = _index_names("idempotent_orders_processedmessage")
-        assert {FULL_STATUS, FULL_OUTCOME, CREATED} <= inbox
-        assert RARE_OUTCOME not in inbox
-    finally:
-        call_command("migrate", app, verbosity=0)
-    present, absent = _expected_inbox_indexes(partial)
-    inbox = _index_names("idempotent_orders_processedmessage")
-    assert present <= inbox, present - inbox
-    assert not absent & inbox, absent & inbox

@@ -1,4 +1,4 @@
-"""The relay's fast publish path sends the message ``apply_async`` would, and a worker runs it."""
+"""The relay's templated publish sends the message ``apply_async`` would, and a worker runs it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from demo_project.models import LoyaltyAccount
 from demo_project.tasks import award_points
 from idempotent_orders.models import OutboxMessage, OutboxStatus
 from idempotent_orders.outbox import publish_on_commit, relay_outbox
-from idempotent_orders.outbox.sender import _FastSender
+from idempotent_orders.outbox.sender import _TemplateSender
 from tests.support.services import wait_until
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -93,7 +93,7 @@ def test_the_fast_path_publishes_what_apply_async_publishes(
     recorder: Recorder, options: dict[str, Any], fields: dict[str, Any]
 ) -> None:
     first, second = row(options, **fields), row(options, **fields)
-    fast = _FastSender(recorder)
+    fast = _TemplateSender(recorder)
     assert fast.send(first)
     assert fast.send(second)
     ours = recorder.published[:]
@@ -111,7 +111,7 @@ def test_the_fast_path_publishes_what_apply_async_publishes(
 
 def test_the_app_routes_and_the_tasks_options_are_kept(recorder: Recorder, routes: None) -> None:
     message = row({})
-    assert _FastSender(recorder).send(message)
+    assert _TemplateSender(recorder).send(message)
     (body, kwargs), expected = recorder.published.pop(), by_apply_async(recorder, message)
     assert (body, kwargs) == expected
     assert kwargs["routing_key"] == "routed-points"
@@ -120,7 +120,7 @@ def test_the_app_routes_and_the_tasks_options_are_kept(recorder: Recorder, route
 def test_a_long_argsrepr_is_cut_to_celerys_size(recorder: Recorder) -> None:
     message = row({})
     message.payload = {**message.payload, "note": "x" * 5000}
-    assert _FastSender(recorder).send(message)
+    assert _TemplateSender(recorder).send(message)
     headers = recorder.published.pop()[1]["headers"]
     expected = by_apply_async(recorder, message)[1]["headers"]
     # Celery ends its cut with the closing brackets; both are about 1 KiB, alike up to the cut.
@@ -137,7 +137,7 @@ def test_a_long_argsrepr_is_cut_to_celerys_size(recorder: Recorder) -> None:
 def test_options_it_does_not_handle_take_apply_async(
     recorder: Recorder, options: dict[str, Any]
 ) -> None:
-    assert not _FastSender(recorder).send(row(options))
+    assert not _TemplateSender(recorder).send(row(options))
     assert recorder.published == []
 
 
@@ -149,11 +149,11 @@ def test_publish_signal_receivers_or_a_patched_task_take_apply_async(
 
     signals.before_task_publish.connect(receiver)
     try:
-        assert not _FastSender(recorder).send(row({}))
+        assert not _TemplateSender(recorder).send(row({}))
     finally:
         signals.before_task_publish.disconnect(receiver)
     monkeypatch.setattr(award_points, "apply_async", lambda **kw: None)
-    assert not _FastSender(recorder).send(row({}))
+    assert not _TemplateSender(recorder).send(row({}))
     assert recorder.published == []
 
 
@@ -211,22 +211,22 @@ def test_the_publisher_threads_kept_template_is_reused_yet_a_patched_task_wins(
     recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken: list[str] = []
-    template = _FastSender._template
+    template = _TemplateSender._template
 
-    def counting(self: _FastSender, message: OutboxMessage) -> Any:
+    def counting(self: _TemplateSender, message: OutboxMessage) -> Any:
         taken.append(message.message_id)
         return template(self, message)
 
-    monkeypatch.setattr(_FastSender, "_template", counting)
+    monkeypatch.setattr(_TemplateSender, "_template", counting)
     cache: dict[Any, Any] = {}
     first, second = row({}), row({})
-    assert _FastSender(recorder, cache).send(first)
-    assert _FastSender(recorder, cache).send(second)  # the next batch
+    assert _TemplateSender(recorder, cache).send(first)
+    assert _TemplateSender(recorder, cache).send(second)  # the next batch
     assert taken == [first.message_id]
     assert recorder.published[1][1]["declare"] == recorder.published[0][1]["declare"]
     assert recorder.published[1][1]["headers"]["id"] == second.message_id
     monkeypatch.setattr(award_points, "apply_async", lambda **kw: None)
-    assert not _FastSender(recorder, cache).send(row({}))
+    assert not _TemplateSender(recorder, cache).send(row({}))
 
 
 def test_a_task_not_registered_here_publishes_what_send_task_publishes(
@@ -235,7 +235,7 @@ def test_a_task_not_registered_here_publishes_what_send_task_publishes(
     """A relay process that does not import the tasks: Celery's send_task message."""
     message = row({"queue": "remote-q"})
     message.task_name = "remote.only_registered_in_the_worker"
-    assert _FastSender(recorder).send(message)
+    assert _TemplateSender(recorder).send(message)
     ours = recorder.published.pop()
     current_app.send_task(
         message.task_name,

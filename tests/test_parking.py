@@ -9,7 +9,7 @@ import pytest
 from django.db import connection
 
 from idempotent_orders import dedup
-from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming import single
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage
 from tests.support.messages import payment, shipment
@@ -70,7 +70,7 @@ def test_filler_redelivered_after_a_crash_still_releases(make_order, monkeypatch
             def crash(order_id: int) -> list[Outcome]:
                 raise SystemExit("worker killed")
 
-            monkeypatch.setattr(services, "release_parked", crash)
+            monkeypatch.setattr(single, "release_parked", crash)
             with pytest.raises(SystemExit):
                 consume_message(filler, consumer="payments")
             monkeypatch.undo()

@@ -11,7 +11,7 @@ from django.db.models.manager import BaseManager
 from django.test.utils import CaptureQueriesContext
 
 from idempotent_orders import get_order_model
-from idempotent_orders.consuming import sql as statements
+from idempotent_orders.consuming import sql
 from idempotent_orders.consuming.sql import read_order
 
 pytestmark = pytest.mark.django_db
@@ -48,7 +48,7 @@ def test_a_default_manager_with_its_own_queryset_is_read_through_the_orm(
         return BaseManager.get_queryset(self).exclude(pk__in=hidden)
 
     monkeypatch.setattr(type(model._default_manager), "get_queryset", get_queryset)
-    monkeypatch.setattr(statements, "_read_plans", {})
+    monkeypatch.setattr(sql, "_read_plans", {})
     assert read_order(model, order.pk) is not None
     hidden.append(order.pk)  # the manager's filter changed since the first read
     assert read_order(model, order.pk) is None

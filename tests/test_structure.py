@@ -141,6 +141,37 @@ def test_no_module_imports_itself_back(package: str) -> None:
     assert cycles == {}
 
 
+#: (lower, upper): the upper module imports the lower one, and the lower one is given what
+#: it needs or holds the shared piece, so it never imports the upper one back: not at the
+#: top, not inside a function, not for typing only.
+LAYERED = [
+    ("idempotent_orders.stats", "idempotent_orders.dedup"),
+    ("idempotent_orders.admin.order_actions", "idempotent_orders.admin.orders"),
+    ("idempotent_orders.http.lease", "idempotent_orders.http.claims"),
+]
+
+
+def _imported_names(module: str) -> set[str]:
+    """Every absolute dotted name ``module``'s file imports, ``TYPE_CHECKING`` included."""
+    path = ROOT / module.replace(".", "/")
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize(("lower", "upper"), LAYERED, ids=[lower for lower, _ in LAYERED])
+def test_a_lower_module_never_imports_the_upper_one_back(lower: str, upper: str) -> None:
+    upward = _imported_names(upper)
+    assert any(n == lower or n.startswith(f"{lower}.") for n in upward), "not layered"
+    back = {n for n in _imported_names(lower) if n == upper or n.startswith(f"{upper}.")}
+    assert back == set()
+
+
 def test_the_import_graph_sees_lazy_relative_and_circular_imports(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -186,7 +217,6 @@ HTTP_IMPORTS: dict[str, set[str]] = {
     "views": {"decorators", "header", "principals", "problems", "schema", "tokens"},
     "middleware": {"problems"},
     "urls": {"views"},
-    "drf": set(),
     "keys": {
         "header",
         "principals",
@@ -354,29 +384,6 @@ def test_no_private_name_is_imported_across_packages() -> None:
     assert found == []
 
 
-def test_the_old_module_paths_answer_with_a_deprecation_warning() -> None:
-    import importlib
-    import warnings
-
-    from idempotent_orders.consuming.batch import consume_batch
-    from idempotent_orders.consuming.registry import register
-    from idempotent_orders.consuming.single import consume_message
-    from idempotent_orders.orders import create_order
-
-    for old, name, new in [
-        ("services", "consume_message", consume_message),
-        ("services", "create_order", create_order),
-        ("handlers", "register", register),
-        ("batch", "consume_batch", consume_batch),
-    ]:
-        module = importlib.import_module(f"idempotent_orders.{old}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert getattr(module, name) is new
-        assert [w.category for w in caught] == [DeprecationWarning]
-        assert "removed in 0.4.0" in str(caught[0].message)
-
-
 ADMIN = "idempotent_orders.admin"
 #: The admin package's modules and those of its siblings each may import: the dashboard
 #: at the bottom (what needs attention, said after every action), what the lists share
@@ -410,32 +417,3 @@ def test_the_admin_package_goes_down_its_layers() -> None:
     assert wrong == {}
     # Django's autodiscovery imports the package: it must import every module (registration).
     assert graph[ADMIN] == modules
-
-
-def test_the_renamed_and_moved_names_answer_at_their_old_paths_with_a_warning() -> None:
-    import importlib
-    import warnings
-
-    from idempotent_orders.http.claims import KeyClaim
-    from idempotent_orders.http.header import parse_key
-    from idempotent_orders.http.lease import heartbeat
-    from idempotent_orders.http.quotas import lock_principal
-    from idempotent_orders.leases import ClaimOutcome, Verification
-
-    for old, name, new in [
-        ("leases", "Claim", ClaimOutcome),
-        ("leases", "Verdict", Verification),
-        ("http.keys", "Claim", KeyClaim),
-        ("http.claims", "Claim", KeyClaim),
-        ("http.claims", "parse_key", parse_key),
-        ("http.claims", "heartbeat", heartbeat),
-        ("http.claims", "lock_principal", lock_principal),
-    ]:
-        module = importlib.import_module(f"idempotent_orders.{old}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert getattr(module, name) is new
-        assert [w.category for w in caught] == [DeprecationWarning], (old, name)
-        assert "removed in 0.4.0" in str(caught[0].message)
-    with pytest.raises(AttributeError):
-        importlib.import_module("idempotent_orders.http.keys").NoSuchName  # noqa: B018

@@ -94,10 +94,6 @@ def order_link(obj: ProcessedMessage | ParkedMessage) -> str:
     return format_html('<a href="{}">{}</a>', link, obj.order_id)
 
 
-# The column's CSS class (``field-_order``) stays what it was before the admin was a package.
-order_link.__name__ = "_order"
-
-
 class ConsumerFilter(admin.SimpleListFilter):
     """The consumers the registered message types name (``register(consumers=...)``);
     hidden when none does. Any consumer is still one ``?consumer=<name>`` away."""

@@ -13,7 +13,7 @@ import inspect
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
@@ -44,9 +44,6 @@ from idempotent_orders.models import (
     Outcome,
     ProcessedMessage,
 )
-
-if TYPE_CHECKING:
-    from idempotent_orders.admin.orders import OrderAdminMixin
 
 
 class Rule(enum.Enum):
@@ -252,12 +249,22 @@ def drawable_edges(model: type[Model], operator: Iterable[str] = ()) -> list[Edg
         return []
 
 
+class TransitionAdmin(Protocol):
+    """What a transition's action needs of the order admin running it
+    (:class:`~idempotent_orders.admin.orders.OrderAdminMixin` is one)."""
+
+    admin_site: admin.AdminSite
+    opts: Any
+
+    def get_transition_rule(self, name: str) -> Rule | None: ...
+
+
 def transition_action(model: type[Model], e: Edge) -> Callable[..., Any]:
     name = e.name
     label = action_label(model, e, transition_rule(model, name))
 
     def action(
-        modeladmin: OrderAdminMixin, request: HttpRequest, queryset: QuerySet[Any]
+        modeladmin: TransitionAdmin, request: HttpRequest, queryset: QuerySet[Any]
     ) -> TemplateResponse | None:
         rule = modeladmin.get_transition_rule(name)
         plans = [plan(order, name, request.user, rule) for order in queryset]

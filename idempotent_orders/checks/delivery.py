@@ -244,7 +244,7 @@ def mysql_isolation_errors(databases: dict[str, Any]) -> list[CheckMessage]:
 def check_webhooks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Webhook providers are well formed, and the inbox outlives each provider's retries."""
     from idempotent_orders.conf import conf
-    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming import registry
     from idempotent_orders.webhooks.config import problems, provider
 
     if not well_typed("WEBHOOKS"):
@@ -258,7 +258,7 @@ def check_webhooks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 f"provider {name!r}: event type {event_type!r} maps to message type "
                 f"{message_type!r}, which no handler registers"
                 for event_type, message_type in p.event_types.items()
-                if handlers.get_handler(message_type) is None
+                if registry.get_handler(message_type) is None
             ]
         for problem in found:
             errors.append(

@@ -27,7 +27,7 @@ def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
 
     from idempotent_orders import get_order_model
     from idempotent_orders.conf import ORDER_MODEL_SETTING
-    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming import registry
     from idempotent_orders.consuming.graph import edges, has_transition
     from idempotent_orders.consuming.running import parameters
     from idempotent_orders.exceptions import UnknownTransition
@@ -56,7 +56,7 @@ def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     except UnknownTransition as exc:
         return [Error(str(exc), obj=model, id="idempotent_orders.E042")]
     errors: list[CheckMessage] = []
-    for handler in handlers.registered():
+    for handler in registry.registered():
         if not has_transition(model, handler.transition):
             errors.append(
                 Error(
@@ -69,7 +69,7 @@ def check_order_model(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
                 )
             )
     undrivable = []
-    for handler in handlers.registered():
+    for handler in registry.registered():
         if not has_transition(model, handler.transition):
             continue
         accepted = parameters(model, handler.transition)

@@ -50,7 +50,7 @@ from django.db.models import (
 )
 from django.utils import timezone
 
-from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
     TransitionResult,
@@ -101,7 +101,7 @@ def _names(model: type[Model]) -> frozenset[str]:
 
 
 def _money(model: type[Model], payload: Mapping[str, Any]) -> list[Test] | None:
-    """The amount/currency tests of ``handlers._check_money``; None when it would reject."""
+    """The amount/currency tests of ``registry._check_money``; None when it would reject."""
     raw = payload.get("amount")
     if not isinstance(raw, str) or not raw.isascii():
         return None
@@ -125,7 +125,7 @@ def _money(model: type[Model], payload: Mapping[str, Any]) -> list[Test] | None:
 
 def _text(payload: Mapping[str, Any], key: str, max_length: int) -> str | None:
     try:
-        return handlers._text(payload, key, max_length=max_length)
+        return registry._text(payload, key, max_length=max_length)
     except InvalidMessage:
         return None
 
@@ -176,11 +176,11 @@ def _nothing(model: type[Model], payload: Mapping[str, Any]) -> Any:
 #: The built-in validators and their SQL form. Keyed by the function itself, so a
 #: type registered with a project's own validator never takes this path.
 GUARDS: dict[Any, Guard] = {
-    handlers.validate_payment: _payment,
-    handlers.validate_refund: _refund,
-    handlers.validate_shipment: _shipment,
-    handlers.validate_delivery: _delivery,
-    handlers._no_payload: _nothing,
+    registry.validate_payment: _payment,
+    registry.validate_refund: _refund,
+    registry.validate_shipment: _shipment,
+    registry.validate_delivery: _delivery,
+    registry._no_payload: _nothing,
 }
 
 

@@ -21,44 +21,27 @@ runs the steps around a view, sync or async):
    (:mod:`~idempotent_orders.http.replay`). A 5xx or an exception releases the
    key so the client may retry.
 
-Import the public names from :mod:`idempotent_orders.http.keys`. The names that
-lived in this module before it was split answer from their new modules with a
-``DeprecationWarning`` (removed in 0.4.0), as does ``Claim``, now
-:class:`KeyClaim`.
+Import the public names from :mod:`idempotent_orders.http.keys`.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from django.utils import timezone
 
-from idempotent_orders._moved import moved
 from idempotent_orders.conf import conf
 from idempotent_orders.exceptions import KeyInFlight, KeyMismatch, QuotaExceeded, TokenInvalid
 from idempotent_orders.http.claim_sql import insert_claim
 from idempotent_orders.http.header import TOKEN_PREFIX
-from idempotent_orders.http.lease import alive, lease_live, lease_values
+from idempotent_orders.http.lease import KeyClaim, alive, lease_live, lease_values
 from idempotent_orders.http.principals import scope_of, stored_principal
 from idempotent_orders.http.quotas import forget_stale_bounds, live_keys
 from idempotent_orders.models import IdempotencyKey, KeyState
 
-__all__ = ["KeyClaim", "claim", "purge_expired", "release"]
-
-
-@dataclass
-class KeyClaim:
-    """A key this request holds: its row and the lease owner that fences its writes.
-
-    The holder runs the view and stores the response; its lease is renewed by
-    :func:`~idempotent_orders.http.lease.heartbeat`.
-    """
-
-    row: IdempotencyKey
-    owner: str
+__all__ = ["claim", "purge_expired", "release"]
 
 
 def claim(
@@ -189,15 +172,3 @@ def purge_expired(*, now: Any = None) -> int:
     )
     forget_stale_bounds(now=now)
     return deleted
-
-
-__getattr__ = moved(
-    __name__,
-    "idempotent_orders.http.header",
-    "idempotent_orders.http.principals",
-    "idempotent_orders.http.quotas",
-    "idempotent_orders.http.lease",
-    "idempotent_orders.http.replay",
-    "idempotent_orders.http.claim_sql",
-    renamed={"Claim": "idempotent_orders.http.claims.KeyClaim"},
-)

@@ -35,7 +35,7 @@ from idempotent_orders.exceptions import (
     NotAuthenticated,
     SessionRequired,
 )
-from idempotent_orders.http.claims import KeyClaim, claim, release
+from idempotent_orders.http.claims import claim, release
 from idempotent_orders.http.header import (
     HEADER,
     UNSAFE_METHODS,
@@ -44,7 +44,7 @@ from idempotent_orders.http.header import (
     header_key,
     read_body,
 )
-from idempotent_orders.http.lease import heartbeat
+from idempotent_orders.http.lease import KeyClaim, heartbeat
 from idempotent_orders.http.principals import get_principal, scope_of
 from idempotent_orders.http.problems import problem_from, problem_response
 from idempotent_orders.http.replay import replay, store

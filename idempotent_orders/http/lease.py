@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import connection, models
 from django.db.models.functions import Greatest
@@ -24,12 +25,21 @@ from django.utils import timezone
 from idempotent_orders.conf import conf
 from idempotent_orders.models import IdempotencyKey, KeyState
 
-if TYPE_CHECKING:
-    from idempotent_orders.http.claims import KeyClaim
-
-__all__ = ["alive", "heartbeat", "lease_live", "lease_values", "renew"]
+__all__ = ["KeyClaim", "alive", "heartbeat", "lease_live", "lease_values", "renew"]
 
 logger = logging.getLogger("idempotent_orders")
+
+
+@dataclass
+class KeyClaim:
+    """A key this request holds: its row and the lease owner that fences its writes.
+
+    The holder (:mod:`idempotent_orders.http.claims` took the key) runs the view and
+    stores the response; its lease is renewed by :func:`heartbeat`.
+    """
+
+    row: IdempotencyKey
+    owner: str
 
 
 def alive(now: Any) -> models.Q:

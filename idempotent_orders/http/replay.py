@@ -24,7 +24,7 @@ from idempotent_orders.consuming.sql import driver_cursor, fetch_one
 from idempotent_orders.models import IdempotencyKey, KeyState
 
 if TYPE_CHECKING:
-    from idempotent_orders.http.claims import KeyClaim
+    from idempotent_orders.http.lease import KeyClaim
 
 __all__ = ["replay", "store"]
 

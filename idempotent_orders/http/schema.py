@@ -11,6 +11,7 @@ from typing import Any
 
 from django.conf import settings
 
+from idempotent_orders import __version__
 from idempotent_orders.models import OrderStatus
 
 __all__ = [
@@ -132,7 +133,7 @@ def openapi(server: str = "/api") -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {
             "title": "idempotent_orders",
-            "version": "0.2",
+            "version": __version__,
             "description": (
                 "Orders created at most once per Idempotency-Key, and one-time tokens "
                 "to use as keys. Errors are application/problem+json (RFC 9457)."

@@ -7,7 +7,7 @@ before it (``tests/test_structure.py`` keeps it so):
 1. :mod:`~idempotent_orders.outbox.failures`: a failed publish: the broker
    breaker, the row's backoff, its dead letter.
 2. :mod:`~idempotent_orders.outbox.sender`: how a row reaches the broker:
-   ``apply_async``, the batch's fast path, the batch's producer.
+   ``apply_async``, the batch's templated publish, the batch's producer.
 3. :mod:`~idempotent_orders.outbox.relay`: ``relay_outbox``: due rows locked or
    leased, published and marked sent in batches; the listener of its loop.
 4. :mod:`~idempotent_orders.outbox.thread`: the in-process publisher thread.

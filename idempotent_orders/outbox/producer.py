@@ -206,7 +206,8 @@ def publish_many_on_commit(
     ) or any(len(m) > id_length for m in unique)
     if too_long or not conn.features.can_return_rows_from_bulk_insert:
         # The database refuses such a row (MariaDB's INSERT IGNORE would cut it), or
-        # cannot return the ids of a multi-row insert: one row at a time, as before.
+        # cannot return the ids of a multi-row insert: one row at a time, through
+        # publish_on_commit().
         written: dict[str, int] = {}
         for message_id, message in unique.items():
             rows_before = OutboxMessage.objects.using(db).filter(message_id=message_id).exists()

@@ -208,7 +208,7 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
     failed = dead = 0
     with sender._batch_producer(len(rows)) as producer:
         cache = getattr(sender._batch, "templates", None)
-        fast = sender._FastSender(producer, cache) if producer is not None else None
+        templated = sender._TemplateSender(producer, cache) if producer is not None else None
         # The publisher thread (``keep``) runs beside a consumer in the same process: it
         # hands the GIL over between rows, so that a consumer whose answer came back
         # does not wait for the rest of the batch's Python (up to the switch interval).
@@ -222,7 +222,7 @@ def _publish_rows(db: str, rows: list[OutboxMessage], *, full: bool) -> Batch:
                 OutboxMessage.objects.using(db).filter(pk__in=rest).update(claimed_until=None)
                 break
             try:
-                if fast is None or not fast.send(row):
+                if templated is None or not templated.send(row):
                     sender._send(row)
             except Exception as exc:
                 if failures._failed(db, row, exc):
@@ -404,7 +404,7 @@ def _relayed(published: int, retried: int, dead: int) -> RelayResult:
     return result
 
 
-#: PostgreSQL channel notified on every insert into the outbox (migration 0002_outbox).
+#: PostgreSQL channel notified on every insert into the outbox (a trigger of 0001_initial).
 NOTIFY_CHANNEL = "idempotent_orders_outbox"
 
 

@@ -1,7 +1,7 @@
-"""How a row reaches the broker: the general publish, the batch's fast path, its producer.
+"""How a row reaches the broker: the general publish, the batch's templated publish, its producer.
 
 :func:`_send` publishes one row through Celery's ``apply_async`` (or
-``send_task``). :class:`_FastSender` publishes a batch's rows as copies of one
+``send_task``). :class:`_TemplateSender` publishes a batch's rows as copies of one
 captured Celery message per (task, options) (:class:`_Template`, taken through
 :class:`_Capture`). :func:`_batch_producer` checks one broker producer out of
 the pool for a batch (the publisher thread keeps it across batches until
@@ -48,9 +48,9 @@ def _send(row: OutboxMessage) -> None:
         current_app.send_task(row.task_name, args=(row.payload,), **options)
 
 
-#: Row options the fast path publishes as ``apply_async`` would; any other falls back to it
+#: Row options a template publishes as ``apply_async`` would; any other falls back to it
 #: (eta, countdown and expires are relative to the publish time, links, custom arguments ...).
-_FAST_OPTIONS = frozenset(
+_TEMPLATE_OPTIONS = frozenset(
     {
         "queue",
         "routing_key",
@@ -95,7 +95,7 @@ class _Capture:
         self.published = (body, kwargs)
 
 
-class _FastSender:
+class _TemplateSender:
     """Publishes the rows of one batch as Celery's protocol-2 task messages, without
     ``apply_async`` per row.
 
@@ -107,7 +107,7 @@ class _FastSender:
     ``argsrepr``, body and trace headers through the batch's producer; the
     queue is declared once per batch. Anything whose message is not the same
     for every row falls back to :func:`_send`: options outside
-    :data:`_FAST_OPTIONS`, a task or app that overrides ``apply_async`` or
+    :data:`_TEMPLATE_OPTIONS`, a task or app that overrides ``apply_async`` or
     ``send_task``, routes given as functions (they may read the arguments),
     publish signals with receivers, sent events, eager mode, a result backend
     that acts on every call, a serializer other than JSON or compression.
@@ -191,11 +191,11 @@ class _FastSender:
     def _task_allows(self, row: OutboxMessage) -> Any:
         """How :func:`_send` would publish ``row`` (``apply_async``, or ``send_task`` for a
         task not registered in this process, as in a relay that does not import the
-        tasks); None when the fast path must not stand in for it.
+        tasks); None when a template must not stand in for it.
         """
         from celery import Task as BaseTask
 
-        if not set(row.options) <= _FAST_OPTIONS:
+        if not set(row.options) <= _TEMPLATE_OPTIONS:
             return None
         task = self.app.tasks.get(row.task_name)
         if task is None:

@@ -19,8 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idempotent_orders.consuming import batch, writing
-from idempotent_orders.consuming import single as services
+from idempotent_orders.consuming import batch, single, writing
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.graph import TransitionStatus, classify
 from idempotent_orders.consuming.registry import get_handler
@@ -106,27 +105,27 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
     "after_update": lambda: _both(
         mock.patch.object(writing, "commit", _after(writing.commit)),
         mock.patch.object(writing, "claim_and_apply", _raise),
-        mock.patch.object(services, "presume", _raise),
+        mock.patch.object(single, "presume", _raise),
         mock.patch.object(writing, "claim_and_apply_at_once", _raise),
-        mock.patch.object(services, "presume_at_once", _raise),
+        mock.patch.object(single, "presume_at_once", _raise),
     ),
     # A one-statement claim-and-apply (or MariaDB's and SQLite's one transaction)
     # committed; nothing after it happened.
     "after_claim": lambda: _both(
         mock.patch.object(writing, "claim_and_apply", _after(writing.claim_and_apply)),
-        mock.patch.object(services, "presume", _after_applied(services.presume)),
+        mock.patch.object(single, "presume", _after_applied(single.presume)),
         mock.patch.object(
             writing, "claim_and_apply_at_once", _after_written(writing.claim_and_apply_at_once)
         ),
-        mock.patch.object(services, "presume_at_once", _after_applied(services.presume_at_once)),
+        mock.patch.object(single, "presume_at_once", _after_applied(single.presume_at_once)),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.
-    "after_commit": lambda: mock.patch.object(services.dedup, "remember", _raise),
+    "after_commit": lambda: mock.patch.object(single.dedup, "remember", _raise),
     # Committed, but the parked successors are never released by this delivery.
-    "before_release": lambda: mock.patch.object(services, "release_parked", _raise),
+    "before_release": lambda: mock.patch.object(single, "release_parked", _raise),
     # While releasing a parked successor, before its transaction commits.
     "during_release": lambda: mock.patch.object(
-        services, "_consume", _during_release(services._consume)
+        single, "_consume", _during_release(single._consume)
     ),
 }
 
@@ -298,7 +297,7 @@ def test_batch_redelivered_after_dying_before_release_releases(transactional_db:
 @pytest.fixture
 def _no_crash_points_leak() -> Iterator[None]:
     yield
-    assert services.release_parked.__name__ == "release_parked"
+    assert single.release_parked.__name__ == "release_parked"
 
 
 @pytest.mark.usefixtures("_no_crash_points_leak")

@@ -10,19 +10,19 @@ class ShopConfig(AppConfig):
 
     def ready(self) -> None:
         from idempotent_orders import get_order_model
-        from idempotent_orders.consuming import registry as handlers
+        from idempotent_orders.consuming import registry
         from tests.shop.models import Order
 
         if get_order_model() is not Order:
             return
-        handlers.register(
-            "payment.succeeded", transition="settle", validate=handlers.validate_payment
+        registry.register(
+            "payment.succeeded", transition="settle", validate=registry.validate_payment
         )
-        handlers.register(
-            "shipment.dispatched", transition="send", validate=handlers.validate_shipment
+        registry.register(
+            "shipment.dispatched", transition="send", validate=registry.validate_shipment
         )
-        handlers.register(
-            "shipment.delivered", transition="receive", validate=handlers.validate_delivery
+        registry.register(
+            "shipment.delivered", transition="receive", validate=registry.validate_delivery
         )
-        handlers.register("order.cancelled", transition="void")
-        handlers.register("warehouse.held", transition="hold", consumers={"shipping"})
+        registry.register("order.cancelled", transition="void")
+        registry.register("warehouse.held", transition="hold", consumers={"shipping"})

@@ -17,7 +17,7 @@ def main() -> None:
     from idempotent_orders.models import OutboxMessage
     from idempotent_orders.outbox import relay, sender
 
-    real_send, real_fast_send = sender._send, sender._FastSender.send
+    real_send, real_fast_send = sender._send, sender._TemplateSender.send
     sent = 0
 
     def counted() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         real_send(row)
         counted()
 
-    def fast_send_then_stall(self: sender._FastSender, row: OutboxMessage) -> bool:
+    def fast_send_then_stall(self: sender._TemplateSender, row: OutboxMessage) -> bool:
         # The batch's fast publish path; False means the row takes _send instead.
         if not real_fast_send(self, row):
             return False
@@ -39,7 +39,7 @@ def main() -> None:
         return True
 
     sender._send = send_then_stall  # type: ignore[assignment]
-    sender._FastSender.send = fast_send_then_stall  # type: ignore[method-assign]
+    sender._TemplateSender.send = fast_send_then_stall  # type: ignore[method-assign]
     relay.relay_outbox()
 
 

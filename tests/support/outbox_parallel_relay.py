@@ -41,12 +41,12 @@ def main() -> None:
             marker.write_text(str(published))
             time.sleep(3600)  # published, not marked: the window a crash can hit
 
-    def record_fast(self: sender._FastSender, row: OutboxMessage) -> bool:
+    def record_fast(self: sender._TemplateSender, row: OutboxMessage) -> bool:
         record(row)  # recorded, not sent, as the general path
         return True
 
     sender._send = record  # type: ignore[assignment]
-    sender._FastSender.send = record_fast  # type: ignore[method-assign]
+    sender._TemplateSender.send = record_fast  # type: ignore[method-assign]
     while not go.exists():
         time.sleep(0.01)
     relay.relay_outbox(batch_size=batch)

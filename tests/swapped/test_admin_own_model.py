@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from demo_project import warehouse
 from idempotent_orders.admin import OrderAdminMixin
-from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.fulfilment import fulfilment_message_id
@@ -239,7 +239,7 @@ def test_pick_is_leased_and_hold_applies_only_a_refused_message(staff, make_orde
     assert phase(order) == Phase.PICKING
 
     held = {"message_id": f"h-{order.pk}", "type": "warehouse.held", "order_id": order.pk}
-    handlers.register(
+    registry.register(
         "warehouse.held", transition="hold", validate=needs_reason, consumers={"shipping"}
     )
     try:
@@ -250,7 +250,7 @@ def test_pick_is_leased_and_hold_applies_only_a_refused_message(staff, make_orde
         )
         assert phase(order) == Phase.PICKING
     finally:  # the validator is relaxed: the refused message is acceptable now
-        handlers.register("warehouse.held", transition="hold", consumers={"shipping"})
+        registry.register("warehouse.held", transition="hold", consumers={"shipping"})
     said = shown(confirm(staff, "transition_hold", order))
     assert said == [f"Order {order.pk}: picking -> on hold"]
     assert phase(order) == Phase.ON_HOLD

@@ -23,8 +23,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import registry as handlers
-from idempotent_orders.consuming import running
+from idempotent_orders.consuming import registry, running
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.consuming.sql import inbox_partitioned
@@ -122,11 +121,11 @@ def test_a_transition_with_a_receiver_takes_two_round_trips(make_order, heard) -
 
 @pytest.fixture
 def pay_with_money() -> Iterator[None]:
-    saved = dict(handlers._registry)
-    handlers.register("flow.pay", transition="pay", money=True)
+    saved = dict(registry._registry)
+    registry.register("flow.pay", transition="pay", money=True)
     yield
-    handlers._registry.clear()
-    handlers._registry.update(saved)
+    registry._registry.clear()
+    registry._registry.update(saved)
 
 
 def test_a_body_that_writes_and_spends_a_payment(make_order, pay_with_money) -> None:

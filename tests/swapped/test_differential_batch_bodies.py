@@ -273,9 +273,9 @@ def test_a_payment_spent_within_a_chunk_of_bodies_is_spent_once(
     """A money message's payment is spent before its body runs, as on the single road: a
     second message with the same payment is a duplicate on its order and money to give
     back on another, and its body never runs (no fsm-2 signal, no Payment row)."""
-    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming import registry
 
-    handlers.register("diff.money", transition="pay", money=True)
+    registry.register("diff.money", transition="pay", money=True)
     steps: list[Step] = [
         ("a", "money", {"payment_id": "CH", "amount": "4.00"}),
         ("b", "money", {"payment_id": "CH", "amount": "10.00"}),  # another order: refund
@@ -380,9 +380,9 @@ def test_a_body_that_writes_null_writes_it_in_a_chunk(
     message_types: None, django_user_model: Any
 ) -> None:
     """NULL in the chunk's one UPDATE means "unchanged" except where a body wrote it."""
-    from idempotent_orders.consuming import registry as handlers
+    from idempotent_orders.consuming import registry
 
-    handlers.register("diff.unassign", transition="unassign")
+    registry.register("diff.unassign", transition="unassign")
     buyer = django_user_model.objects.create(username=f"u-{uuid.uuid4().hex[:8]}")
     steps: list[Step] = [("a", "unassign", {}), ("b", "remark", {"text": "kept"})]
     orders = _orders(FlowOrder, steps)

@@ -34,7 +34,7 @@ from django_fsm.signals import post_transition, pre_transition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message
@@ -123,12 +123,12 @@ APPLIED, REFUSED, ON_ERROR, RAISED = "applied", "refused", "on_error", "raised"
 @pytest.fixture
 def message_types() -> Iterator[None]:
     names = {c.name for c in CASES} | {"pay", "ship", "cancel", "remark", "settle_up"}
-    saved = dict(handlers._registry)
+    saved = dict(registry._registry)
     for name in names:
-        handlers.register(f"diff.{name}", transition=name)
+        registry.register(f"diff.{name}", transition=name)
     yield
-    handlers._registry.clear()
-    handlers._registry.update(saved)
+    registry._registry.clear()
+    registry._registry.update(saved)
 
 
 @pytest.fixture
@@ -426,8 +426,8 @@ def test_shuffled_duplicated_stream_ends_as_the_direct_calls(
 @pytest.mark.parametrize("path", ["single", "batch"])
 def test_a_payment_sent_again_to_a_partly_paid_order_is_a_duplicate(path: str) -> None:
     """The self-loop applies a second payment, never the same payment twice."""
-    saved = dict(handlers._registry)
-    handlers.register("diff.money", transition="pay", money=True)
+    saved = dict(registry._registry)
+    registry.register("diff.money", transition="pay", money=True)
     try:
         order = new_order(Case("partial", FlowOrder, "pay"))
         charge = f"ch-{order.business_key}"
@@ -447,8 +447,8 @@ def test_a_payment_sent_again_to_a_partly_paid_order_is_a_duplicate(path: str) -
                 else:
                     assert consume_message(message, consumer=CONSUMER) is expected
     finally:
-        handlers._registry.clear()
-        handlers._registry.update(saved)
+        registry._registry.clear()
+        registry._registry.update(saved)
     fresh = FlowOrder.objects.get(pk=order.pk)
     assert (fresh.flow, fresh.paid_total) == ("part_paid", Decimal("4.00"))
     assert Payment.objects.filter(order_id=order.pk).count() == 1

@@ -19,7 +19,7 @@ from django_fsm.signals import post_transition, pre_transition
 
 from idempotent_orders import get_order_model
 from idempotent_orders.checks import check_order_model
-from idempotent_orders.consuming import registry as handlers
+from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfil
@@ -89,11 +89,11 @@ def test_the_setting_swaps_the_model_and_its_migrations() -> None:
 
 
 def test_a_type_bound_to_a_missing_transition_is_a_check_error() -> None:
-    handlers.register("parcel.lost", transition="lose")
+    registry.register("parcel.lost", transition="lose")
     try:
         errors = check_order_model()
     finally:
-        handlers._registry.pop("parcel.lost")
+        registry._registry.pop("parcel.lost")
     assert [e.id for e in errors] == ["idempotent_orders.E043"]
     assert "'lose'" in errors[0].msg
     assert "shop.Order" in errors[0].msg

@@ -1,9 +1,0 @@
-"""Deprecated: consume_message and the parked-message functions moved to
-:mod:`idempotent_orders.consuming.single`, :mod:`idempotent_orders.orders`.
-
-This path answers with a ``DeprecationWarning`` and is removed in 0.4.0.
-"""
-
-from idempotent_orders._moved import moved
-
-__getattr__ = moved(__name__, "idempotent_orders.consuming.single", "idempotent_orders.orders")
