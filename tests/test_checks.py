@@ -106,6 +106,7 @@ REGISTERED = {
     ("delivery", "check_webhooks", ("compatibility",)),
     ("http", "check_http_settings", ("compatibility",)),
     ("metrics", "check_metrics_access", ("security",)),
+    ("order_model", "check_operator_transitions", ("admin",)),
     ("order_model", "check_order_model", ("models",)),
     ("order_model", "check_order_model_history", ("database",)),
     ("order_model", "check_payment_timeout", ("models",)),
