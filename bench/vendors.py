@@ -158,7 +158,9 @@ def child(vendor: str) -> None:
                         mock.patch.object(
                             writing, "can_claim_and_apply_at_once", return_value=False
                         ),
-                        mock.patch.object(single, "can_presume_at_once", return_value=False),
+                        mock.patch.object(
+                            single, "can_claim_and_apply_at_once", return_value=False
+                        ),
                     ):
                         consumed("orm", config, f"o{run_no}-")
                 consumed("batch", config, f"b{run_no}-", batch=True)
@@ -215,7 +217,7 @@ def profile(vendor: str, cprofile: bool) -> None:
         raw.set_trace_callback(lambda sql: sent.append(sql[:24]))
     previous = (
         mock.patch.object(writing, "can_claim_and_apply_at_once", return_value=False),
-        mock.patch.object(single, "can_presume_at_once", return_value=False),
+        mock.patch.object(single, "can_claim_and_apply_at_once", return_value=False),
     )
     with override_settings(IDEMPOTENT_ORDERS=config):
         one_by_one([payment(o, f"{RUN_TAG}w-") for o in make_orders(20)])  # warm up

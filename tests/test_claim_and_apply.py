@@ -152,9 +152,9 @@ def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
         return real(row, order_, **kwargs)
 
     monkeypatch.setattr(writing, "claim_and_apply", racing)
-    monkeypatch.setattr(single, "presume", lambda *args: None)  # the read-first path
+    monkeypatch.setattr(single, "apply_unread", lambda *args: None)  # the read-first path
     # (A cancellation: a payment, which carries money, records its payment id as
-    # spent, and takes the general path once presume() has declined it.)
+    # spent, and takes the general path once apply_unread() has declined it.)
     cancel = {"message_id": f"cancel-{order.pk}", "type": "order.cancelled", "order_id": order.pk}
     assert consume_message(cancel, consumer="payments") is Outcome.APPLIED
     assert calls == [0, 1]  # the first statement was undone; the second read v1

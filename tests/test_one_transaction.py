@@ -50,7 +50,7 @@ def fulfil() -> Iterator[None]:
 @pytest.fixture
 def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """MariaDB's road without a read first declines: the order is read, then written."""
-    monkeypatch.setattr(single, "presume_at_once", lambda *args: None)
+    monkeypatch.setattr(single, "apply_unread_at_once", lambda *args: None)
 
 
 def _statements(queries: CaptureQueriesContext) -> list[str]:

@@ -542,7 +542,7 @@ def _decide_and_write(
     record_released(released, errored)
     record_outcomes(claimed)
     # Nothing to announce when nobody listens and no follow-up wants the target
-    # (the same rule as the single path's, see presume.py).
+    # (the same rule as the single path's, see apply_unread.py).
     # The follow-ups of the whole chunk are written together (the fulfilment
     # follow-up: one multi-row outbox INSERT, one hand-off to the publisher).
     heard: dict[str, bool] = {}

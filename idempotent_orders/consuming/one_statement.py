@@ -87,7 +87,7 @@ from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome, SpentPayment
 from idempotent_orders.signals import order_transitioned
 
-__all__ = ["presume"]
+__all__ = ["apply_unread"]
 
 #: ``(field name, value, empty_allowed)``: the column must equal ``value`` (or be empty).
 Test = tuple[str, Any, bool]
@@ -388,7 +388,7 @@ def _field(model: type[Model], name: str) -> Field[Any, Any]:
 _statements: dict[tuple[Any, ...], _Statement] = {}
 
 
-def presume(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
     """Apply ``envelope`` in one statement when its verdict is "apply"; None: take the usual path.
 
     Call only where :func:`~idempotent_orders.consuming.sql.can_claim_and_apply` holds.

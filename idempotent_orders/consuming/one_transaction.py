@@ -72,10 +72,9 @@ from idempotent_orders.signals import order_transitioned
 
 __all__ = [
     "AtOnce",
+    "apply_unread_at_once",
     "can_claim_and_apply_at_once",
-    "can_presume_at_once",
     "claim_and_apply_at_once",
-    "presume_at_once",
 ]
 
 #: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
@@ -93,15 +92,16 @@ class AtOnce:
     #: False: the inbox holds the message already (nothing written).
     claimed: bool = True
     #: False: the payment id was spent already (rolled back).
-    spent: bool = True
-    #: False: the order changed since it was read (rolled back).
-    moved: bool = True
+    paid: bool = True
+    #: False: the guarded UPDATE matched no row, the order changed since it was read
+    #: (rolled back).
+    updated: bool = True
     #: The follow-up's outbox row id; None when its message id was in the outbox already.
     queued_id: int | None = None
 
     @property
     def applied(self) -> bool:
-        return self.claimed and self.spent and self.moved
+        return self.claimed and self.paid and self.updated
 
 
 def can_claim_and_apply_at_once() -> bool:
@@ -300,10 +300,10 @@ def _sqlite(
                     if step == "inbox":
                         return _undone(cursor, AtOnce(claimed=False))
                     if step == "spent":
-                        return _undone(cursor, AtOnce(spent=False))
+                        return _undone(cursor, AtOnce(paid=False))
                     raise
                 if step == "update" and cursor.rowcount != 1:
-                    return _undone(cursor, AtOnce(moved=False))
+                    return _undone(cursor, AtOnce(updated=False))
                 if step == "queue":
                     row = cursor.fetchone()
                     queued_id = None if row is None else row[0]
@@ -380,20 +380,14 @@ def _mysql(
             if code == _DUPLICATE_KEY and step == "inbox":
                 return AtOnce(claimed=False)
             if code == _DUPLICATE_KEY and step == "spent":
-                return AtOnce(spent=False)
+                return AtOnce(paid=False)
             if code == _GUARD_FAILED and step == "guard":
-                return AtOnce(moved=False)
+                return AtOnce(updated=False)
             raise  # a lost connection among them: the caller reads back what committed
     return AtOnce(queued_id=queued_id)
 
 
 # -- MariaDB and SQLite: the decision's tests in the UPDATE, no read first -------------------
-
-
-def can_presume_at_once() -> bool:
-    """Whether :func:`presume_at_once` may run now: where
-    :func:`can_claim_and_apply_at_once` holds (MariaDB/MySQL, SQLite)."""
-    return can_claim_and_apply_at_once()
 
 
 #: The most significant digits a decimal test may have on SQLite, which compares a
@@ -422,9 +416,9 @@ def _test_value(field: Field[Any, Any], value: Any, vendor: str) -> Any:
     return exact
 
 
-def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
     """MariaDB's and SQLite's counterpart of PostgreSQL's one statement
-    (:func:`~idempotent_orders.consuming.one_statement.presume`): the message's writes as
+    (:func:`~idempotent_orders.consuming.one_statement.apply_unread`): the message's writes as
     one transaction of their own, with the tests
     :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
     :data:`~idempotent_orders.consuming.one_statement.GUARDS`) in the UPDATE's WHERE
@@ -527,7 +521,7 @@ def presume_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
 
 @dataclass(frozen=True)
 class _Update:
-    """:func:`presume_at_once`'s UPDATE of one shape of message, with ``%s`` placeholders:
+    """:func:`apply_unread_at_once`'s UPDATE of one shape of message, with ``%s`` placeholders:
     ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``."""
 
     sql: str
@@ -575,7 +569,7 @@ def _field(model: type[Model], name: str) -> Field[Any, Any]:
 def _texts_for(model: type[Model]) -> _Texts:
     """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
     conn = connections[DEFAULT_DB_ALIAS]
-    key = (conn.alias, model, "presume")
+    key = (conn.alias, model, "apply_unread")
     texts = _texts.get(key)
     if texts is None:
         texts = _texts[key] = _compile(model, str(state_field(model).column), 1, [], [])

@@ -48,8 +48,11 @@ from idempotent_orders.consuming.failures import (
     record_failure,
     retryable,
 )
-from idempotent_orders.consuming.one_statement import presume
-from idempotent_orders.consuming.one_transaction import can_presume_at_once, presume_at_once
+from idempotent_orders.consuming.one_statement import apply_unread
+from idempotent_orders.consuming.one_transaction import (
+    apply_unread_at_once,
+    can_claim_and_apply_at_once,
+)
 from idempotent_orders.consuming.running import keeps_parked_flag
 from idempotent_orders.consuming.sql import (
     can_claim_and_apply,
@@ -139,11 +142,11 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             if can_claim_and_apply():
                 # No read first where the transition is SQL; two texts where it is the
                 # project's.
-                applied = presume(envelope, consumer, get_order_model())
+                applied = apply_unread(envelope, consumer, get_order_model())
                 if applied is None:
                     applied = claim_and_run(envelope, consumer, get_order_model())
-            elif can_presume_at_once():
-                applied = presume_at_once(envelope, consumer, get_order_model())
+            elif can_claim_and_apply_at_once():
+                applied = apply_unread_at_once(envelope, consumer, get_order_model())
             if applied is None:
                 outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
         if applied is not None:

@@ -23,7 +23,6 @@ from django.db.models import Field, Model
 from django.db.models.expressions import DatabaseDefault
 from django.db.models.manager import BaseManager
 
-from idempotent_orders.consuming.prepared import driver_cursor, fetch_one
 from idempotent_orders.models import OutboxMessage, ProcessedMessage
 
 __all__ = [
@@ -34,9 +33,6 @@ __all__ = [
     "can_claim_and_apply",
     "claim_and_apply",
     "compiled_read",
-    # Where they were before they had a module of their own (the HTTP keys import them here).
-    "driver_cursor",
-    "fetch_one",
     "forget_inbox_shape",
     "handed_over",
     "inbox_partitioned",

@@ -420,13 +420,13 @@ def apply_at_once(
     )
     if not done.claimed:
         raise Duplicate
-    if not done.spent:
+    if not done.paid:
         assert payment is not None
         owner = spent_by(payment)
         if owner is None:  # gone since: decide again
             raise Conflict
         raise Spent(payment, owner)
-    if not done.moved:
+    if not done.updated:
         raise Conflict
     if handed is not None and done.queued_id is not None:
         handed[1].written(connection.alias, done.queued_id)

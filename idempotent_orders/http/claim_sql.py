@@ -27,7 +27,8 @@ from django.db import (
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming.sql import build, compiled_read, driver_cursor
+from idempotent_orders.consuming.prepared import driver_cursor
+from idempotent_orders.consuming.sql import build, compiled_read
 from idempotent_orders.exceptions import KeyInFlight
 from idempotent_orders.http.quotas import live_keys, lock_id, lock_principal
 from idempotent_orders.models import IdempotencyKey, KeyQuota
@@ -353,7 +354,7 @@ def _run_claim(
     """Run the claim's three statements: the key's row if it exists, and the inserted id.
 
     Straight on the driver's connection where nothing needs to see the query
-    (see :func:`~idempotent_orders.consuming.sql.driver_cursor`).
+    (see :func:`~idempotent_orders.consuming.prepared.driver_cursor`).
     """
     cursor = driver_cursor(conn)
     if cursor is None:

@@ -20,7 +20,7 @@ from django.http import HttpResponse, HttpResponseBase
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming.sql import driver_cursor, fetch_one
+from idempotent_orders.consuming.prepared import driver_cursor, fetch_one
 from idempotent_orders.models import IdempotencyKey, KeyState
 
 if TYPE_CHECKING:

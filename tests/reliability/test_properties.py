@@ -105,19 +105,21 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
     "after_update": lambda: _both(
         mock.patch.object(writing, "commit", _after(writing.commit)),
         mock.patch.object(writing, "claim_and_apply", _raise),
-        mock.patch.object(single, "presume", _raise),
+        mock.patch.object(single, "apply_unread", _raise),
         mock.patch.object(writing, "claim_and_apply_at_once", _raise),
-        mock.patch.object(single, "presume_at_once", _raise),
+        mock.patch.object(single, "apply_unread_at_once", _raise),
     ),
     # A one-statement claim-and-apply (or MariaDB's and SQLite's one transaction)
     # committed; nothing after it happened.
     "after_claim": lambda: _both(
         mock.patch.object(writing, "claim_and_apply", _after(writing.claim_and_apply)),
-        mock.patch.object(single, "presume", _after_applied(single.presume)),
+        mock.patch.object(single, "apply_unread", _after_applied(single.apply_unread)),
         mock.patch.object(
             writing, "claim_and_apply_at_once", _after_written(writing.claim_and_apply_at_once)
         ),
-        mock.patch.object(single, "presume_at_once", _after_applied(single.presume_at_once)),
+        mock.patch.object(
+            single, "apply_unread_at_once", _after_applied(single.apply_unread_at_once)
+        ),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.
     "after_commit": lambda: mock.patch.object(single.dedup, "remember", _raise),
