@@ -366,23 +366,29 @@ def save_hooks(model: type[Model]) -> tuple[str, ...]:
         for receiver in _receivers(signal, model):
             if not _own(receiver):
                 found.append(f"{label} receiver {_describe(receiver)}")
-    triggers = getattr(model._meta, "triggers", None) or ()
-    for trigger in triggers:
-        found.append(f"database trigger {getattr(trigger, 'name', trigger)}")
+    for trigger in triggers(model):
+        found.append(f"database trigger {getattr(trigger, 'name', trigger)} (pgtrigger)")
     hooks = tuple(found)
     _save_hooks[model] = (key, hooks)
     return hooks
 
 
+def triggers(model: type[Model]) -> tuple[Any, ...]:
+    """The database triggers django-pgtrigger declares on ``model`` (django-pghistory's)."""
+    return tuple(getattr(model._meta, "triggers", None) or ())
+
+
 def keeps_parked_flag(model: type[Model]) -> bool:
     """Whether the app keeps its ``has_parked`` flag on orders of ``model``.
 
-    Not where the project watches the order's saves or rows (:func:`save_hooks`): there
-    the app's bookkeeping never shows up as a change of its own in the project's trail.
-    The flag only lets a consumer skip its look for parked successors; without it every
-    message looks (one query), and parking writes nothing on the order.
+    Not where database triggers watch the order's rows (:func:`triggers`): there the
+    app's bookkeeping would show up as a change of its own in the project's trail.
+    (``save()``, its receivers and history packages never see the flag: it is written
+    by a queryset UPDATE.) The flag only lets a consumer skip its look for parked
+    successors; without it every message looks (one query), and parking writes nothing
+    on the order.
     """
-    return not save_hooks(model)
+    return not triggers(model)
 
 
 def road(model: type[Model], name: str) -> tuple[str, str]:
