@@ -25,6 +25,8 @@ from django.shortcuts import render
 from django.urls import reverse
 
 from idempotent_orders import get_order_model
+from idempotent_orders.consuming.graph import current_state, state_field
+from idempotent_orders.http.forms import idempotent_form
 from idempotent_orders.webhooks.signing import stripe_signature
 
 PROVIDER = "fakepay"
@@ -83,10 +85,26 @@ def deliver(url: str, body: bytes, headers: dict[str, str]) -> int:
         return int(exc.code)
 
 
+def awaits_payment(order: Any) -> bool:
+    """Whether ``order`` can still be paid (the Pay button is shown only then)."""
+    return str(current_state(order)) == str(state_field(type(order)).get_default())
+
+
 def pay_page(request: HttpRequest, pk: int) -> HttpResponse:
     order = _order(request, pk)
+    if not awaits_payment(order):
+        # Paid already (or cancelled): no second charge to offer.
+        messages.info(request, f"Order {order.pk} does not await a payment: nothing to pay.")
+        return HttpResponseRedirect(reverse("shop-order", args=[order.pk]), status=303)
     if request.method != "POST":
         return render(request, "shop/pay.html", {"order": order})
+    return _pay(request, order)
+
+
+@idempotent_form(on_failure="release")  # it calls FakePay: no transaction held open
+def _pay(request: HttpRequest, order: Any) -> HttpResponse:
+    """One charge per Pay form: a double click (the same one-time token) lands on the
+    first click's result, and FakePay charges once."""
     try:
         times = min(max(int(request.POST.get("deliveries") or 1), 1), 5)
     except ValueError:

@@ -131,3 +131,51 @@ def test_the_demo_prints_its_admin_login(tmp_path: Any, settings: Any) -> None:
     again = StringIO()
     call_command("demo_superuser", stdout=again)
     assert again.getvalue() == said  # the same login, not a new one
+
+
+def place_order(client: Client) -> tuple[int, str]:
+    """An order placed through the shop's form: its id and its page."""
+    token = token_of(client.get("/shop/").content.decode())
+    placed = post(client, {"qty-tea-longjing": "2", FORM_FIELD: token})
+    assert placed.status_code == 303
+    url = placed["Location"]
+    return int(url.rstrip("/").rsplit("/", 1)[1]), url
+
+
+def test_a_double_click_on_pay_charges_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FakePay's Pay form carries a one-time token: the second click of a double click
+    lands on the first click's result, and the provider charges (sends) once."""
+    from demo_project import payments
+
+    charges: list[str] = []
+
+    def deliver(url: str, body: bytes, headers: dict[str, str]) -> int:
+        charges.append(json.loads(body)["data"]["object"]["id"])
+        return 200
+
+    monkeypatch.setattr(payments, "deliver", deliver)
+    monkeypatch.setattr(payments, "signed", lambda event: (json.dumps(event).encode(), {}))
+    client = Client()
+    pk, order_url = place_order(client)
+    page = client.get(f"/shop/orders/{pk}/pay/", **HTML)
+    form = {"deliveries": "1", FORM_FIELD: token_of(page.content.decode())}
+    first = client.post(f"/shop/orders/{pk}/pay/", form, **HTML)
+    second = client.post(f"/shop/orders/{pk}/pay/", form, **HTML)
+    assert (first.status_code, second.status_code) == (303, 303)
+    assert first["Location"] == second["Location"] == order_url
+    assert len(charges) == 1
+    # What FakePay did is said on the order page it redirects to.
+    shown = client.get(order_url, **HTML).content.decode()
+    assert "FakePay sent the payment webhook 1 time(s)" in shown
+
+
+def test_a_paid_order_offers_no_pay_button() -> None:
+    from idempotent_orders.consuming.running import apply_transition
+
+    client = Client()
+    pk, order_url = place_order(client)
+    assert 'id="pay"' in client.get(order_url, **HTML).content.decode()
+    assert apply_transition(Order.objects.get(pk=pk), "pay").applied
+    assert 'id="pay"' not in client.get(order_url, **HTML).content.decode()
+    again = client.get(f"/shop/orders/{pk}/pay/", follow=True, **HTML)
+    assert "does not await a payment" in again.content.decode()

@@ -29,6 +29,7 @@ from idempotent_orders.webhooks.signing import (
     verify_hmac,
     verify_stripe,
 )
+from tests.test_shop_customer import token_of
 
 SECRET = "whsec_test_secret"
 URL = "/webhooks/fakepay/"
@@ -346,7 +347,8 @@ def test_the_demo_payment_page_pays_the_order_by_a_signed_webhook(
         page = staff.get(f"/shop/orders/{order.pk}/pay/")
         assert page.status_code == 200
         assert b"FakePay" in page.content
-        paid = staff.post(f"/shop/orders/{order.pk}/pay/", {"deliveries": "3"})
+        form = {"deliveries": "3", "idempotency_token": token_of(page.content.decode())}
+        paid = staff.post(f"/shop/orders/{order.pk}/pay/", form)
     assert paid.status_code == 303
     assert sent == [200, 200, 200]
     order.refresh_from_db()

@@ -14,6 +14,7 @@ the user can correct the form and submit again. Works without JavaScript.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 from django.http import HttpRequest, HttpResponseBase, HttpResponseRedirect
@@ -21,7 +22,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from idempotent_orders.exceptions import KeyInvalid
-from idempotent_orders.http.decorators import FormRules, Policy, guard
+from idempotent_orders.http.decorators import FormRules, OnFailure, Policy, guard
 from idempotent_orders.http.header import HEADER, parse_key
 from idempotent_orders.http.replay import replay
 from idempotent_orders.models import IdempotencyKey
@@ -81,9 +82,19 @@ FORM_POLICY = Policy(
 )
 
 
-def idempotent_form(view: Any) -> Any:
-    """Decorate a view that handles a token-protected form (see the module docstring)."""
-    return guard(view, FORM_POLICY, form_key)
+def idempotent_form(view: Any = None, *, on_failure: OnFailure | None = None) -> Any:
+    """Decorate a view that handles a token-protected form (see the module docstring).
+
+    ``on_failure`` as for :func:`~idempotent_orders.http.idempotent_view`: by default a
+    ``def`` view runs in a transaction that a failure rolls back; ``"release"`` runs it
+    outside one (a view that calls another system, such as a payment provider, and
+    writes nothing itself), a failure giving the token back.
+    ``@idempotent_form`` and ``@idempotent_form(on_failure="release")`` both work.
+    """
+    policy = FORM_POLICY if on_failure is None else replace(FORM_POLICY, on_failure=on_failure)
+    if view is None:
+        return lambda decorated: guard(decorated, policy, form_key)
+    return guard(view, policy, form_key)
 
 
 class IdempotentFormMixin:
