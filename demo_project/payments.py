@@ -87,7 +87,8 @@ def deliver(url: str, body: bytes, headers: dict[str, str]) -> int:
 
 def awaits_payment(order: Any) -> bool:
     """Whether ``order`` can still be paid (the Pay button is shown only then)."""
-    return str(current_state(order)) == str(state_field(type(order)).get_default())
+    model = get_order_model()
+    return str(current_state(order)) == str(state_field(model).get_default())
 
 
 def pay_page(request: HttpRequest, pk: int) -> HttpResponse:
