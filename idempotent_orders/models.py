@@ -8,10 +8,10 @@ from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models.functions import Now
-from django_fsm import FSMField, FSMModelMixin, transition
 
 from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
 from idempotent_orders.exceptions import OrderChanged
+from idempotent_orders.fsm import FSMField, FSMModelMixin, transition
 
 #: Where a guarded ``save()`` keeps its optimistic condition until ``_do_update`` takes it.
 SAVE_GUARD = "_idempotent_orders_guard"

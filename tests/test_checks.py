@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -187,3 +188,25 @@ def test_mysql_isolation() -> None:
         assert ("idempotent_orders.E034" in found) is fires
     # The test database itself (READ COMMITTED on the MariaDB leg) passes.
     assert io_checks.check_mysql_isolation() == []
+
+
+def test_the_archived_django_fsm_over_django_fsm_2_is_said_plainly(tmp_path: Any) -> None:
+    """django-fsm 2.8's module shadowing django-fsm-2's: setup says what and how to mend."""
+    fake = tmp_path / "django_fsm"
+    fake.mkdir()
+    # django-fsm 2.8.2 has FSMField and transition, but none of fsm-2's newer names.
+    (fake / "__init__.py").write_text(
+        "class FSMField: pass\ndef transition(*a, **k):\n    return lambda f: f\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "ImproperlyConfigured" in done.stderr
+    assert "pip uninstall -y django-fsm django-fsm-2 && pip install django-fsm-2" in done.stderr

@@ -15,9 +15,9 @@ from functools import cache
 from typing import Any
 
 from django.db.models import Model
-from django_fsm import ANY_OTHER_STATE, ANY_STATE, FSMFieldMixin, State
 
 from idempotent_orders.exceptions import UnknownTransition
+from idempotent_orders.fsm import ANY_OTHER_STATE, ANY_STATE, FSMFieldMixin, State
 
 
 class TransitionStatus(enum.Enum):
