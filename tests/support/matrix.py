@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -110,13 +111,20 @@ def minutes(seconds: float) -> str:
     return f"{whole // 60} min {whole % 60} s"
 
 
-def summary_of(log: Path, lines: int = 60) -> str:
-    """The end of a failed leg's log: pytest's short summary, or the last lines."""
+def summary_of(log: Path, lines: int = 400) -> str:
+    """What a failed leg said: pytest's ERRORS/FAILURES sections on, or the log's last lines."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    start = text.rfind("short test summary info")
-    if start != -1:
-        text = text[text.rfind("\n", 0, start) + 1 :]
-    return "\n".join(text.splitlines()[-lines:])
+    starts = [m.start() for m in re.finditer(r"^=+ (ERRORS|FAILURES) =+$", text, re.MULTILINE)]
+    if starts:
+        text = text[min(starts) :]
+    kept = text.splitlines()
+    if len(kept) > lines:
+        kept = [
+            *kept[: lines // 2],
+            f"[... {len(kept) - lines} lines: see {log}]",
+            *kept[-lines // 2 :],
+        ]
+    return "\n".join(kept)
 
 
 def run_leg(leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, str]) -> Result:
