@@ -7,9 +7,10 @@ The legs run side by side (``--jobs``, 3 by default): most of a leg's time is sp
 waiting on databases, brokers and worker processes, not on the CPU. Each leg has a
 database and a Redis key prefix of its own (``IO_TEST_DB_NAME`` and
 ``IO_TEST_NAMESPACE`` with the leg's suffix), its own browser screenshots folder, and
-its output in a log file; a failed leg's summary is printed. The long runs (marker
-``heavy``) are a leg of their own, alone on the machine when the RabbitMQ chaos run
-restarts the shared broker (``IO_CHAOS_RESTART_RABBITMQ=1``, as in CI).
+its output in a log file; a failed leg's failures are printed. The long runs (marker
+``heavy``) are a leg of their own; the chaos runs on RabbitMQ (marker
+``restarts_rabbitmq``) run alone, before the other legs, when they restart the shared
+broker (``IO_CHAOS_RESTART_RABBITMQ=1``, as in CI). ``--dry-run`` lists the legs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ REPEAT = {
 # The long runs are all PostgreSQL's (backends("postgresql")): on the first Django's
 # PostgreSQL leg they run as a leg of their own, beside the rest of it.
 HEAVY = "heavy"
+RESTARTS = "restarts_rabbitmq"
 HEAVY_DATABASES = {"postgres"}
 
 # Longest first, so that the last legs to start are short ones (seconds, from runs on a
@@ -189,6 +191,7 @@ def main() -> int:
         default=int(os.environ.get("IO_TEST_JOBS", "3")),
         help="legs run at once (IO_TEST_JOBS; 1 runs them one after another)",
     )
+    parser.add_argument("--dry-run", action="store_true", help="list the legs, run nothing")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
 
@@ -240,21 +243,31 @@ def main() -> int:
                 estimate = ESTIMATE.get((tag, database), 60) * (0.15 if own else 1)
                 split = not own and not selection and database in HEAVY_DATABASES
                 if split:
-                    legs.append(
-                        Leg(
-                            name=f"{name} | -m '{HEAVY}'",
-                            key=f"{Path(venv).name.lstrip('.')}-{database}-heavy",
-                            python=python,
-                            database=database,
-                            settings_module=settings_module,
-                            selection=HEAVY,
-                            suffix=suffix + "_heavy",
-                            estimate=ESTIMATE[("heavy", database)],
-                            # The RabbitMQ chaos run restarts the shared broker: nothing else
-                            # runs meanwhile.
-                            exclusive=restarts_rabbitmq,
-                        )
+                    # The chaos runs on RabbitMQ restart the shared broker when asked
+                    # (IO_CHAOS_RESTART_RABBITMQ=1, CI): then they are a leg of their own
+                    # that runs alone, before the others.
+                    heavy_legs = (
+                        [
+                            (f"{HEAVY} and {RESTARTS}", "-alone", True),
+                            (f"{HEAVY} and not {RESTARTS}", "", False),
+                        ]
+                        if restarts_rabbitmq
+                        else [(HEAVY, "", False)]
                     )
+                    for heavy, tail, alone in heavy_legs:
+                        legs.append(
+                            Leg(
+                                name=f"{name} | -m '{heavy}'",
+                                key=f"{Path(venv).name.lstrip('.')}-{database}-heavy{tail}",
+                                python=python,
+                                database=database,
+                                settings_module=settings_module,
+                                selection=heavy,
+                                suffix=f"{suffix}_heavy{tail.replace('-', '_')}",
+                                estimate=ESTIMATE[("heavy", database)],
+                                exclusive=alone,
+                            )
+                        )
                     selection_here = f"not {HEAVY}"
                 else:
                     selection_here = selection
@@ -271,9 +284,16 @@ def main() -> int:
                     )
                 )
 
+    jobs = max(1, args.jobs)
+    if args.dry_run:
+        for leg in sorted(legs, key=lambda leg: (not leg.exclusive, -leg.estimate)):
+            print(
+                f"{'alone' if leg.exclusive else f'{jobs} at a time':>12}  {leg.name}  "
+                f"(IO_TEST_DB_NAME={base['db']}{leg.suffix}, {leg.settings_module})"
+            )
+        return 0
     report_dir = ROOT / ".pytest_cache" / "matrix"
     report_dir.mkdir(parents=True, exist_ok=True)
-    jobs = max(1, args.jobs)
     print(
         f"matrix: {len(legs)} legs, {jobs} at a time; logs and junit reports in {report_dir}",
         flush=True,
