@@ -15,14 +15,23 @@ EXTRAS := postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
 # Development tools come from pyproject's [dependency-groups] (pip >= 25.1).
 GROUPS := --group dev
 
-.PHONY: help venv demo demo-web test lint typecheck format clean
+.PHONY: help venv demo demo-web test lint format clean
 
 help:
-	@echo "make demo   run the demo on the embedded default (SQLite + filesystem broker)"
-	@echo "make demo-web  the demo shop at http://127.0.0.1:8000/shop/ with a Celery worker (Ctrl-C stops both)"
-	@echo "make test   run the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x"
-	@echo "make lint   ruff + mypy"
-	@echo "make docs   build the documentation site (MkDocs, --strict) into build/site/"
+	@echo "make venv        build .venv (the project, its extras and the dev group) from pyproject.toml"
+	@echo "make demo        run the demo on the embedded default (SQLite + filesystem broker)"
+	@echo "make demo-web    the demo shop at http://127.0.0.1:8000/shop/ with a Celery worker (Ctrl-C stops both)"
+	@echo "make test        the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x; prints its wall time"
+	@echo "                 (MATRIX_ARGS=... passes options on, e.g. MATRIX_ARGS='--databases postgres')"
+	@echo "make lint        ruff check, ruff format --check, mypy"
+	@echo "make format      ruff format and ruff check --fix"
+	@echo "make docs        build the documentation site (MkDocs, --strict) into build/site/"
+	@echo "make chaos       the long fault-injection run (CHAOS_ORDERS, CHAOS_KILLS, CHAOS_WORKERS, CHAOS_SEED;"
+	@echo "                 CHAOS_RESTART_RABBITMQ=1 restarts the shared RabbitMQ once); report in build/chaos/"
+	@echo "make bench       the benchmark table (its own .venv-bench and .venv-bench-peer; BENCH_ARGS=sections)"
+	@echo "make bench-long  the benchmark's memory figure at 1,000,000 messages (BENCH_LONG_MESSAGES)"
+	@echo "make bench-dedup the dedup layers' benchmark (Bloom filter vs bit array)"
+	@echo "make clean       remove .demo and the tools' caches"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,4 +1,4 @@
 # Dedup layer benchmark (Bloom vs bit array); include from the Makefile.
 .PHONY: bench-dedup
-bench-dedup:
-	.venv/bin/python bench/dedup_layers.py 1000000
+bench-dedup: venv
+	$(PY) bench/dedup_layers.py 1000000

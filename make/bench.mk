@@ -3,7 +3,10 @@
 # real-server HTTP section (reported n/a without it); uses its own database BENCH_DB_NAME.
 # Each run is appended to build/bench/results.jsonl; BENCH_ARGS=--chart also writes
 # docs/img/benchmarks.png. BENCH_ARGS may name sections: BENCH_ARGS="consumer http".
-BENCH_PY ?= $(PY)
+# Its own venv, .venv-bench: the project, the test group and the benchmark's peers (bench
+# group), so the peers never land in the development .venv the tests run in.
+VENV_BENCH ?= .venv-bench
+BENCH_PY ?= $(VENV_BENCH)/bin/python
 BENCH_DB_NAME ?= bench_idempotent_orders
 BENCH_ARGS ?=
 # The outbox section's second peer (django-reliable-outbox) needs Python >= 3.12: its own
@@ -17,9 +20,14 @@ $(VENV_BENCH_PEER)/.installed: pyproject.toml
 	$(VENV_BENCH_PEER)/bin/python -m pip install -q --disable-pip-version-check -e '.[postgres]' --group bench-peer
 	touch $@
 
+$(VENV_BENCH)/.installed: pyproject.toml
+	test -x $(VENV_BENCH)/bin/python || $(PYTHON) -m venv $(VENV_BENCH)
+	$(VENV_BENCH)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(VENV_BENCH)/bin/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" --group test --group bench
+	touch $@
+
 .PHONY: bench
-bench: venv
-	$(BENCH_PY) -m pip install -q -e '.[postgres]' --group test --group bench
+bench: $(VENV_BENCH)/.installed
 	@if [ -n "$(PYTHON_DJ6)" ]; then $(MAKE) --no-print-directory $(VENV_BENCH_PEER)/.installed; \
 	else echo "no Python >= 3.12: the outbox section will say n/a for django-reliable-outbox"; fi
 	@command -v wrk >/dev/null || echo "wrk not found: the real-server HTTP section will say n/a (apt-get install wrk)"
@@ -31,7 +39,6 @@ bench: venv
 BENCH_LONG_MESSAGES ?= 1000000
 
 .PHONY: bench-long
-bench-long: venv
-	$(BENCH_PY) -m pip install -q -e '.[postgres]' --group test --group bench
+bench-long: $(VENV_BENCH)/.installed
 	BENCH_DB_NAME=$(BENCH_DB_NAME) IO_TEST_NAMESPACE=$(BENCH_DB_NAME) \
 	BENCH_MEMORY_MESSAGES=$(BENCH_LONG_MESSAGES) $(BENCH_PY) -m bench memory $(BENCH_ARGS)

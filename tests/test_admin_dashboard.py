@@ -19,11 +19,16 @@ from idempotent_orders.models import (
     ParkedMessage,
     ProcessedMessage,
 )
-from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
-from tests.support.services import ROOT
+from tests.support.browser import (
+    CHROMIUM,
+    LAUNCH_ARGS,
+    SCREENSHOTS,
+    require_chromium,
+    serve_static,
+)
 
 APP_INDEX = "/admin/idempotent_orders/"
-SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "admin-attention.png"
+SCREENSHOT = SCREENSHOTS / "admin-attention.png"
 
 
 def prepare() -> dict[str, set[str]]:
@@ -121,6 +126,7 @@ def test_dashboard_shows_only_what_the_user_may_view() -> None:
 
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.services
+@pytest.mark.browser
 def test_dashboard_in_headless_chromium(live_server: Any, settings: Any) -> None:
     sync_api = require_chromium()
     settings.IDEMPOTENT_ORDERS = {**settings.IDEMPOTENT_ORDERS, "PARKED_TIMEOUT": 3600}

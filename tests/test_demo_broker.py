@@ -25,9 +25,12 @@ EACH = 200
 
 
 def _options(folder: Path) -> dict[str, Any]:
+    # kombu keeps its exchange table in ``control_folder`` (``./control`` by default):
+    # beside the queue's folder in the test's tmp_path, never in the checkout.
     return {
         "data_folder_in": str(folder),
         "data_folder_out": str(folder),
+        "control_folder": str(folder.parent / "control"),
         "store_processed": False,
         "polling_interval": 0.001,
     }

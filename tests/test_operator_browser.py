@@ -14,13 +14,23 @@ from django.contrib.auth import get_user_model
 from demo_project import warehouse
 from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
 from idempotent_orders.models import IdempotencyKey, Order, OrderStatus, ProcessedMessage
-from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
-from tests.support.services import ROOT
+from tests.support.browser import (
+    CHROMIUM,
+    LAUNCH_ARGS,
+    SCREENSHOTS,
+    require_chromium,
+    serve_static,
+)
 from tests.test_admin_timeline import journey
 
-pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
+pytestmark = [
+    pytest.mark.backends("postgresql", "mysql"),
+    pytest.mark.services,
+    pytest.mark.browser,
+]
 
-IMG = ROOT / "docs" / "img"
+#: The pictures of docs/operations.md are copies of these (never written there by a test run).
+IMG = SCREENSHOTS
 
 
 def operator() -> None:

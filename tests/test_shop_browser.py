@@ -10,13 +10,23 @@ from django.core.signals import request_started
 
 from idempotent_orders.models import Order
 from idempotent_orders.signals import idempotent_request
-from tests.support.browser import CHROMIUM, LAUNCH_ARGS, require_chromium, serve_static
-from tests.support.services import ROOT, wait_until
+from tests.support.browser import (
+    CHROMIUM,
+    LAUNCH_ARGS,
+    SCREENSHOTS,
+    require_chromium,
+    serve_static,
+)
+from tests.support.services import wait_until
 
-pytestmark = [pytest.mark.backends("postgresql", "mysql"), pytest.mark.services]
+pytestmark = [
+    pytest.mark.backends("postgresql", "mysql"),
+    pytest.mark.services,
+    pytest.mark.browser,
+]
 
 #: The shop with a basket filled in; docs/img/shop.png is a copy.
-SCREENSHOT = ROOT / ".pytest_cache" / "screenshots" / "shop.png"
+SCREENSHOT = SCREENSHOTS / "shop.png"
 
 
 def test_double_clicked_checkout_creates_one_order(live_server: Any, settings: Any) -> None:

@@ -11,7 +11,13 @@ from idempotent_orders.tasks import consume_payment, publish
 from tests.support.messages import duplicated_storm, payment
 from tests.support.services import wait_until
 
-pytestmark = [pytest.mark.workers, pytest.mark.backends("postgresql")]
+# workers_on_every_django: the Celery worker's Django integration (connections closed and
+# reopened around tasks) under each Django version: also on Django 6's PostgreSQL leg.
+pytestmark = [
+    pytest.mark.workers,
+    pytest.mark.workers_on_every_django,
+    pytest.mark.backends("postgresql"),
+]
 
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])

@@ -145,7 +145,12 @@ def _run(broker: str, load: Load, private_redis: RedisServer, *, batches: bool =
     assert ctx.terminated > 0, "the database fault hit no worker connection"
 
 
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+#: The RabbitMQ runs restart the shared broker when IO_CHAOS_RESTART_RABBITMQ=1 (CI): marked,
+#: so that tests/support/matrix.py runs them while nothing else uses it.
+RABBITMQ = pytest.param("rabbitmq", marks=pytest.mark.restarts_rabbitmq)
+
+
+@pytest.mark.parametrize("broker", ["redis", RABBITMQ])
 def test_exactly_once_under_faults(
     broker: str, transactional_db: None, private_redis: RedisServer, use_broker: None
 ) -> None:
@@ -160,6 +165,7 @@ def test_exactly_once_under_faults_long(
     _run(broker, LONG, private_redis)
 
 
+@pytest.mark.restarts_rabbitmq
 def test_batch_consumers_exactly_once_under_faults(
     transactional_db: None, private_redis: RedisServer, use_broker: None
 ) -> None:

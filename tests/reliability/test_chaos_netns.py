@@ -136,7 +136,9 @@ def test_proxy_delays_drops_and_partitions(namespace: Namespace, proxy: FaultPro
     assert ping() == "True"
 
 
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+@pytest.mark.parametrize(
+    "broker", ["redis", pytest.param("rabbitmq", marks=pytest.mark.restarts_rabbitmq)]
+)
 def test_exactly_once_across_network_namespaces(
     broker: str,
     transactional_db: None,

@@ -13,6 +13,11 @@ import django.contrib.admin
 from tests.support.services import ROOT, unavailable
 
 CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
+#: Where the browser tests save their pictures: ``IO_TEST_SCREENSHOTS`` (tests/support/matrix.py
+#: gives each leg its own), else .pytest_cache/screenshots/ (ignored by git). Never docs/img/:
+#: copy a picture there to refresh the documentation.
+SCREENSHOTS = Path(os.environ.get("IO_TEST_SCREENSHOTS") or ROOT / ".pytest_cache" / "screenshots")
+
 LAUNCH_ARGS = [
     "--headless",
     "--no-sandbox",

@@ -1,18 +1,30 @@
-"""Run the test suite once per (virtual environment, database) leg and sum the results.
+"""Run the test suite once per (virtual environment, database, order model) leg and sum the results.
 
 Legs whose database is unreachable are reported and not run on a newcomer's
 machine; with ``CI=true`` they fail the run instead.
+
+The legs run side by side (``--jobs``, 3 by default): most of a leg's time is spent
+waiting on databases, brokers and worker processes, not on the CPU. Each leg has a
+database and a Redis key prefix of its own (``IO_TEST_DB_NAME`` and
+``IO_TEST_NAMESPACE`` with the leg's suffix), its own browser screenshots folder, and
+its output in a log file; a failed leg's failures are printed. The long runs (marker
+``heavy``) are a leg of their own; the chaos runs on RabbitMQ (marker
+``restarts_rabbitmq``) run alone, before the other legs, when they restart the shared
+broker (``IO_CHAOS_RESTART_RABBITMQ=1``, as in CI). ``--dry-run`` lists the legs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,13 +34,35 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # What the Django 6 legs repeat. Their job is the other Django and Python: the ORM,
 # admin, checks, migrations and views, all of which run in-process on every database.
 # What starts real Celery worker processes (marker ``workers``), whose behaviour does
-# not depend on Django's version, runs in full on the Django 5.2 legs of every
-# database, and once more on Django 6's PostgreSQL leg, but for the long runs (marker
-# ``heavy``: the chaos runs and a retry held by the broker, the longest tests).
+# not depend on Django's version, runs in full on the Django 5.2 legs of every database;
+# on Django 6 only tests/test_workers.py (marker ``workers_on_every_django``: the worker's
+# Django integration, on both brokers) runs, on PostgreSQL. The long runs (marker
+# ``heavy``: the chaos runs, a killed primary, a retry held by the broker) run on Django
+# 5.2's PostgreSQL leg. The browser tests (marker ``browser``: Django's admin pages in
+# Chromium, which change with Django) run on the Django 5.2 legs of PostgreSQL and
+# MariaDB and on Django 6's PostgreSQL leg. The own-model legs (tests/swapped) repeat
+# what the default-model legs of the same Django and database repeat.
 REPEAT = {
-    "postgres": "not heavy",
-    "mariadb": "not workers",
+    "postgres": "not heavy and (not workers or workers_on_every_django)",
+    "mariadb": "not workers and not browser",
     "sqlite": "not workers",
+}
+# The long runs are all PostgreSQL's (backends("postgresql")): on the first Django's
+# PostgreSQL leg they run as a leg of their own, beside the rest of it.
+HEAVY = "heavy"
+RESTARTS = "restarts_rabbitmq"
+HEAVY_DATABASES = {"postgres"}
+
+# Longest first, so that the last legs to start are short ones (seconds, from runs on a
+# 2-core machine; only the order matters).
+ESTIMATE = {
+    ("heavy", "postgres"): 240,
+    ("", "postgres"): 270,
+    ("", "mariadb"): 250,
+    ("", "sqlite"): 190,
+    ("dj6", "postgres"): 260,
+    ("dj6", "mariadb"): 200,
+    ("dj6", "sqlite"): 170,
 }
 
 
@@ -52,26 +86,129 @@ def why_not(python: Path, database: str) -> str | None:
     return None
 
 
+@dataclass
+class Leg:
+    name: str
+    key: str  # a file name: the leg's log, junit report and screenshots folder
+    python: Path
+    database: str
+    settings_module: str
+    selection: str
+    suffix: str  # appended to the database name and the Redis key prefix
+    estimate: float
+    exclusive: bool = False
+
+
+@dataclass
+class Result:
+    leg: Leg
+    returncode: int
+    counts: dict[str, int]
+    seconds: float
+    log: Path
+
+
+def minutes(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60} s"
+
+
+def summary_of(log: Path, lines: int = 400) -> str:
+    """What a failed leg said: pytest's ERRORS/FAILURES sections on, or the log's last lines."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    starts = [m.start() for m in re.finditer(r"^=+ (ERRORS|FAILURES) =+$", text, re.MULTILINE)]
+    if starts:
+        text = text[min(starts) :]
+    kept = text.splitlines()
+    if len(kept) > lines:
+        kept = [
+            *kept[: lines // 2],
+            f"[... {len(kept) - lines} lines: see {log}]",
+            *kept[-lines // 2 :],
+        ]
+    return "\n".join(kept)
+
+
+def run_leg(leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, str]) -> Result:
+    junit = report_dir / f"{leg.key}.xml"
+    log = report_dir / f"{leg.key}.log"
+    junit.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": leg.settings_module,
+        "IO_TEST_DATABASE": leg.database,
+        "IO_TEST_DB_NAME": base["db"] + leg.suffix,
+        "IO_TEST_NAMESPACE": base["namespace"] + leg.suffix,
+        "IO_TEST_SCREENSHOTS": str(report_dir / "screenshots" / leg.key),
+    }
+    print(f"=== leg {leg.name}: started", flush=True)
+    started = time.monotonic()
+    with log.open("wb") as out:
+        result = subprocess.run(
+            [
+                leg.python,
+                "-m",
+                "pytest",
+                # Legs run side by side: none of them writes pytest's cache in the checkout.
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={junit}",
+                *(["-m", leg.selection] if leg.selection else []),
+                *pytest_args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    seconds = time.monotonic() - started
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if junit.exists():
+        for test_suite in ET.parse(junit).getroot().iter("testsuite"):
+            for key in counts:
+                counts[key] += int(test_suite.get(key, 0))
+    failed = counts["failures"] + counts["errors"]
+    print(
+        f"=== leg {leg.name}: exit {result.returncode}, {counts['tests']} tests, "
+        f"{failed} failed, {counts['skipped']} skipped, {minutes(seconds)} (log: {log})",
+        flush=True,
+    )
+    if result.returncode != 0 or counts["tests"] == 0:
+        print(summary_of(log), flush=True)
+    return Result(leg, result.returncode, counts, seconds, log)
+
+
 def main() -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser()
     parser.add_argument("--venv", default=".venv")
     parser.add_argument("--venv-dj6", default=None)
     parser.add_argument("--databases", default="sqlite,postgres,mariadb")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=int(os.environ.get("IO_TEST_JOBS", "3")),
+        help="legs run at once (IO_TEST_JOBS; 1 runs them one after another)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="list the legs, run nothing")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
 
-    legs = [(args.venv, db, "") for db in args.databases.split(",")]
+    databases = args.databases.split(",")
+    venvs = [(args.venv, "", None)]  # (venv, tag for names, what the legs repeat)
     if args.venv_dj6:
-        legs += [(args.venv_dj6, db, REPEAT.get(db, "")) for db in args.databases.split(",")]
+        venvs.append((args.venv_dj6, "dj6", REPEAT))
     elif IN_CI:
         print("matrix: no Python >= 3.12 for the Django 6 leg (required in CI)")
         return 1
 
-    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    base_db = os.environ.get("IO_TEST_DB_NAME", "test_io")
+    base = {"db": base_db, "namespace": os.environ.get("IO_TEST_NAMESPACE", base_db)}
+    restarts_rabbitmq = os.environ.get("IO_CHAOS_RESTART_RABBITMQ") == "1"
     problems: list[str] = []
-    report_dir = ROOT / ".pytest_cache" / "matrix"
-    report_dir.mkdir(parents=True, exist_ok=True)
-    for venv, database, selection in legs:
+    legs: list[Leg] = []
+    for venv, tag, repeat in venvs:
         python = ROOT / venv / "bin" / "python"
         version = (
             subprocess.run(
@@ -87,62 +224,103 @@ def main() -> int:
             if python.exists()
             else "?"
         )
-        title = f"{database} | {version}"
-        reason = why_not(python, database)
-        if reason:
-            message = f"leg {title}: not run: {reason}"
-            print(f"\n=== {message}", flush=True)
-            problems.append(message)
-            continue
-        # Each leg runs twice: the default order model, then a project's own
-        # model swapped in (tests/swapped, its own process: the model is
-        # chosen once per process, like the user model).
-        for suite, settings_module in (
-            ("", "tests.settings"),
-            ("-swapped", "tests.settings_swapped"),
-        ):
-            junit = report_dir / f"{Path(venv).name}-{database}{suite}.xml"
-            junit.unlink(missing_ok=True)
-            env = {
-                **os.environ,
-                "DJANGO_SETTINGS_MODULE": settings_module,
-                "IO_TEST_DATABASE": database,
-                "IO_TEST_DB_NAME": os.environ.get("IO_TEST_DB_NAME", "test_io") + f"_{database}",
-            }
-            name = f"{title}{' | own order model' if suite else ''}"
-            if selection:
-                name += f" | -m '{selection}'"
-            print(f"\n=== leg {name}", flush=True)
-            started = time.monotonic()
-            result = subprocess.run(
-                [
-                    python,
-                    "-m",
-                    "pytest",
-                    f"--junitxml={junit}",
-                    *(["-m", selection] if selection else []),
-                    *args.pytest_args,
-                ],
-                cwd=ROOT,
-                env=env,
-            )
-            counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-            if junit.exists():
-                for test_suite in ET.parse(junit).getroot().iter("testsuite"):
-                    for key in counts:
-                        counts[key] += int(test_suite.get(key, 0))
-            failed = counts["failures"] + counts["errors"]
-            totals["failed"] += failed
-            totals["skipped"] += counts["skipped"]
-            totals["passed"] += counts["tests"] - failed - counts["skipped"]
+        for database in databases:
+            title = f"{database} | {version}"
+            reason = why_not(python, database)
+            if reason:
+                message = f"leg {title}: not run: {reason}"
+                print(f"=== {message}", flush=True)
+                problems.append(message)
+                continue
+            selection = repeat.get(database, "") if repeat is not None else ""
+            # Each leg runs twice: the default order model, then a project's own
+            # model swapped in (tests/swapped, its own process: the model is
+            # chosen once per process, like the user model).
+            suites = ((False, "tests.settings"), (True, "tests.settings_swapped"))
+            for own, settings_module in suites:
+                suffix = f"_{database}{'_' + tag if tag else ''}{'_own' if own else ''}"
+                name = f"{title}{' | own order model' if own else ''}"
+                estimate = ESTIMATE.get((tag, database), 60) * (0.15 if own else 1)
+                split = not own and not selection and database in HEAVY_DATABASES
+                if split:
+                    # The chaos runs on RabbitMQ restart the shared broker when asked
+                    # (IO_CHAOS_RESTART_RABBITMQ=1, CI): then they are a leg of their own
+                    # that runs alone, before the others.
+                    heavy_legs = (
+                        [
+                            (f"{HEAVY} and {RESTARTS}", "-alone", True),
+                            (f"{HEAVY} and not {RESTARTS}", "", False),
+                        ]
+                        if restarts_rabbitmq
+                        else [(HEAVY, "", False)]
+                    )
+                    for heavy, tail, alone in heavy_legs:
+                        legs.append(
+                            Leg(
+                                name=f"{name} | -m '{heavy}'",
+                                key=f"{Path(venv).name.lstrip('.')}-{database}-heavy{tail}",
+                                python=python,
+                                database=database,
+                                settings_module=settings_module,
+                                selection=heavy,
+                                suffix=f"{suffix}_heavy{tail.replace('-', '_')}",
+                                estimate=ESTIMATE[("heavy", database)],
+                                exclusive=alone,
+                            )
+                        )
+                    selection_here = f"not {HEAVY}"
+                else:
+                    selection_here = selection
+                legs.append(
+                    Leg(
+                        name=name + (f" | -m '{selection_here}'" if selection_here else ""),
+                        key=f"{Path(venv).name.lstrip('.')}-{database}{'-own' if own else ''}",
+                        python=python,
+                        database=database,
+                        settings_module=settings_module,
+                        selection=selection_here,
+                        suffix=suffix,
+                        estimate=estimate,
+                    )
+                )
+
+    jobs = max(1, args.jobs)
+    if args.dry_run:
+        for leg in sorted(legs, key=lambda leg: (not leg.exclusive, -leg.estimate)):
             print(
-                f"=== leg {name}: exit {result.returncode}, {counts['tests']} tests, "
-                f"{failed} failed, {counts['skipped']} skipped, "
-                f"{time.monotonic() - started:.0f}s",
-                flush=True,
+                f"{'alone' if leg.exclusive else f'{jobs} at a time':>12}  {leg.name}  "
+                f"(IO_TEST_DB_NAME={base['db']}{leg.suffix}, {leg.settings_module})"
             )
-            if result.returncode not in (0,) or counts["tests"] == 0:
-                problems.append(f"leg {name}: pytest exit {result.returncode}")
+        return 0
+    report_dir = ROOT / ".pytest_cache" / "matrix"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"matrix: {len(legs)} legs, {jobs} at a time; logs and junit reports in {report_dir}",
+        flush=True,
+    )
+    results: list[Result] = []
+    alone = [leg for leg in legs if leg.exclusive]
+    together = sorted((leg for leg in legs if not leg.exclusive), key=lambda leg: -leg.estimate)
+    for leg in alone:
+        results.append(run_leg(leg, args.pytest_args, report_dir, base))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results += pool.map(lambda leg: run_leg(leg, args.pytest_args, report_dir, base), together)
+
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    print("\nmatrix legs:")
+    for result in sorted(results, key=lambda r: legs.index(r.leg)):
+        counts = result.counts
+        failed = counts["failures"] + counts["errors"]
+        totals["failed"] += failed
+        totals["skipped"] += counts["skipped"]
+        totals["passed"] += counts["tests"] - failed - counts["skipped"]
+        print(
+            f"  {minutes(result.seconds):>13}  exit {result.returncode}  "
+            f"{counts['tests']:4d} tests {failed:3d} failed {counts['skipped']:4d} skipped  "
+            f"{result.leg.name}"
+        )
+        if result.returncode != 0 or counts["tests"] == 0:
+            problems.append(f"leg {result.leg.name}: pytest exit {result.returncode}")
 
     print()
     for problem in problems:
@@ -153,6 +331,7 @@ def main() -> int:
     print(
         f"matrix: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
     )
+    print(f"make test took {minutes(time.monotonic() - started)}", flush=True)
     return 0 if ok else 1
 
 
