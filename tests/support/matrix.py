@@ -66,6 +66,16 @@ ESTIMATE = {
 }
 
 
+#: The order models each leg runs, by the tag of their suite ("": the app's own Order)
+#: and the settings that swap them in.
+SUITES = (
+    ("", "tests.settings"),
+    ("own", "tests.settings_swapped"),
+    ("history", "tests.settings_history"),
+    ("djshop", "tests.settings_djshop"),
+)
+
+
 def reachable(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -233,13 +243,14 @@ def main() -> int:
                 problems.append(message)
                 continue
             selection = repeat.get(database, "") if repeat is not None else ""
-            # Each leg runs twice: the default order model, then a project's own
-            # model swapped in (tests/swapped, its own process: the model is
-            # chosen once per process, like the user model).
-            suites = ((False, "tests.settings"), (True, "tests.settings_swapped"))
-            for own, settings_module in suites:
-                suffix = f"_{database}{'_' + tag if tag else ''}{'_own' if own else ''}"
-                name = f"{title}{' | own order model' if own else ''}"
+            # Each leg runs the default order model, then the projects' own models
+            # swapped in, each in its own process (the model is chosen once per
+            # process, like the user model): tests/swapped, tests/history (save()
+            # with history and audit packages), tests/djshop (django-SHOP's workflow).
+            for model, settings_module in SUITES:
+                own = model != ""
+                suffix = f"_{database}{'_' + tag if tag else ''}{'_' + model if own else ''}"
+                name = f"{title}{f' | order model: {model}' if own else ''}"
                 estimate = ESTIMATE.get((tag, database), 60) * (0.15 if own else 1)
                 split = not own and not selection and database in HEAVY_DATABASES
                 if split:
@@ -274,7 +285,7 @@ def main() -> int:
                 legs.append(
                     Leg(
                         name=name + (f" | -m '{selection_here}'" if selection_here else ""),
-                        key=f"{Path(venv).name.lstrip('.')}-{database}{'-own' if own else ''}",
+                        key=f"{Path(venv).name.lstrip('.')}-{database}{'-' + model if own else ''}",
                         python=python,
                         database=database,
                         settings_module=settings_module,
