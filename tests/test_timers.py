@@ -14,9 +14,8 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from idempotent_orders import get_order_model
+from idempotent_orders import get_order_model, timers
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders import timers
 from idempotent_orders.models import (
     Outcome,
     ParkedMessage,
@@ -174,7 +173,10 @@ def test_a_payment_that_wins_between_the_check_and_the_consume_leaves_the_timer_
     Timer.objects.filter(pk=timer.pk).update(status=TimerStatus.PENDING, outcome="", error="")
     assert fire(timer) is Outcome.STALE
     timer.refresh_from_db()
-    assert (timer.outcome, timer.error) == (Outcome.STALE, "order is paid; expire no longer applies")
+    assert (timer.outcome, timer.error) == (
+        Outcome.STALE,
+        "order is paid; expire no longer applies",
+    )
     order.refresh_from_db()
     assert (order.status, order.version) == ("paid", 1)
 
