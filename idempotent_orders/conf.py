@@ -158,6 +158,14 @@ DEFAULTS: dict[str, Any] = {
     # INLINE (consume in the request after storing; default False: a task via the
     # outbox), and for "hmac" SIGNATURE_HEADER, TIMESTAMP_HEADER, ID_FIELD, TYPE_FIELD.
     "WEBHOOKS": {},
+    # Requests a webhook endpoint refuses before their signature is verified (bad or no
+    # signature, too large) one client address may send one provider per
+    # WEBHOOK_REFUSED_RATE_WINDOW seconds, counted in the LOCK_CACHE; each is kept as a
+    # rejected row, and past the rate answered 429 and not kept. A signed event is
+    # never held back by it.
+    "WEBHOOK_REFUSED_RATE": 60,
+    # Seconds of the WEBHOOK_REFUSED_RATE window (a fixed window per provider and address).
+    "WEBHOOK_REFUSED_RATE_WINDOW": 60,
     # Seconds an order may wait for its payment; past it, a durable timer takes the
     # transition below (written with the order, fired once through the inbox). 0: never.
     "PAYMENT_TIMEOUT": 0,
@@ -211,6 +219,8 @@ POSITIVE: frozenset[str] = frozenset(
         "IDEMPOTENT_MAX_ATTEMPTS",
         "TIMER_BATCH_SIZE",
         "TIMER_CLAIM_SECONDS",
+        "WEBHOOK_REFUSED_RATE",
+        "WEBHOOK_REFUSED_RATE_WINDOW",
     }
 )
 
@@ -470,6 +480,14 @@ class Settings:
     @property
     def WEBHOOKS(self) -> dict[str, Any]:
         return dict(self._get("WEBHOOKS"))
+
+    @property
+    def WEBHOOK_REFUSED_RATE(self) -> int:
+        return int(self._get("WEBHOOK_REFUSED_RATE"))
+
+    @property
+    def WEBHOOK_REFUSED_RATE_WINDOW(self) -> int:
+        return int(self._get("WEBHOOK_REFUSED_RATE_WINDOW"))
 
     @property
     def PAYMENT_TIMEOUT(self) -> int:

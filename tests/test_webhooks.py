@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
@@ -178,6 +179,218 @@ def test_refused_requests_get_a_problem_and_are_recorded(
     assert signed_post(client, payload).status_code == 200
 
 
+PROBLEM = "application/problem+json"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+@pytest.mark.parametrize(
+    "event_id",
+    [
+        "evt_trailing ",
+        " evt_leading",
+        "evt_zero\u200bwidth",
+        "evt_c1\x85control",
+        "evt_rtl\u202eoverride",
+        "evt_nul\x00",
+        "evt_surrogate\ud800",
+        "evt_tab\tinside",
+        "x" * 256,
+        "",
+    ],
+    ids=["trailing", "leading", "zwsp", "c1", "rlo", "nul", "surrogate", "tab", "long", "empty"],
+)
+def test_an_event_id_the_consumer_cannot_take_is_refused_at_the_door_with_its_reason(
+    fakepay: bool, event_id: str, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    response = signed_post(Client(), event(order, event_id=event_id, payment_id="pi_id"))
+    assert (response.status_code, response["Content-Type"]) == (400, PROBLEM)
+    assert response.json()["code"] == "webhook-event-id-invalid"
+    assert "printable" in response.json()["detail"]
+    (kept,) = WebhookEvent.objects.all()
+    assert (kept.status, kept.event_id) == (WebhookStatus.REJECTED, None)
+    assert kept.error.startswith("webhook-event-id-invalid: the event needs a string 'id'")
+    assert ascii(event_id)[:40] in kept.error
+    assert "\x00" not in kept.claimed_id
+    assert not OutboxMessage.objects.filter(task_name=ingress.TASK).exists()
+    assert not ProcessedMessage.objects.exists()
+    order.refresh_from_db()
+    assert order.status == "pending_payment"
+
+
+def test_the_door_and_the_consumer_share_one_rule_for_an_id() -> None:
+    from idempotent_orders.consuming import envelope
+
+    assert ingress.valid_message_id is envelope.valid_message_id
+
+
+@pytest.mark.django_db
+def test_a_rejection_by_the_consumer_always_carries_its_reason(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    # An event stored before the door checked ids (or by an older version): the consumer
+    # keeps its inbox row under another id; the event still says why it was rejected.
+    order = make_order()
+    body = json.dumps(event(order, event_id="evt_old ", payment_id="pi_o"))
+    stored = WebhookEvent.objects.create(
+        provider="fakepay",
+        event_id="evt_old ",
+        event_type="payment_intent.succeeded",
+        message_type="payment.succeeded",
+        status=WebhookStatus.RECEIVED,
+        body=body,
+    )
+    assert ingress.process_event(stored.pk) == "rejected"
+    stored.refresh_from_db()
+    assert (stored.status, stored.outcome) == (WebhookStatus.PROCESSED, "rejected")
+    assert stored.error.startswith("message_id must be a non-empty printable string")
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("body", "status", "code", "detail"),
+    [
+        (_nested(50_000), 400, "webhook-body-invalid", "nested too deeply to read"),
+        (b"not json", 400, "webhook-body-invalid", "not valid JSON"),
+        (b'{"id": "evt_\xff"}', 400, "webhook-body-invalid", "not UTF-8"),
+        (b"[1, 2]", 400, "webhook-body-invalid", "must be a JSON object, got list"),
+        (b'"evt"', 400, "webhook-body-invalid", "must be a JSON object, got str"),
+        (b"", 400, "webhook-body-invalid", "not valid JSON"),
+        (
+            b'{"id": "evt_t", "type": "payment\\u0000"}',
+            422,
+            "webhook-event-type-unknown",
+            "'payment\\x00'",
+        ),
+        (
+            b'{"id": "evt_s", "type": "payment\\ud800"}',
+            422,
+            "webhook-event-type-unknown",
+            "'payment\\ud800'",
+        ),
+        (b'{"id": ["evt"], "type": "x"}', 400, "webhook-event-id-invalid", "got ['evt']"),
+    ],
+    ids=["deep", "not-json", "not-utf8", "array", "string", "empty", "nul-type",
+         "surrogate-type", "list-id"],
+)  # fmt: skip
+def test_every_bad_signed_body_is_a_4xx_problem_with_a_kept_row_never_a_500(
+    fakepay: bool, body: bytes, status: int, code: str, detail: str
+) -> None:
+    response = post(Client(), body, stripe_signature(SECRET, body))
+    assert (response.status_code, response["Content-Type"]) == (status, PROBLEM)
+    assert response.json()["code"] == code
+    assert detail in response.json()["detail"]
+    (kept,) = WebhookEvent.objects.all()
+    assert kept.status == WebhookStatus.REJECTED
+    assert kept.error.startswith(f"{code}: ")
+    assert len(kept.body) <= ingress.REFUSED_BODY_EXCERPT
+    assert "\x00" not in kept.event_type
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("size", [10 * 1024 * 1024, 1024 * 1024 + 1], ids=["10MB", "1MB+1"])
+def test_an_oversize_body_gets_the_apps_413_before_djangos_limit_and_is_recorded(
+    fakepay: bool, size: int
+) -> None:
+    body = b'{"id": "evt_big", "pad": "' + b"x" * (size - 28) + b'"}'
+    assert len(body) == size
+    response = post(Client(), body, stripe_signature(SECRET, body))
+    assert (response.status_code, response["Content-Type"]) == (413, PROBLEM)
+    assert response.json()["code"] == "webhook-body-too-large"
+    assert response.json()["detail"] == f"{size} bytes; at most 1048576 (MAX_REQUEST_BYTES)"
+    (kept,) = WebhookEvent.objects.all()
+    assert kept.status == WebhookStatus.REJECTED
+    assert kept.body.startswith('{"id": "evt_big"')
+    assert len(kept.body) <= ingress.REFUSED_BODY_EXCERPT
+
+
+@pytest.mark.django_db
+def test_the_apps_limit_not_djangos_decides_a_webhook_bodys_size(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    payload = {**event(order, event_id="evt_pad", payment_id="pi_pad"), "pad": "x" * 4000}
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1024):
+        assert signed_post(Client(), payload).status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+def test_an_event_id_reused_for_another_payment_is_flagged_and_the_first_stands(
+    fakepay: bool, make_order: Callable[..., Any], staff: Client
+) -> None:
+    first_order, second_order = make_order(), make_order()
+    client = Client()
+    first = {**event(first_order, event_id="evt_X", payment_id="pi_1"), "pending_webhooks": 2}
+    assert signed_post(client, first).status_code == 200
+    # Stripe's retry of the same event: pending_webhooks changed, the object did not.
+    retry = {**first, "pending_webhooks": 1}
+    assert signed_post(client, retry).json()["id"] == "evt_X"
+    other = event(second_order, event_id="evt_X", payment_id="pi_2")
+    answers = [signed_post(client, other) for _ in range(2)]  # refused, and retried
+    for response in answers:
+        assert (response.status_code, response["Content-Type"]) == (409, PROBLEM)
+        assert response.json()["code"] == "webhook-event-id-reused"
+        assert "first event's effect stands" in response.json()["detail"]
+    if not fakepay:
+        run_queued()
+    stored = WebhookEvent.objects.get(event_id="evt_X")
+    assert (stored.deliveries, stored.outcome, stored.order_id) == (2, "applied", first_order.pk)
+    (flagged,) = WebhookEvent.objects.filter(event_id=None)
+    assert (flagged.status, flagged.claimed_id, flagged.order_id) == (
+        WebhookStatus.REJECTED, "evt_X", second_order.pk,
+    )  # fmt: skip
+    assert flagged.deliveries == 2
+    assert json.loads(flagged.body) == other  # kept whole: a payment to look at
+    assert flagged.error.startswith("webhook-event-id-reused: ")
+    first_order.refresh_from_db()
+    second_order.refresh_from_db()
+    assert (first_order.status, first_order.payment_id) == ("paid", "pi_1")
+    assert second_order.status == "pending_payment"
+    assert ProcessedMessage.objects.filter(consumer="payments").count() == 1
+
+    # The operator sees it: a warning on the list, a flag filter, a flag column.
+    changelist = "/admin/idempotent_orders/webhookevent/"
+    page = staff.get(changelist)
+    assert b"1 signed event(s) reuse the id of another event" in page.content
+    only = staff.get(changelist, {"flag": "reused"})
+    assert list(only.context["cl"].result_list) == [flagged]
+    assert b"event id reused for another event: the first event" in only.content
+
+
+@pytest.mark.django_db
+def test_refused_unsigned_requests_are_rate_limited_per_provider_and_address(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    body = json.dumps(event(order, event_id="evt_rl", payment_id="pi_rl")).encode()
+    forged = stripe_signature("forged", body)
+    config = {**provider_settings(), "WEBHOOK_REFUSED_RATE": 3}
+    attacker = Client(REMOTE_ADDR=f"attacker-{uuid.uuid4().hex}")
+    neighbour = Client(REMOTE_ADDR=f"neighbour-{uuid.uuid4().hex}")
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        answers = [post(attacker, body, forged) for _ in range(5)]
+        assert [r.status_code for r in answers] == [400, 400, 400, 429, 429]
+        assert answers[-1]["Content-Type"] == PROBLEM
+        assert answers[-1].json()["code"] == "webhook-too-many-refused"
+        assert 1 <= int(answers[-1]["Retry-After"]) <= 60
+        # Another address is counted on its own.
+        assert post(neighbour, body, forged).status_code == 400
+        # Another provider too.
+        other = post(attacker, body, "sha256=00", url="/webhooks/generic/")
+        assert other.status_code == 400
+        # Only refusals under the limit are kept: the table cannot be filled from outside.
+        assert WebhookEvent.objects.filter(status=WebhookStatus.REJECTED).count() == 5
+        # The provider's signed event from the same address is never held back.
+        assert post(attacker, body, stripe_signature(SECRET, body)).status_code == 200
+    assert WebhookEvent.objects.filter(event_id="evt_rl").count() == 1
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
 @pytest.mark.parametrize(
@@ -273,14 +486,22 @@ def test_replaying_a_consumed_event_is_a_duplicate(
         changelist, {"action": "replay_events", "_selected_action": [stored.pk], "post": "yes"}
     )
     entry = AuditEntry.objects.get()
-    assert (entry.target, entry.object_id, entry.result) == (
+    # Audited as a replay that changed nothing, not as the first application.
+    assert (entry.action, entry.target, entry.object_id, entry.result) == (
+        "webhook:replay",
         "idempotent_orders.webhookevent",
         str(stored.pk),
-        "applied",  # what the event's one consumption decided; nothing ran again
+        "duplicate",
     )
+    assert entry.detail == (
+        "replay of an event already applied by its first consumption; nothing ran again"
+    )
+    assert (entry.message_id, entry.order_pk) == ("evt_r", str(order.pk))
     order.refresh_from_db()
     assert order.version == 1
     assert ProcessedMessage.objects.count() == 1
+    fresh = WebhookEvent.objects.get()
+    assert (fresh.outcome, fresh.processed_at) == ("applied", stored.processed_at)
 
 
 @pytest.mark.django_db
