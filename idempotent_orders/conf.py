@@ -166,6 +166,12 @@ DEFAULTS: dict[str, Any] = {
     "WEBHOOK_REFUSED_RATE": 60,
     # Seconds of the WEBHOOK_REFUSED_RATE window (a fixed window per provider and address).
     "WEBHOOK_REFUSED_RATE_WINDOW": 60,
+    # Seconds a consumed (processed) webhook event is kept by the retention purge; failed
+    # and queued ones stay until consumed. Keep it above every provider's RETRY_HORIZON:
+    # an event id reused for another event is only caught while the first one is kept.
+    "WEBHOOK_RETENTION": 30 * 24 * 3600,
+    # Seconds a refused webhook request (rejected row) is kept by the retention purge.
+    "WEBHOOK_REFUSED_RETENTION": 7 * 24 * 3600,
     # Seconds an order may wait for its payment; past it, a durable timer takes the
     # transition below (written with the order, fired once through the inbox). 0: never.
     "PAYMENT_TIMEOUT": 0,
@@ -174,6 +180,10 @@ DEFAULTS: dict[str, Any] = {
     # holds a timer it claimed before another process may fire it too.
     "TIMER_BATCH_SIZE": 100,
     "TIMER_CLAIM_SECONDS": 60,
+    # Seconds a fired timer is kept (from its firing) by the retention purge; pending and
+    # failed timers stay. Keep it at least DEDUP_RETENTION: once the row is gone,
+    # schedule() for the same order, transition and key writes a new timer.
+    "TIMER_RETENTION": 30 * 24 * 3600,
     # Who may read /metrics (observability.metrics_view): a request carrying
     # "Authorization: Bearer <METRICS_TOKEN>", or one from an address in METRICS_ALLOW_IPS
     # (addresses or networks, matched against REMOTE_ADDR). With neither set the view
@@ -219,8 +229,11 @@ POSITIVE: frozenset[str] = frozenset(
         "IDEMPOTENT_MAX_ATTEMPTS",
         "TIMER_BATCH_SIZE",
         "TIMER_CLAIM_SECONDS",
+        "TIMER_RETENTION",
         "WEBHOOK_REFUSED_RATE",
         "WEBHOOK_REFUSED_RATE_WINDOW",
+        "WEBHOOK_RETENTION",
+        "WEBHOOK_REFUSED_RETENTION",
     }
 )
 
@@ -490,6 +503,14 @@ class Settings:
         return int(self._get("WEBHOOK_REFUSED_RATE_WINDOW"))
 
     @property
+    def WEBHOOK_RETENTION(self) -> int:
+        return int(self._get("WEBHOOK_RETENTION"))
+
+    @property
+    def WEBHOOK_REFUSED_RETENTION(self) -> int:
+        return int(self._get("WEBHOOK_REFUSED_RETENTION"))
+
+    @property
     def PAYMENT_TIMEOUT(self) -> int:
         return int(self._get("PAYMENT_TIMEOUT"))
 
@@ -504,6 +525,10 @@ class Settings:
     @property
     def TIMER_CLAIM_SECONDS(self) -> int:
         return int(self._get("TIMER_CLAIM_SECONDS"))
+
+    @property
+    def TIMER_RETENTION(self) -> int:
+        return int(self._get("TIMER_RETENTION"))
 
     @property
     def METRICS_TOKEN(self) -> str:
