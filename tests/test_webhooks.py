@@ -574,3 +574,98 @@ def test_the_demo_payment_page_pays_the_order_by_a_signed_webhook(
     assert (order.status, order.version) == ("paid", 1)
     (stored,) = WebhookEvent.objects.all()
     assert (stored.deliveries, stored.outcome) == (3, "applied")
+
+
+# -- Stripe event types routed to message types ------------------------------------------
+
+
+def routed_settings() -> dict[str, Any]:
+    return provider_settings(
+        EVENT_TYPES={
+            "payment_intent.succeeded": "payment.succeeded",
+            "payment_intent.canceled": "order.cancelled",
+            "charge.refunded": "payment.refunded",
+        },
+        TO_MESSAGE="idempotent_orders.webhooks.stripe.to_message",
+        INLINE=True,
+    )
+
+
+def stripe_event(event_id: str, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+    return {"id": event_id, "type": kind, "data": {"object": obj}}
+
+
+@pytest.mark.django_db
+def test_stripe_event_types_are_routed_to_their_message_types_by_one_to_message(
+    make_order: Callable[..., Any],
+) -> None:
+    paid, unpaid = make_order(), make_order()
+    client = Client()
+    with override_settings(IDEMPOTENT_ORDERS=routed_settings()):
+        answers = [
+            signed_post(client, event(paid, event_id="evt_pay", payment_id="pi_9")),
+            # The charge of that intent refunded in full; the order found by its payment.
+            signed_post(
+                client,
+                stripe_event(
+                    "evt_refund",
+                    "charge.refunded",
+                    {"id": "ch_9", "payment_intent": "pi_9", "amount": 1250,
+                     "amount_refunded": 1250, "currency": "cny", "metadata": {}},
+                ),
+            ),
+            signed_post(
+                client,
+                stripe_event(
+                    "evt_cancel",
+                    "payment_intent.canceled",
+                    {"id": "pi_u", "metadata": {"order_id": str(unpaid.pk)}},
+                ),
+            ),
+        ]  # fmt: skip
+    assert [r.json() for r in answers] == [
+        {"id": "evt_pay", "outcome": "applied"},
+        {"id": "evt_refund", "outcome": "applied"},
+        {"id": "evt_cancel", "outcome": "applied"},
+    ]
+    paid.refresh_from_db()
+    unpaid.refresh_from_db()
+    assert (paid.status, unpaid.status) == ("refunded", "cancelled")
+    types = dict(ProcessedMessage.objects.values_list("message_id", "message_type"))
+    assert types == {
+        "evt_pay": "payment.succeeded",
+        "evt_refund": "payment.refunded",
+        "evt_cancel": "order.cancelled",
+    }
+
+
+@pytest.mark.django_db
+def test_the_dispute_converter_names_the_paid_order_and_the_dispute(
+    make_order: Callable[..., Any],
+) -> None:
+    from idempotent_orders.webhooks import stripe
+
+    order = make_order()
+    type(order)._default_manager.filter(pk=order.pk).update(payment_id="pi_d")
+    dispute = {
+        "id": "dp_1", "charge": "ch_1", "payment_intent": "pi_d", "amount": 1250,
+        "currency": "jpy", "reason": "fraudulent",
+    }  # fmt: skip
+    assert stripe.to_message(stripe_event("evt_d", "charge.dispute.created", dispute)) == (
+        order.pk,
+        {
+            "payment_id": "pi_d",
+            "dispute_id": "dp_1",
+            "amount": "1250",
+            "currency": "JPY",
+            "reason": "fraudulent",
+        },
+    )
+    with pytest.raises(LookupError, match="no order paid by 'pi_other'"):
+        stripe.charge_dispute_created(
+            stripe_event(
+                "evt_e", "charge.dispute.created", {**dispute, "payment_intent": "pi_other"}
+            )
+        )
+    with pytest.raises(KeyError, match=r"no Stripe converter for event type 'customer\.created'"):
+        stripe.to_message(stripe_event("evt_c", "customer.created", {}))
