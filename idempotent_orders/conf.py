@@ -151,8 +151,9 @@ DEFAULTS: dict[str, Any] = {
     # Business-key time window (seconds) of create_order().
     "ORDER_WINDOW": 300,
     # Webhook ingress: provider name (the URL's last segment) -> its settings dict:
-    # SCHEME ("stripe" or "hmac"), SECRET (or SECRETS, a list, for rotation),
-    # EVENT_TYPES (provider event type -> message type), TO_MESSAGE (dotted path of
+    # SCHEME ("stripe", "hmac" or "standard": Standard Webhooks 1.0), SECRET (or
+    # SECRETS, a list, for rotation), EVENT_TYPES (provider event type -> message type),
+    # TO_MESSAGE (dotted path of
     # callable(event) -> (order_id, payload)), and optional CONSUMER ("payments"),
     # TOLERANCE (seconds, 300), RETRY_HORIZON (seconds; Stripe's default is 3 days),
     # INLINE (consume in the request after storing; default False: a task via the

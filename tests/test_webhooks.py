@@ -26,8 +26,10 @@ from idempotent_orders.webhooks import ingress
 from idempotent_orders.webhooks.signing import (
     SignatureError,
     sign_hmac,
+    standard_signature,
     stripe_signature,
     verify_hmac,
+    verify_standard,
     verify_stripe,
 )
 
@@ -669,3 +671,123 @@ def test_the_dispute_converter_names_the_paid_order_and_the_dispute(
         )
     with pytest.raises(KeyError, match=r"no Stripe converter for event type 'customer\.created'"):
         stripe.to_message(stripe_event("evt_c", "customer.created", {}))
+
+
+# -- Standard Webhooks 1.0 -----------------------------------------------------------------
+
+#: The standardwebhooks package's own test vector (libraries/python/tests of the spec).
+VECTOR_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+VECTOR_ID = "msg_p5jXN8AQM9LWM0D4loKWxJek"
+VECTOR_TIMESTAMP = 1614265330
+VECTOR_PAYLOAD = b'{"test": 2432232314}'
+VECTOR_SIGNATURE = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+#: The package's "invalid signature" case: one character off.
+VECTOR_WRONG = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OA="
+
+
+def test_standard_signature_matches_the_reference_vector_and_package() -> None:
+    from datetime import UTC, datetime
+
+    from standardwebhooks import Webhook
+
+    assert (
+        standard_signature(VECTOR_SECRET, VECTOR_ID, VECTOR_TIMESTAMP, VECTOR_PAYLOAD)
+        == VECTOR_SIGNATURE
+    )
+    # The package signs, our code verifies; and the other way round, with and without
+    # the whsec_ prefix, among other versions and a wrong v1 in the header.
+    now = int(time.time())
+    theirs = Webhook(VECTOR_SECRET).sign(
+        VECTOR_ID, datetime.fromtimestamp(now, tz=UTC), VECTOR_PAYLOAD.decode()
+    )
+    header = f"v1,Ceo5qEr07ixe2NLpvHk3FH9bwy/WavXrAFQ/9tdO6mc= v2,abc {theirs}"
+    verify_standard(VECTOR_PAYLOAD, VECTOR_ID, str(now), header, ["whsec_b3RoZXI=", VECTOR_SECRET])
+    ours = standard_signature(VECTOR_SECRET.removeprefix("whsec_"), VECTOR_ID, now, VECTOR_PAYLOAD)
+    headers = {"webhook-id": VECTOR_ID, "webhook-timestamp": str(now), "webhook-signature": ours}
+    assert Webhook(VECTOR_SECRET).verify(VECTOR_PAYLOAD, headers) == {"test": 2432232314}
+
+
+@pytest.mark.parametrize(
+    ("msg_id", "stamp", "header", "code"),
+    [
+        (VECTOR_ID, 0, VECTOR_WRONG, "webhook-signature-invalid"),
+        ("msg_other", 0, None, "webhook-signature-invalid"),
+        (VECTOR_ID, -301, None, "webhook-timestamp-outside-tolerance"),
+        (VECTOR_ID, 301, None, "webhook-timestamp-outside-tolerance"),
+        (VECTOR_ID, 0, "v2,abc", "webhook-signature-malformed"),
+        (VECTOR_ID, 0, "", "webhook-signature-missing"),
+        ("", 0, None, "webhook-signature-missing"),
+    ],
+    ids=["wrong-sig", "other-id", "old", "future", "no-v1", "no-header", "no-id"],
+)  # fmt: skip
+def test_standard_signature_refusals_agree_with_the_package(
+    msg_id: str, stamp: int, header: str | None, code: str
+) -> None:
+    from standardwebhooks import Webhook, WebhookVerificationError
+
+    now = int(time.time())
+    signed_at = now + stamp
+    if header is None:
+        header = standard_signature(VECTOR_SECRET, VECTOR_ID, signed_at, VECTOR_PAYLOAD)
+    with pytest.raises(SignatureError) as caught:
+        verify_standard(VECTOR_PAYLOAD, msg_id, str(signed_at), header, [VECTOR_SECRET])
+    assert caught.value.code == code
+    headers = {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(signed_at),
+        "webhook-signature": header,
+    }
+    with pytest.raises(WebhookVerificationError):
+        Webhook(VECTOR_SECRET).verify(VECTOR_PAYLOAD, headers)
+
+
+@pytest.mark.django_db
+def test_a_standard_webhooks_provider_takes_the_event_id_from_the_signed_header(
+    make_order: Callable[..., Any],
+) -> None:
+    order = make_order()
+    config = provider_settings()
+    config["WEBHOOKS"]["std"] = {
+        "SCHEME": "standard",
+        "SECRET": VECTOR_SECRET,
+        "EVENT_TYPES": {"payment_intent.succeeded": "payment.succeeded"},
+        "TO_MESSAGE": "idempotent_orders.webhooks.stripe.payment_intent",
+        "INLINE": True,
+    }
+    body_of = event(order, event_id="ignored", payment_id="pi_std")
+    del body_of["id"]
+    body = json.dumps(body_of).encode()
+
+    def send(msg_id: str) -> Any:
+        now = int(time.time())
+        return Client().post(
+            "/webhooks/std/",
+            data=body,
+            content_type="application/json",
+            HTTP_WEBHOOK_ID=msg_id,
+            HTTP_WEBHOOK_TIMESTAMP=str(now),
+            HTTP_WEBHOOK_SIGNATURE=standard_signature(VECTOR_SECRET, msg_id, now, body),
+        )
+
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        assert _ids() == []
+        bad = send("msg_1 ")
+        assert (bad.status_code, bad.json()["code"]) == (400, "webhook-event-id-invalid")
+        assert "'webhook-id'" in bad.json()["detail"]
+        assert send("msg_1").json() == {"id": "msg_1", "outcome": "applied"}
+        assert send("msg_1").json() == {"id": "msg_1", "status": "duplicate"}  # a retry
+    order.refresh_from_db()
+    assert (order.status, order.payment_id, order.version) == ("paid", "pi_std", 1)
+    assert WebhookEvent.objects.get(event_id="msg_1").deliveries == 2
+
+
+def test_a_standard_webhooks_secret_must_be_base64() -> None:
+    broken = {
+        "std": {
+            "SCHEME": "standard",
+            "SECRET": "whsec_not base64!",
+            "EVENT_TYPES": {"a": "payment.succeeded"},
+            "TO_MESSAGE": "idempotent_orders.webhooks.stripe.to_message",
+        }
+    }
+    assert _ids(WEBHOOKS=broken) == ["idempotent_orders.E050"]

@@ -31,7 +31,12 @@ from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome, ProcessedMessage, WebhookEvent, WebhookStatus
 from idempotent_orders.outbox import publish_on_commit
 from idempotent_orders.webhooks.config import Provider, provider
-from idempotent_orders.webhooks.signing import SignatureError, verify_hmac, verify_stripe
+from idempotent_orders.webhooks.signing import (
+    SignatureError,
+    verify_hmac,
+    verify_standard,
+    verify_stripe,
+)
 
 __all__ = ["REUSED", "Receipt", "process_event", "receive"]
 
@@ -160,6 +165,15 @@ def _count_refused(name: str, address: str) -> int | None:
 def _verify(p: Provider, body: bytes, headers: Mapping[str, str]) -> None:
     if p.scheme == "stripe":
         verify_stripe(body, headers.get("Stripe-Signature"), p.secrets, tolerance=p.tolerance)
+    elif p.scheme == "standard":
+        verify_standard(
+            body,
+            headers.get("webhook-id"),
+            headers.get("webhook-timestamp"),
+            headers.get("webhook-signature"),
+            p.secrets,
+            tolerance=p.tolerance,
+        )
     else:
         verify_hmac(
             body,
@@ -235,14 +249,20 @@ def receive(
             name, body, 400, "webhook-body-invalid", "Body not a JSON object",
             f"the body must be a JSON object, got {type(event).__name__}",
         )  # fmt: skip
-    raw_id = event.get(p.id_field)
-    event_id = _text_field(event, p.id_field)
+    if p.scheme == "standard":
+        # The id is the signed webhook-id header (a Standard Webhooks body has none).
+        raw_id: Any = headers.get("webhook-id", "")
+        event_id = str(raw_id)
+    else:
+        raw_id = event.get(p.id_field)
+        event_id = _text_field(event, p.id_field)
     event_type = _text_field(event, p.type_field)
     # The consumer's rule for a message id, so an accepted event can always be consumed.
+    id_name = "webhook-id" if p.scheme == "standard" else p.id_field
     if not valid_message_id(event_id):
         return _refuse(
             name, body, 400, "webhook-event-id-invalid", "No usable event id",
-            f"the event needs a string {p.id_field!r} a message id can be: non-empty, "
+            f"the event needs a string {id_name!r} a message id can be: non-empty, "
             f"printable, at most {conf.MAX_MESSAGE_ID_LENGTH} characters, no surrounding "
             f"spaces; got {_shown(raw_id)}",
             claimed_id=event_id, event_type=event_type,
