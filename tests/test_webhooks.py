@@ -258,6 +258,12 @@ def _nested(depth: int) -> bytes:
     ("body", "status", "code", "detail"),
     [
         (_nested(50_000), 400, "webhook-body-invalid", "nested too deeply to read"),
+        (
+            b'{"id": "evt_d", "data": ' + _nested(65) + b"}",
+            400,
+            "webhook-body-invalid",
+            "nested deeper than 64 levels",
+        ),
         (b"not json", 400, "webhook-body-invalid", "not valid JSON"),
         (b'{"id": "evt_\xff"}', 400, "webhook-body-invalid", "not UTF-8"),
         (b"[1, 2]", 400, "webhook-body-invalid", "must be a JSON object, got list"),
@@ -277,7 +283,7 @@ def _nested(depth: int) -> bytes:
         ),
         (b'{"id": ["evt"], "type": "x"}', 400, "webhook-event-id-invalid", "got ['evt']"),
     ],
-    ids=["deep", "not-json", "not-utf8", "array", "string", "empty", "nul-type",
+    ids=["deep", "deeper-than-64", "not-json", "not-utf8", "array", "string", "empty", "nul-type",
          "surrogate-type", "list-id"],
 )  # fmt: skip
 def test_every_bad_signed_body_is_a_4xx_problem_with_a_kept_row_never_a_500(

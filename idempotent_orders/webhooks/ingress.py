@@ -51,6 +51,9 @@ REFUSED_BODY_EXCERPT = 2000
 REFUSED_FIELD_EXCERPT = 255
 #: The problem code of a signed event whose id the provider already used for another event.
 REUSED = "webhook-event-id-reused"
+#: Deepest nesting of objects and arrays an event may have (a provider's events have
+#: a handful of levels; deeper ones would only exhaust the stack further on).
+MAX_DEPTH = 64
 #: Top-level fields a provider changes between deliveries of one event (Stripe counts
 #: ``pending_webhooks`` down): never part of what the event says.
 DELIVERY_FIELDS = frozenset({"pending_webhooks"})
@@ -249,6 +252,11 @@ def receive(
             name, body, 400, "webhook-body-invalid", "Body not a JSON object",
             f"the body must be a JSON object, got {type(event).__name__}",
         )  # fmt: skip
+    if _deeper_than(event, MAX_DEPTH):
+        return _refuse(
+            name, body, 400, "webhook-body-invalid", "Body not JSON",
+            f"nested deeper than {MAX_DEPTH} levels",
+        )  # fmt: skip
     if p.scheme == "standard":
         # The id is the signed webhook-id header (a Standard Webhooks body has none).
         raw_id: Any = headers.get("webhook-id", "")
@@ -293,6 +301,20 @@ def receive(
         return Receipt(200, event=stored, body={"id": event_id, "outcome": outcome or "failed"})
     state = "received" if created else "duplicate"
     return Receipt(200, event=stored, body={"id": event_id, "status": state})
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects and arrays more than ``limit`` levels (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return False
 
 
 def identity(p: Provider, event: Mapping[str, Any]) -> str:
