@@ -278,3 +278,16 @@ def test_a_late_payment_racing_the_expiry_ends_in_exactly_one_outcome(
             assert timer_row.outcome == Outcome.APPLIED
     print("race outcomes", seen)
     assert sum(seen.values()) == 15
+
+
+@pytest.mark.django_db
+def test_the_timer_admin_shows_why_a_timer_went_stale(
+    make_order: Callable[..., Any], staff: Any
+) -> None:
+    order = make_order()
+    schedule(order, "expire", at=timezone.now() - PAST)
+    consume_message(payment(order), consumer="payments")
+    fire_due()
+    page = staff.get("/admin/idempotent_orders/timer/")
+    assert page.status_code == 200
+    assert b"order is paid; expire no longer applies" in page.content

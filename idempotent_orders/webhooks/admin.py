@@ -214,7 +214,16 @@ class WebhookEventAdmin(admin.ModelAdmin):
 
 @admin.register(Timer)
 class TimerAdmin(admin.ModelAdmin):
-    list_display = ["due_at", "order", "transition", "status", "outcome", "attempts", "fired_at"]
+    list_display = [
+        "due_at",
+        "order",
+        "transition",
+        "status",
+        "outcome",
+        "error",
+        "attempts",
+        "fired_at",
+    ]
     list_filter = ["status", "outcome", "transition"]
     search_fields = ["message_id", "error"]
     raw_id_fields = ["order"]

@@ -254,7 +254,7 @@ def receive(
         )  # fmt: skip
     if _deeper_than(event, MAX_DEPTH):
         return _refuse(
-            name, body, 400, "webhook-body-invalid", "Body not JSON",
+            name, body, 400, "webhook-body-invalid", "Body nested too deeply",
             f"nested deeper than {MAX_DEPTH} levels",
         )  # fmt: skip
     if p.scheme == "standard":
