@@ -301,6 +301,24 @@ def test_every_bad_signed_body_is_a_4xx_problem_with_a_kept_row_never_a_500(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+@pytest.mark.parametrize("bad", ["pi_\x00", "pi_\ud800"], ids=["nul", "surrogate"])
+def test_a_signed_event_whose_payment_says_nonsense_is_rejected_with_why_never_a_500(
+    fakepay: bool, bad: str, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    response = signed_post(Client(), event(order, event_id="evt_bad_pi", payment_id=bad))
+    assert response.status_code == 200
+    if not fakepay:
+        run_queued()
+    stored = WebhookEvent.objects.get()
+    assert (stored.status, stored.outcome) == (WebhookStatus.PROCESSED, "rejected")
+    assert stored.error  # the consumer's reason, never empty
+    order.refresh_from_db()
+    assert order.status == "pending_payment"
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("size", [10 * 1024 * 1024, 1024 * 1024 + 1], ids=["10MB", "1MB+1"])
 def test_an_oversize_body_gets_the_apps_413_before_djangos_limit_and_is_recorded(
     fakepay: bool, size: int
