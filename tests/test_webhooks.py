@@ -824,3 +824,33 @@ def test_a_standard_webhooks_secret_must_be_base64() -> None:
         }
     }
     assert _ids(WEBHOOKS=broken) == ["idempotent_orders.E050"]
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db(transaction=True)
+def test_two_events_under_one_id_at_once_one_stands_the_other_is_flagged(
+    make_order: Callable[..., Any],
+) -> None:
+    from tests.test_timers import _run_together
+
+    orders = [make_order(), make_order()]
+    bodies = [
+        event(orders[0], event_id="evt_race", payment_id="pi_r0"),
+        event(orders[1], event_id="evt_race", payment_id="pi_r1"),
+    ]
+    with override_settings(IDEMPOTENT_ORDERS=provider_settings(INLINE=True)):
+        answers = _run_together(
+            *[lambda b=b: signed_post(Client(), b).status_code for b in bodies * 2]
+        )
+    # The first stored wins: its two deliveries are 200, the other event's two are 409.
+    assert not [a for a in answers if isinstance(a, BaseException)], answers
+    assert sorted(answers) == [200, 200, 409, 409], answers
+    (stored,) = WebhookEvent.objects.exclude(event_id=None)
+    flagged = list(WebhookEvent.objects.filter(event_id=None))
+    # (Two deliveries of the other event at the very same moment may keep a row each.)
+    assert len(flagged) in (1, 2)
+    assert all(f.error.startswith("webhook-event-id-reused: ") for f in flagged)
+    assert {f.order_id for f in flagged} == {o.pk for o in orders} - {stored.order_id}
+    assert (stored.deliveries, sum(f.deliveries for f in flagged)) == (2, 2)
+    paid = [o for o in orders if type(o)._default_manager.get(pk=o.pk).status == "paid"]
+    assert [o.pk for o in paid] == [stored.order_id]

@@ -366,12 +366,16 @@ def _store(
         return stored, True
     except IntegrityError:
         pass
+    # The stored event's body never changes: it is compared without a lock. (Keeping the
+    # row locked while a flagged row is inserted next to it in the unique index deadlocks
+    # on MariaDB with the deliveries waiting to insert the same id.)
     said = identity(p, event)
+    stored = WebhookEvent.objects.get(provider=p.name, event_id=event_id)
+    first = _stored_identity(p, stored.body)
+    if first is not None and first != said:
+        return _reused(p, stored, event_id, event_type, body, event, said), False
     with transaction.atomic():
-        stored = WebhookEvent.objects.select_for_update().get(provider=p.name, event_id=event_id)
-        first = _stored_identity(p, stored.body)
-        if first is not None and first != said:
-            return _reused(p, stored, event_id, event_type, body, event, said), False
+        stored = WebhookEvent.objects.select_for_update().get(pk=stored.pk)
         WebhookEvent.objects.filter(pk=stored.pk).update(
             deliveries=F("deliveries") + 1, last_delivery_at=Now()
         )
@@ -391,8 +395,9 @@ def _reused(
     said: str,
 ) -> WebhookEvent:
     """Keep a signed event sent under the id of another, stored, event: a refused row,
-    whole, flagged ``REUSED`` for the operator; its own retries count deliveries on it.
-    The first event's effect stands; this one is never consumed."""
+    whole, flagged ``REUSED`` for the operator; its own retries count deliveries on it
+    (two deliveries at the very same moment may keep a row each). The first event's
+    effect stands; this one is never consumed."""
     flagged = WebhookEvent.objects.filter(
         provider=p.name,
         event_id=None,
