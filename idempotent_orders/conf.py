@@ -151,13 +151,28 @@ DEFAULTS: dict[str, Any] = {
     # Business-key time window (seconds) of create_order().
     "ORDER_WINDOW": 300,
     # Webhook ingress: provider name (the URL's last segment) -> its settings dict:
-    # SCHEME ("stripe" or "hmac"), SECRET (or SECRETS, a list, for rotation),
-    # EVENT_TYPES (provider event type -> message type), TO_MESSAGE (dotted path of
+    # SCHEME ("stripe", "hmac" or "standard": Standard Webhooks 1.0), SECRET (or
+    # SECRETS, a list, for rotation), EVENT_TYPES (provider event type -> message type),
+    # TO_MESSAGE (dotted path of
     # callable(event) -> (order_id, payload)), and optional CONSUMER ("payments"),
     # TOLERANCE (seconds, 300), RETRY_HORIZON (seconds; Stripe's default is 3 days),
     # INLINE (consume in the request after storing; default False: a task via the
     # outbox), and for "hmac" SIGNATURE_HEADER, TIMESTAMP_HEADER, ID_FIELD, TYPE_FIELD.
     "WEBHOOKS": {},
+    # Requests a webhook endpoint refuses before their signature is verified (bad or no
+    # signature, too large) one client address may send one provider per
+    # WEBHOOK_REFUSED_RATE_WINDOW seconds, counted in the LOCK_CACHE; each is kept as a
+    # rejected row, and past the rate answered 429 and not kept. A signed event is
+    # never held back by it.
+    "WEBHOOK_REFUSED_RATE": 60,
+    # Seconds of the WEBHOOK_REFUSED_RATE window (a fixed window per provider and address).
+    "WEBHOOK_REFUSED_RATE_WINDOW": 60,
+    # Seconds a consumed (processed) webhook event is kept by the retention purge; failed
+    # and queued ones stay until consumed. Keep it above every provider's RETRY_HORIZON:
+    # an event id reused for another event is only caught while the first one is kept.
+    "WEBHOOK_RETENTION": 30 * 24 * 3600,
+    # Seconds a refused webhook request (rejected row) is kept by the retention purge.
+    "WEBHOOK_REFUSED_RETENTION": 7 * 24 * 3600,
     # Seconds an order may wait for its payment; past it, a durable timer takes the
     # transition below (written with the order, fired once through the inbox). 0: never.
     "PAYMENT_TIMEOUT": 0,
@@ -166,6 +181,10 @@ DEFAULTS: dict[str, Any] = {
     # holds a timer it claimed before another process may fire it too.
     "TIMER_BATCH_SIZE": 100,
     "TIMER_CLAIM_SECONDS": 60,
+    # Seconds a fired timer is kept (from its firing) by the retention purge; pending and
+    # failed timers stay. Keep it at least DEDUP_RETENTION: once the row is gone,
+    # schedule() for the same order, transition and key writes a new timer.
+    "TIMER_RETENTION": 30 * 24 * 3600,
     # Who may read /metrics (observability.metrics_view): a request carrying
     # "Authorization: Bearer <METRICS_TOKEN>", or one from an address in METRICS_ALLOW_IPS
     # (addresses or networks, matched against REMOTE_ADDR). With neither set the view
@@ -211,6 +230,11 @@ POSITIVE: frozenset[str] = frozenset(
         "IDEMPOTENT_MAX_ATTEMPTS",
         "TIMER_BATCH_SIZE",
         "TIMER_CLAIM_SECONDS",
+        "TIMER_RETENTION",
+        "WEBHOOK_REFUSED_RATE",
+        "WEBHOOK_REFUSED_RATE_WINDOW",
+        "WEBHOOK_RETENTION",
+        "WEBHOOK_REFUSED_RETENTION",
     }
 )
 
@@ -472,6 +496,22 @@ class Settings:
         return dict(self._get("WEBHOOKS"))
 
     @property
+    def WEBHOOK_REFUSED_RATE(self) -> int:
+        return int(self._get("WEBHOOK_REFUSED_RATE"))
+
+    @property
+    def WEBHOOK_REFUSED_RATE_WINDOW(self) -> int:
+        return int(self._get("WEBHOOK_REFUSED_RATE_WINDOW"))
+
+    @property
+    def WEBHOOK_RETENTION(self) -> int:
+        return int(self._get("WEBHOOK_RETENTION"))
+
+    @property
+    def WEBHOOK_REFUSED_RETENTION(self) -> int:
+        return int(self._get("WEBHOOK_REFUSED_RETENTION"))
+
+    @property
     def PAYMENT_TIMEOUT(self) -> int:
         return int(self._get("PAYMENT_TIMEOUT"))
 
@@ -486,6 +526,10 @@ class Settings:
     @property
     def TIMER_CLAIM_SECONDS(self) -> int:
         return int(self._get("TIMER_CLAIM_SECONDS"))
+
+    @property
+    def TIMER_RETENTION(self) -> int:
+        return int(self._get("TIMER_RETENTION"))
 
     @property
     def METRICS_TOKEN(self) -> str:

@@ -1,11 +1,13 @@
-"""Retention: delete inbox rows, parked leftovers and idempotency keys past their windows.
+"""Retention: delete inbox rows, parked leftovers, idempotency keys, webhook events and
+fired timers past their windows.
 
 Run by the ``idempotent_orders.purge`` task (on beat) and ``manage.py purge_idempotent_orders``.
 Deletes in batches of ``PURGE_BATCH_SIZE`` so no statement holds locks for long.
 On an inbox partitioned by time (:mod:`~idempotent_orders.partitioning`),
 whole partitions past the window are dropped instead, their kept rows moved first.
 Never touches ``processing`` inbox rows (leased work in flight) or ``failed``
-ones (waiting for an operator), nor keys still ``in_flight``.
+ones (waiting for an operator), nor keys still ``in_flight``, nor webhook events
+not consumed yet (``received``, ``failed``), nor timers not fired.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from idempotent_orders.models import (
     Outcome,
     ParkedMessage,
     ProcessedMessage,
+    Timer,
+    TimerStatus,
+    WebhookEvent,
+    WebhookStatus,
 )
 from idempotent_orders.partitioning import (
     Maintenance,
@@ -36,7 +42,14 @@ from idempotent_orders.partitioning import (
     partitions,
 )
 
-__all__ = ["PurgeReport", "maintain_partitions", "purge", "purgeable"]
+__all__ = [
+    "PurgeReport",
+    "maintain_partitions",
+    "purge",
+    "purgeable",
+    "purgeable_timers",
+    "purgeable_webhook_events",
+]
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -46,9 +59,17 @@ class PurgeReport:
     inbox: int = 0
     parked: int = 0
     keys: int = 0
+    webhooks: int = 0
+    timers: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"inbox": self.inbox, "parked": self.parked, "keys": self.keys}
+        return {
+            "inbox": self.inbox,
+            "parked": self.parked,
+            "keys": self.keys,
+            "webhooks": self.webhooks,
+            "timers": self.timers,
+        }
 
 
 def purgeable(cutoff: datetime) -> Q:
@@ -60,6 +81,37 @@ def purgeable(cutoff: datetime) -> Q:
         # A message still parked keeps its inbox row until it is released.
         & ~Q(outcome=Outcome.PARKED)
     )
+
+
+def purgeable_webhook_events(now: datetime) -> Q:
+    """Webhook events past their window: consumed ones (and signed events flagged as
+    reusing another event's id) after ``WEBHOOK_RETENTION``, other refused requests after
+    ``WEBHOOK_REFUSED_RETENTION``, both counted from their last delivery. Events not
+    consumed yet (``received``, ``failed``) are kept."""
+    from idempotent_orders.webhooks.ingress import REUSED
+
+    kept = now - timedelta(seconds=conf.WEBHOOK_RETENTION)
+    refused = now - timedelta(seconds=conf.WEBHOOK_REFUSED_RETENTION)
+    flagged = Q(error__startswith=f"{REUSED}:")
+    return (
+        Q(status=WebhookStatus.PROCESSED, received_at__lt=kept, last_delivery_at__lt=kept)
+        | (
+            Q(status=WebhookStatus.REJECTED, received_at__lt=kept, last_delivery_at__lt=kept)
+            & flagged
+        )
+        | (
+            Q(status=WebhookStatus.REJECTED, received_at__lt=refused)
+            & Q(last_delivery_at__lt=refused)
+            & ~flagged
+        )
+    )
+
+
+def purgeable_timers(now: datetime) -> Q:
+    """Timers fired more than ``TIMER_RETENTION`` ago; pending and failed ones are kept."""
+    cutoff = now - timedelta(seconds=conf.TIMER_RETENTION)
+    # A timer fires once due: due_at <= fired_at, so due_at lets the (status, due_at) index work.
+    return Q(status=TimerStatus.FIRED, due_at__lt=cutoff, fired_at__lt=cutoff)
 
 
 def _delete_in_batches(model: type[Model], condition: Q, batch_size: int) -> int:
@@ -148,6 +200,8 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
     # Quota bounds no claim raised for KEY_TTL: their keys have expired (a principal
     # without a bound is counted at its next claim).
     _delete_in_batches(KeyQuota, Q(updated_at__lt=now - timedelta(seconds=conf.KEY_TTL)), size)
-    if report.inbox or report.parked or report.keys:
+    report.webhooks = _delete_in_batches(WebhookEvent, purgeable_webhook_events(now), size)
+    report.timers = _delete_in_batches(Timer, purgeable_timers(now), size)
+    if any(report.as_dict().values()):
         logger.info("purged %s", report.as_dict())
     return report

@@ -28,7 +28,12 @@ from idempotent_orders import get_order_model
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, dead_letter, describe
-from idempotent_orders.consuming.graph import TransitionStatus, classify, current_state
+from idempotent_orders.consuming.graph import (
+    TransitionStatus,
+    classify,
+    current_state,
+    has_transition,
+)
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome, ProcessedMessage, Timer, TimerStatus
 
@@ -76,7 +81,24 @@ def schedule(
     a new ``key`` (e.g. the order's version) for an order that waits in that
     state a second time. ``payload`` entries are passed to the transition as a
     message's would be.
+
+    Refused at once, with :class:`ValueError` (:class:`TypeError` for an ``at``
+    that is not a datetime): a ``transition`` the order model does not declare,
+    and a naive ``at`` (the time zone is not guessed). An ``at`` in the past is
+    accepted: the timer is due, and the next pass of :func:`fire_due` fires it.
     """
+    model = type(order)
+    if not isinstance(at, datetime):
+        raise TypeError(f"at must be a datetime, got {type(at).__name__}")
+    if timezone.is_naive(at):
+        raise ValueError(
+            f"at={at.isoformat()} is naive: pass an aware datetime (timezone.now() + ...)"
+        )
+    if not isinstance(transition, str) or not has_transition(model, transition):
+        raise ValueError(
+            f"{model.__name__} declares no transition {transition!r}: a timer of it could "
+            "never fire"
+        )
     if not transaction.get_connection().in_atomic_block:
         logger.warning(
             "timer for order %s scheduled outside a transaction: it does not commit "
@@ -125,8 +147,7 @@ def fire(timer: Timer) -> Outcome:
     consumed = _first_outcome(timer)
     if consumed is not None:
         # Another process fired it first: keep what the first firing decided.
-        _record(timer, TimerStatus.FIRED, consumed, "")
-        return consumed
+        return _record_consumed(timer, consumed)
     moved_on = _still_possible(timer)
     if moved_on:
         # The order left the state the timer waited on: nothing to send.
@@ -147,7 +168,24 @@ def fire(timer: Timer) -> Outcome:
         return Outcome.FAILED
     if outcome is Outcome.DUPLICATE:
         outcome = _first_outcome(timer) or outcome
-    _record(timer, TimerStatus.FIRED, outcome, "")
+    return _record_consumed(timer, outcome)
+
+
+def _record_consumed(timer: Timer, outcome: Outcome) -> Outcome:
+    """Record what consuming the timer's message decided, each time with its reason.
+
+    The order may move on between the check in :func:`fire` and the consume (a
+    payment wins the race): the inbox then rejects the timer's transition, and the
+    timer is recorded ``stale`` with why, as when the check saw it first.
+    """
+    reason = _inbox_error(timer)
+    if outcome in (Outcome.REJECTED, Outcome.STALE):
+        moved_on = _still_possible(timer)
+        if moved_on:
+            _record(timer, TimerStatus.FIRED, Outcome.STALE, moved_on)
+            return Outcome.STALE
+        reason = reason or f"the {CONSUMER} consumer decided {outcome.value} without a reason"
+    _record(timer, TimerStatus.FIRED, outcome, reason)
     return outcome
 
 
@@ -160,6 +198,16 @@ def _first_outcome(timer: Timer) -> Outcome | None:
         .first()
     )
     return Outcome(first) if first else None
+
+
+def _inbox_error(timer: Timer) -> str:
+    """Why the inbox decided what it did for the timer's message ("" when it says nothing)."""
+    error = (
+        ProcessedMessage.objects.filter(consumer=CONSUMER, message_id=timer.message_id)
+        .values_list("error", flat=True)
+        .first()
+    )
+    return str(error or "")
 
 
 def _record(timer: Timer, status: str, outcome: Outcome, error: str) -> None:

@@ -10,8 +10,19 @@ from django.utils import timezone
 
 from idempotent_orders import leases
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders.models import InboxStatus, Outcome, ParkedMessage, ProcessedMessage
+from idempotent_orders.models import (
+    InboxStatus,
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+    Timer,
+    TimerStatus,
+    WebhookEvent,
+    WebhookStatus,
+)
 from idempotent_orders.retention import purge
+from idempotent_orders.timers import fire_due, schedule
+from idempotent_orders.webhooks.ingress import REUSED
 from tests.support.messages import payment
 
 pytestmark = pytest.mark.django_db
@@ -73,7 +84,7 @@ def test_young_parked_messages_stay(make_order) -> None:
     order = make_order()
     consume_message(payment(order, seq=2, message_id="early"), consumer="payments")
     age(30, message_id="early")  # older than DEDUP_RETENTION, but still parked
-    assert purge().as_dict() == {"inbox": 0, "parked": 0, "keys": 0}
+    assert purge().as_dict() == {"inbox": 0, "parked": 0, "keys": 0, "webhooks": 0, "timers": 0}
     assert ParkedMessage.objects.count() == 1
 
 
@@ -82,3 +93,56 @@ def test_command(make_order, capsys) -> None:
     age(30)
     call_command("purge_idempotent_orders", "--batch-size", "10")
     assert "inbox=1" in capsys.readouterr().out
+
+
+def _event(kind: str, days: float, **fields) -> WebhookEvent:
+    then = timezone.now() - timedelta(days=days)
+    row = WebhookEvent.objects.create(provider="fakepay", claimed_id=kind, **fields)
+    WebhookEvent.objects.filter(pk=row.pk).update(received_at=then, last_delivery_at=then)
+    return row
+
+
+def test_webhook_events_join_the_purge_with_their_own_windows(make_order) -> None:
+    processed = WebhookStatus.PROCESSED
+    rejected = WebhookStatus.REJECTED
+    _event("old-processed", 31, event_id="evt_1", status=processed)
+    _event("young-processed", 29, event_id="evt_2", status=processed)
+    _event("old-refused", 8, status=rejected, error="webhook-signature-invalid: no")
+    _event("young-refused", 6, status=rejected, error="webhook-signature-invalid: no")
+    # A signed event reusing another's id: a payment to look at, kept as long as events.
+    _event("flagged", 8, status=rejected, error=f"{REUSED}: first event stands")
+    _event("old-flagged", 31, status=rejected, error=f"{REUSED}: first event stands")
+    # Not consumed yet: kept, however old.
+    _event("failed", 90, event_id="evt_3", status=WebhookStatus.FAILED)
+    _event("received", 90, event_id="evt_4", status=WebhookStatus.RECEIVED)
+    # Delivered again lately: its window starts again.
+    retried = _event("retried", 31, event_id="evt_5", status=processed)
+    WebhookEvent.objects.filter(pk=retried.pk).update(last_delivery_at=timezone.now())
+
+    report = purge(batch_size=2)
+    assert report.webhooks == 3
+    left = set(WebhookEvent.objects.values_list("claimed_id", flat=True))
+    assert left == {"young-processed", "young-refused", "flagged", "failed", "received", "retried"}
+
+
+def test_fired_timers_join_the_purge_pending_ones_stay(make_order) -> None:
+    now = timezone.now()
+    fired = schedule(make_order(), "expire", at=now - timedelta(days=40))
+    fire_due(now=now - timedelta(days=31))
+    young = schedule(make_order(), "expire", at=now - timedelta(days=10))
+    fire_due(now=now)
+    Timer.objects.filter(pk=fired.pk).update(fired_at=now - timedelta(days=31))
+    pending = schedule(make_order(), "expire", at=now - timedelta(days=60))
+    assert set(Timer.objects.values_list("status", flat=True)) == {
+        TimerStatus.FIRED,
+        TimerStatus.PENDING,
+    }
+    report = purge()
+    assert report.timers == 1
+    assert set(Timer.objects.values_list("pk", flat=True)) == {young.pk, pending.pk}
+
+
+def test_the_command_reports_webhook_events_and_timers(capsys) -> None:
+    _event("old-refused", 8, status=WebhookStatus.REJECTED, error="webhook-body-invalid: x")
+    call_command("purge_idempotent_orders")
+    assert "webhooks=1, timers=0" in capsys.readouterr().out

@@ -14,9 +14,15 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from idempotent_orders import get_order_model
+from idempotent_orders import get_order_model, timers
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders.models import Outcome, ProcessedMessage, Timer, TimerStatus
+from idempotent_orders.models import (
+    Outcome,
+    ParkedMessage,
+    ProcessedMessage,
+    Timer,
+    TimerStatus,
+)
 from idempotent_orders.timers import CONSUMER, fire, fire_due, schedule
 
 PAST = timedelta(seconds=1)
@@ -126,6 +132,72 @@ def test_a_payment_after_expiry_is_money_to_give_back(make_order: Callable[..., 
     assert "money to give back" in row.error
 
 
+@pytest.mark.django_db
+def test_schedule_refuses_what_could_never_fire_at_call_time(
+    make_order: Callable[..., Any],
+) -> None:
+    order = make_order()
+    with pytest.raises(ValueError, match="declares no transition 'evaporate'"):
+        schedule(order, "evaporate", at=timezone.now())
+    naive = timezone.make_naive(timezone.now() + timedelta(minutes=5))
+    with pytest.raises(ValueError, match="is naive"):
+        schedule(order, "expire", at=naive)
+    with pytest.raises(TypeError, match="must be a datetime"):
+        schedule(order, "expire", at=900)  # type: ignore[arg-type]
+    assert not Timer.objects.exists()
+    # A past time is accepted: the timer is due, the next pass fires it.
+    timer = schedule(order, "expire", at=timezone.now() - timedelta(days=1))
+    assert [(t.pk, o) for t, o in fire_due()] == [(timer.pk, Outcome.APPLIED)]
+
+
+@pytest.mark.django_db
+def test_a_payment_that_wins_between_the_check_and_the_consume_leaves_the_timer_stale(
+    make_order: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order = make_order()
+    timer = schedule(order, "expire", at=timezone.now() - PAST)
+    checked = timers._still_possible
+
+    def payment_commits_right_after_the_check(t: Timer) -> str:
+        moved_on = checked(t)
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+        monkeypatch.setattr(timers, "_still_possible", checked)
+        return moved_on
+
+    monkeypatch.setattr(timers, "_still_possible", payment_commits_right_after_the_check)
+    assert [o for _, o in fire_due()] == [Outcome.STALE]
+    timer.refresh_from_db()
+    assert (timer.status, timer.outcome) == (TimerStatus.FIRED, Outcome.STALE)
+    assert timer.error == "order is paid; expire no longer applies"
+    # Fired again by a beat that read it pending: the same record, the same reason.
+    Timer.objects.filter(pk=timer.pk).update(status=TimerStatus.PENDING, outcome="", error="")
+    assert fire(timer) is Outcome.STALE
+    timer.refresh_from_db()
+    assert (timer.outcome, timer.error) == (
+        Outcome.STALE,
+        "order is paid; expire no longer applies",
+    )
+    order.refresh_from_db()
+    assert (order.status, order.version) == ("paid", 1)
+
+
+@pytest.mark.django_db
+def test_a_timer_ahead_of_its_source_state_parks_then_applies_when_the_order_gets_there(
+    make_order: Callable[..., Any],
+) -> None:
+    order = make_order()  # pending_payment; "ship" starts from paid or processing
+    timer = schedule(order, "ship", at=timezone.now() - PAST)
+    assert [o for _, o in fire_due()] == [Outcome.PARKED]
+    timer.refresh_from_db()
+    assert (timer.status, timer.outcome) == (TimerStatus.FIRED, Outcome.PARKED)
+    assert timer.error == "order is pending_payment; ship is not possible yet"
+    assert ParkedMessage.objects.filter(message_id=timer.message_id).exists()
+    # The payment puts the order in ship's source state: the parked timer applies then.
+    assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    order.refresh_from_db()
+    assert order.status == "shipped"
+
+
 def _run_together(*work: Callable[[], Any]) -> list[Any]:
     """Run each callable in its own thread and database connection, released together."""
     barrier = threading.Barrier(len(work))
@@ -192,6 +264,12 @@ def test_a_late_payment_racing_the_expiry_ends_in_exactly_one_outcome(
             assert paid is Outcome.APPLIED
             assert pay_row.outcome == Outcome.APPLIED
             assert timer_row is None or timer_row.outcome != Outcome.APPLIED
+            # However the race went, the timer says stale and why (never an empty reason).
+            timer = Timer.objects.get(order=order)
+            assert (timer.outcome, timer.error) == (
+                Outcome.STALE,
+                "order is paid; expire no longer applies",
+            )
         else:
             assert order.status == "expired"
             assert paid is Outcome.REJECTED
@@ -200,3 +278,16 @@ def test_a_late_payment_racing_the_expiry_ends_in_exactly_one_outcome(
             assert timer_row.outcome == Outcome.APPLIED
     print("race outcomes", seen)
     assert sum(seen.values()) == 15
+
+
+@pytest.mark.django_db
+def test_the_timer_admin_shows_why_a_timer_went_stale(
+    make_order: Callable[..., Any], staff: Any
+) -> None:
+    order = make_order()
+    schedule(order, "expire", at=timezone.now() - PAST)
+    consume_message(payment(order), consumer="payments")
+    fire_due()
+    page = staff.get("/admin/idempotent_orders/timer/")
+    assert page.status_code == 200
+    assert b"order is paid; expire no longer applies" in page.content

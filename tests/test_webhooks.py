@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
@@ -25,8 +26,10 @@ from idempotent_orders.webhooks import ingress
 from idempotent_orders.webhooks.signing import (
     SignatureError,
     sign_hmac,
+    standard_signature,
     stripe_signature,
     verify_hmac,
+    verify_standard,
     verify_stripe,
 )
 from tests.test_shop_customer import token_of
@@ -179,6 +182,242 @@ def test_refused_requests_get_a_problem_and_are_recorded(
     assert signed_post(client, payload).status_code == 200
 
 
+PROBLEM = "application/problem+json"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+@pytest.mark.parametrize(
+    "event_id",
+    [
+        "evt_trailing ",
+        " evt_leading",
+        "evt_zero\u200bwidth",
+        "evt_c1\x85control",
+        "evt_rtl\u202eoverride",
+        "evt_nul\x00",
+        "evt_surrogate\ud800",
+        "evt_tab\tinside",
+        "x" * 256,
+        "",
+    ],
+    ids=["trailing", "leading", "zwsp", "c1", "rlo", "nul", "surrogate", "tab", "long", "empty"],
+)
+def test_an_event_id_the_consumer_cannot_take_is_refused_at_the_door_with_its_reason(
+    fakepay: bool, event_id: str, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    response = signed_post(Client(), event(order, event_id=event_id, payment_id="pi_id"))
+    assert (response.status_code, response["Content-Type"]) == (400, PROBLEM)
+    assert response.json()["code"] == "webhook-event-id-invalid"
+    assert "printable" in response.json()["detail"]
+    (kept,) = WebhookEvent.objects.all()
+    assert (kept.status, kept.event_id) == (WebhookStatus.REJECTED, None)
+    assert kept.error.startswith("webhook-event-id-invalid: the event needs a string 'id'")
+    assert ascii(event_id)[:40] in kept.error
+    assert "\x00" not in kept.claimed_id
+    assert not OutboxMessage.objects.filter(task_name=ingress.TASK).exists()
+    assert not ProcessedMessage.objects.exists()
+    order.refresh_from_db()
+    assert order.status == "pending_payment"
+
+
+def test_the_door_and_the_consumer_share_one_rule_for_an_id() -> None:
+    from idempotent_orders.consuming import envelope
+
+    assert ingress.valid_message_id is envelope.valid_message_id
+
+
+@pytest.mark.django_db
+def test_a_rejection_by_the_consumer_always_carries_its_reason(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    # An event stored before the door checked ids (or by an older version): the consumer
+    # keeps its inbox row under another id; the event still says why it was rejected.
+    order = make_order()
+    body = json.dumps(event(order, event_id="evt_old ", payment_id="pi_o"))
+    stored = WebhookEvent.objects.create(
+        provider="fakepay",
+        event_id="evt_old ",
+        event_type="payment_intent.succeeded",
+        message_type="payment.succeeded",
+        status=WebhookStatus.RECEIVED,
+        body=body,
+    )
+    assert ingress.process_event(stored.pk) == "rejected"
+    stored.refresh_from_db()
+    assert (stored.status, stored.outcome) == (WebhookStatus.PROCESSED, "rejected")
+    assert stored.error.startswith("message_id must be a non-empty printable string")
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("body", "status", "code", "detail"),
+    [
+        (_nested(50_000), 400, "webhook-body-invalid", "nested too deeply to read"),
+        (
+            b'{"id": "evt_d", "data": ' + _nested(65) + b"}",
+            400,
+            "webhook-body-invalid",
+            "nested deeper than 64 levels",
+        ),
+        (b"not json", 400, "webhook-body-invalid", "not valid JSON"),
+        (b'{"id": "evt_\xff"}', 400, "webhook-body-invalid", "not UTF-8"),
+        (b"[1, 2]", 400, "webhook-body-invalid", "must be a JSON object, got list"),
+        (b'"evt"', 400, "webhook-body-invalid", "must be a JSON object, got str"),
+        (b"", 400, "webhook-body-invalid", "not valid JSON"),
+        (
+            b'{"id": "evt_t", "type": "payment\\u0000"}',
+            422,
+            "webhook-event-type-unknown",
+            "'payment\\x00'",
+        ),
+        (
+            b'{"id": "evt_s", "type": "payment\\ud800"}',
+            422,
+            "webhook-event-type-unknown",
+            "'payment\\ud800'",
+        ),
+        (b'{"id": ["evt"], "type": "x"}', 400, "webhook-event-id-invalid", "got ['evt']"),
+    ],
+    ids=["deep", "deeper-than-64", "not-json", "not-utf8", "array", "string", "empty", "nul-type",
+         "surrogate-type", "list-id"],
+)  # fmt: skip
+def test_every_bad_signed_body_is_a_4xx_problem_with_a_kept_row_never_a_500(
+    fakepay: bool, body: bytes, status: int, code: str, detail: str
+) -> None:
+    response = post(Client(), body, stripe_signature(SECRET, body))
+    assert (response.status_code, response["Content-Type"]) == (status, PROBLEM)
+    assert response.json()["code"] == code
+    assert detail in response.json()["detail"]
+    (kept,) = WebhookEvent.objects.all()
+    assert kept.status == WebhookStatus.REJECTED
+    assert kept.error.startswith(f"{code}: ")
+    assert len(kept.body) <= ingress.REFUSED_BODY_EXCERPT
+    assert "\x00" not in kept.event_type
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+@pytest.mark.parametrize("bad", ["pi_\x00", "pi_\ud800"], ids=["nul", "surrogate"])
+def test_a_signed_event_whose_payment_says_nonsense_is_rejected_with_why_never_a_500(
+    fakepay: bool, bad: str, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    response = signed_post(Client(), event(order, event_id="evt_bad_pi", payment_id=bad))
+    assert response.status_code == 200
+    if not fakepay:
+        run_queued()
+    stored = WebhookEvent.objects.get()
+    assert (stored.status, stored.outcome) == (WebhookStatus.PROCESSED, "rejected")
+    assert stored.error  # the consumer's reason, never empty
+    order.refresh_from_db()
+    assert order.status == "pending_payment"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("size", [10 * 1024 * 1024, 1024 * 1024 + 1], ids=["10MB", "1MB+1"])
+def test_an_oversize_body_gets_the_apps_413_before_djangos_limit_and_is_recorded(
+    fakepay: bool, size: int
+) -> None:
+    body = b'{"id": "evt_big", "pad": "' + b"x" * (size - 28) + b'"}'
+    assert len(body) == size
+    response = post(Client(), body, stripe_signature(SECRET, body))
+    assert (response.status_code, response["Content-Type"]) == (413, PROBLEM)
+    assert response.json()["code"] == "webhook-body-too-large"
+    assert response.json()["detail"] == f"{size} bytes; at most 1048576 (MAX_REQUEST_BYTES)"
+    (kept,) = WebhookEvent.objects.all()
+    assert kept.status == WebhookStatus.REJECTED
+    assert kept.body.startswith('{"id": "evt_big"')
+    assert len(kept.body) <= ingress.REFUSED_BODY_EXCERPT
+
+
+@pytest.mark.django_db
+def test_the_apps_limit_not_djangos_decides_a_webhook_bodys_size(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    payload = {**event(order, event_id="evt_pad", payment_id="pi_pad"), "pad": "x" * 4000}
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1024):
+        assert signed_post(Client(), payload).status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
+def test_an_event_id_reused_for_another_payment_is_flagged_and_the_first_stands(
+    fakepay: bool, make_order: Callable[..., Any], staff: Client
+) -> None:
+    first_order, second_order = make_order(), make_order()
+    client = Client()
+    first = {**event(first_order, event_id="evt_X", payment_id="pi_1"), "pending_webhooks": 2}
+    assert signed_post(client, first).status_code == 200
+    # Stripe's retry of the same event: pending_webhooks changed, the object did not.
+    retry = {**first, "pending_webhooks": 1}
+    assert signed_post(client, retry).json()["id"] == "evt_X"
+    other = event(second_order, event_id="evt_X", payment_id="pi_2")
+    answers = [signed_post(client, other) for _ in range(2)]  # refused, and retried
+    for response in answers:
+        assert (response.status_code, response["Content-Type"]) == (409, PROBLEM)
+        assert response.json()["code"] == "webhook-event-id-reused"
+        assert "first event's effect stands" in response.json()["detail"]
+    if not fakepay:
+        run_queued()
+    stored = WebhookEvent.objects.get(event_id="evt_X")
+    assert (stored.deliveries, stored.outcome, stored.order_id) == (2, "applied", first_order.pk)
+    (flagged,) = WebhookEvent.objects.filter(event_id=None)
+    assert (flagged.status, flagged.claimed_id, flagged.order_id) == (
+        WebhookStatus.REJECTED, "evt_X", second_order.pk,
+    )  # fmt: skip
+    assert flagged.deliveries == 2
+    assert json.loads(flagged.body) == other  # kept whole: a payment to look at
+    assert flagged.error.startswith("webhook-event-id-reused: ")
+    first_order.refresh_from_db()
+    second_order.refresh_from_db()
+    assert (first_order.status, first_order.payment_id) == ("paid", "pi_1")
+    assert second_order.status == "pending_payment"
+    assert ProcessedMessage.objects.filter(consumer="payments").count() == 1
+
+    # The operator sees it: a warning on the list, a flag filter, a flag column.
+    changelist = "/admin/idempotent_orders/webhookevent/"
+    page = staff.get(changelist)
+    assert b"1 signed event(s) reuse the id of another event" in page.content
+    only = staff.get(changelist, {"flag": "reused"})
+    assert list(only.context["cl"].result_list) == [flagged]
+    assert b"event id reused for another event: the first event" in only.content
+
+
+@pytest.mark.django_db
+def test_refused_unsigned_requests_are_rate_limited_per_provider_and_address(
+    fakepay: bool, make_order: Callable[..., Any]
+) -> None:
+    order = make_order()
+    body = json.dumps(event(order, event_id="evt_rl", payment_id="pi_rl")).encode()
+    forged = stripe_signature("forged", body)
+    config = {**provider_settings(), "WEBHOOK_REFUSED_RATE": 3}
+    attacker = Client(REMOTE_ADDR=f"attacker-{uuid.uuid4().hex}")
+    neighbour = Client(REMOTE_ADDR=f"neighbour-{uuid.uuid4().hex}")
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        answers = [post(attacker, body, forged) for _ in range(5)]
+        assert [r.status_code for r in answers] == [400, 400, 400, 429, 429]
+        assert answers[-1]["Content-Type"] == PROBLEM
+        assert answers[-1].json()["code"] == "webhook-too-many-refused"
+        assert 1 <= int(answers[-1]["Retry-After"]) <= 60
+        # Another address is counted on its own.
+        assert post(neighbour, body, forged).status_code == 400
+        # Another provider too.
+        other = post(attacker, body, "sha256=00", url="/webhooks/generic/")
+        assert other.status_code == 400
+        # Only refusals under the limit are kept: the table cannot be filled from outside.
+        assert WebhookEvent.objects.filter(status=WebhookStatus.REJECTED).count() == 5
+        # The provider's signed event from the same address is never held back.
+        assert post(attacker, body, stripe_signature(SECRET, body)).status_code == 200
+    assert WebhookEvent.objects.filter(event_id="evt_rl").count() == 1
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize("fakepay", [False, True], indirect=True, ids=["queued", "inline"])
 @pytest.mark.parametrize(
@@ -274,14 +513,22 @@ def test_replaying_a_consumed_event_is_a_duplicate(
         changelist, {"action": "replay_events", "_selected_action": [stored.pk], "post": "yes"}
     )
     entry = AuditEntry.objects.get()
-    assert (entry.target, entry.object_id, entry.result) == (
+    # Audited as a replay that changed nothing, not as the first application.
+    assert (entry.action, entry.target, entry.object_id, entry.result) == (
+        "webhook:replay",
         "idempotent_orders.webhookevent",
         str(stored.pk),
-        "applied",  # what the event's one consumption decided; nothing ran again
+        "duplicate",
     )
+    assert entry.detail == (
+        "replay of an event already applied by its first consumption; nothing ran again"
+    )
+    assert (entry.message_id, entry.order_pk) == ("evt_r", str(order.pk))
     order.refresh_from_db()
     assert order.version == 1
     assert ProcessedMessage.objects.count() == 1
+    fresh = WebhookEvent.objects.get()
+    assert (fresh.outcome, fresh.processed_at) == ("applied", stored.processed_at)
 
 
 @pytest.mark.django_db
@@ -310,7 +557,10 @@ def test_generic_hmac_provider_consumes_inline(
 
 def _ids(**config: Any) -> list[str]:
     with override_settings(IDEMPOTENT_ORDERS={**provider_settings(), **config}):
-        return sorted(m.id for m in run_checks() if "idempotent_orders.E05" in (m.id or ""))
+        found = (m.id or "" for m in run_checks())
+        return sorted(
+            i for i in found if i.startswith(("idempotent_orders.E05", "idempotent_orders.W05"))
+        )
 
 
 def test_checks_hold_the_inbox_to_the_providers_retry_horizon() -> None:
@@ -322,6 +572,12 @@ def test_checks_hold_the_inbox_to_the_providers_retry_horizon() -> None:
     assert _ids(PAYMENT_TIMEOUT=60, PAYMENT_TIMEOUT_TRANSITION="evaporate") == [
         "idempotent_orders.E052"
     ]
+
+
+def test_a_check_warns_when_webhook_events_go_before_the_providers_retries() -> None:
+    # Stripe retries for three days: a reused id is caught only while the first is kept.
+    assert _ids(WEBHOOK_RETENTION=2 * 24 * 3600) == ["idempotent_orders.W051"]
+    assert _ids(WEBHOOK_RETENTION=4 * 24 * 3600) == []
 
 
 # -- the demo --------------------------------------------------------------------------
@@ -355,3 +611,248 @@ def test_the_demo_payment_page_pays_the_order_by_a_signed_webhook(
     assert (order.status, order.version) == ("paid", 1)
     (stored,) = WebhookEvent.objects.all()
     assert (stored.deliveries, stored.outcome) == (3, "applied")
+
+
+# -- Stripe event types routed to message types ------------------------------------------
+
+
+def routed_settings() -> dict[str, Any]:
+    return provider_settings(
+        EVENT_TYPES={
+            "payment_intent.succeeded": "payment.succeeded",
+            "payment_intent.canceled": "order.cancelled",
+            "charge.refunded": "payment.refunded",
+        },
+        TO_MESSAGE="idempotent_orders.webhooks.stripe.to_message",
+        INLINE=True,
+    )
+
+
+def stripe_event(event_id: str, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+    return {"id": event_id, "type": kind, "data": {"object": obj}}
+
+
+@pytest.mark.django_db
+def test_stripe_event_types_are_routed_to_their_message_types_by_one_to_message(
+    make_order: Callable[..., Any],
+) -> None:
+    paid, unpaid = make_order(), make_order()
+    client = Client()
+    with override_settings(IDEMPOTENT_ORDERS=routed_settings()):
+        answers = [
+            signed_post(client, event(paid, event_id="evt_pay", payment_id="pi_9")),
+            # The charge of that intent refunded in full; the order found by its payment.
+            signed_post(
+                client,
+                stripe_event(
+                    "evt_refund",
+                    "charge.refunded",
+                    {"id": "ch_9", "payment_intent": "pi_9", "amount": 1250,
+                     "amount_refunded": 1250, "currency": "cny", "metadata": {}},
+                ),
+            ),
+            signed_post(
+                client,
+                stripe_event(
+                    "evt_cancel",
+                    "payment_intent.canceled",
+                    {"id": "pi_u", "metadata": {"order_id": str(unpaid.pk)}},
+                ),
+            ),
+        ]  # fmt: skip
+    assert [r.json() for r in answers] == [
+        {"id": "evt_pay", "outcome": "applied"},
+        {"id": "evt_refund", "outcome": "applied"},
+        {"id": "evt_cancel", "outcome": "applied"},
+    ]
+    paid.refresh_from_db()
+    unpaid.refresh_from_db()
+    assert (paid.status, unpaid.status) == ("refunded", "cancelled")
+    types = dict(ProcessedMessage.objects.values_list("message_id", "message_type"))
+    assert types == {
+        "evt_pay": "payment.succeeded",
+        "evt_refund": "payment.refunded",
+        "evt_cancel": "order.cancelled",
+    }
+
+
+@pytest.mark.django_db
+def test_the_dispute_converter_names_the_paid_order_and_the_dispute(
+    make_order: Callable[..., Any],
+) -> None:
+    from idempotent_orders.webhooks import stripe
+
+    order = make_order()
+    type(order)._default_manager.filter(pk=order.pk).update(payment_id="pi_d")
+    dispute = {
+        "id": "dp_1", "charge": "ch_1", "payment_intent": "pi_d", "amount": 1250,
+        "currency": "jpy", "reason": "fraudulent",
+    }  # fmt: skip
+    assert stripe.to_message(stripe_event("evt_d", "charge.dispute.created", dispute)) == (
+        order.pk,
+        {
+            "payment_id": "pi_d",
+            "dispute_id": "dp_1",
+            "amount": "1250",
+            "currency": "JPY",
+            "reason": "fraudulent",
+        },
+    )
+    with pytest.raises(LookupError, match="no order paid by 'pi_other'"):
+        stripe.charge_dispute_created(
+            stripe_event(
+                "evt_e", "charge.dispute.created", {**dispute, "payment_intent": "pi_other"}
+            )
+        )
+    with pytest.raises(KeyError, match=r"no Stripe converter for event type 'customer\.created'"):
+        stripe.to_message(stripe_event("evt_c", "customer.created", {}))
+
+
+# -- Standard Webhooks 1.0 -----------------------------------------------------------------
+
+#: The standardwebhooks package's own test vector (libraries/python/tests of the spec).
+VECTOR_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+VECTOR_ID = "msg_p5jXN8AQM9LWM0D4loKWxJek"
+VECTOR_TIMESTAMP = 1614265330
+VECTOR_PAYLOAD = b'{"test": 2432232314}'
+VECTOR_SIGNATURE = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+#: The package's "invalid signature" case: one character off.
+VECTOR_WRONG = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OA="
+
+
+def test_standard_signature_matches_the_reference_vector_and_package() -> None:
+    from datetime import UTC, datetime
+
+    from standardwebhooks import Webhook
+
+    assert (
+        standard_signature(VECTOR_SECRET, VECTOR_ID, VECTOR_TIMESTAMP, VECTOR_PAYLOAD)
+        == VECTOR_SIGNATURE
+    )
+    # The package signs, our code verifies; and the other way round, with and without
+    # the whsec_ prefix, among other versions and a wrong v1 in the header.
+    now = int(time.time())
+    theirs = Webhook(VECTOR_SECRET).sign(
+        VECTOR_ID, datetime.fromtimestamp(now, tz=UTC), VECTOR_PAYLOAD.decode()
+    )
+    header = f"v1,Ceo5qEr07ixe2NLpvHk3FH9bwy/WavXrAFQ/9tdO6mc= v2,abc {theirs}"
+    verify_standard(VECTOR_PAYLOAD, VECTOR_ID, str(now), header, ["whsec_b3RoZXI=", VECTOR_SECRET])
+    ours = standard_signature(VECTOR_SECRET.removeprefix("whsec_"), VECTOR_ID, now, VECTOR_PAYLOAD)
+    headers = {"webhook-id": VECTOR_ID, "webhook-timestamp": str(now), "webhook-signature": ours}
+    assert Webhook(VECTOR_SECRET).verify(VECTOR_PAYLOAD, headers) == {"test": 2432232314}
+
+
+@pytest.mark.parametrize(
+    ("msg_id", "stamp", "header", "code"),
+    [
+        (VECTOR_ID, 0, VECTOR_WRONG, "webhook-signature-invalid"),
+        ("msg_other", 0, None, "webhook-signature-invalid"),
+        (VECTOR_ID, -301, None, "webhook-timestamp-outside-tolerance"),
+        (VECTOR_ID, 301, None, "webhook-timestamp-outside-tolerance"),
+        (VECTOR_ID, 0, "v2,abc", "webhook-signature-malformed"),
+        (VECTOR_ID, 0, "", "webhook-signature-missing"),
+        ("", 0, None, "webhook-signature-missing"),
+    ],
+    ids=["wrong-sig", "other-id", "old", "future", "no-v1", "no-header", "no-id"],
+)  # fmt: skip
+def test_standard_signature_refusals_agree_with_the_package(
+    msg_id: str, stamp: int, header: str | None, code: str
+) -> None:
+    from standardwebhooks import Webhook, WebhookVerificationError
+
+    now = int(time.time())
+    signed_at = now + stamp
+    if header is None:
+        header = standard_signature(VECTOR_SECRET, VECTOR_ID, signed_at, VECTOR_PAYLOAD)
+    with pytest.raises(SignatureError) as caught:
+        verify_standard(VECTOR_PAYLOAD, msg_id, str(signed_at), header, [VECTOR_SECRET])
+    assert caught.value.code == code
+    headers = {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(signed_at),
+        "webhook-signature": header,
+    }
+    with pytest.raises(WebhookVerificationError):
+        Webhook(VECTOR_SECRET).verify(VECTOR_PAYLOAD, headers)
+
+
+@pytest.mark.django_db
+def test_a_standard_webhooks_provider_takes_the_event_id_from_the_signed_header(
+    make_order: Callable[..., Any],
+) -> None:
+    order = make_order()
+    config = provider_settings()
+    config["WEBHOOKS"]["std"] = {
+        "SCHEME": "standard",
+        "SECRET": VECTOR_SECRET,
+        "EVENT_TYPES": {"payment_intent.succeeded": "payment.succeeded"},
+        "TO_MESSAGE": "idempotent_orders.webhooks.stripe.payment_intent",
+        "INLINE": True,
+    }
+    body_of = event(order, event_id="ignored", payment_id="pi_std")
+    del body_of["id"]
+    body = json.dumps(body_of).encode()
+
+    def send(msg_id: str) -> Any:
+        now = int(time.time())
+        return Client().post(
+            "/webhooks/std/",
+            data=body,
+            content_type="application/json",
+            HTTP_WEBHOOK_ID=msg_id,
+            HTTP_WEBHOOK_TIMESTAMP=str(now),
+            HTTP_WEBHOOK_SIGNATURE=standard_signature(VECTOR_SECRET, msg_id, now, body),
+        )
+
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        assert _ids() == []
+        bad = send("msg_1 ")
+        assert (bad.status_code, bad.json()["code"]) == (400, "webhook-event-id-invalid")
+        assert "'webhook-id'" in bad.json()["detail"]
+        assert send("msg_1").json() == {"id": "msg_1", "outcome": "applied"}
+        assert send("msg_1").json() == {"id": "msg_1", "status": "duplicate"}  # a retry
+    order.refresh_from_db()
+    assert (order.status, order.payment_id, order.version) == ("paid", "pi_std", 1)
+    assert WebhookEvent.objects.get(event_id="msg_1").deliveries == 2
+
+
+def test_a_standard_webhooks_secret_must_be_base64() -> None:
+    broken = {
+        "std": {
+            "SCHEME": "standard",
+            "SECRET": "whsec_not base64!",
+            "EVENT_TYPES": {"a": "payment.succeeded"},
+            "TO_MESSAGE": "idempotent_orders.webhooks.stripe.to_message",
+        }
+    }
+    assert _ids(WEBHOOKS=broken) == ["idempotent_orders.E050"]
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db(transaction=True)
+def test_two_events_under_one_id_at_once_one_stands_the_other_is_flagged(
+    make_order: Callable[..., Any],
+) -> None:
+    from tests.test_timers import _run_together
+
+    orders = [make_order(), make_order()]
+    bodies = [
+        event(orders[0], event_id="evt_race", payment_id="pi_r0"),
+        event(orders[1], event_id="evt_race", payment_id="pi_r1"),
+    ]
+    with override_settings(IDEMPOTENT_ORDERS=provider_settings(INLINE=True)):
+        answers = _run_together(
+            *[lambda b=b: signed_post(Client(), b).status_code for b in bodies * 2]
+        )
+    # The first stored wins: its two deliveries are 200, the other event's two are 409.
+    assert not [a for a in answers if isinstance(a, BaseException)], answers
+    assert sorted(answers) == [200, 200, 409, 409], answers
+    (stored,) = WebhookEvent.objects.exclude(event_id=None)
+    flagged = list(WebhookEvent.objects.filter(event_id=None))
+    # (Two deliveries of the other event at the very same moment may keep a row each.)
+    assert len(flagged) in (1, 2)
+    assert all(f.error.startswith("webhook-event-id-reused: ") for f in flagged)
+    assert {f.order_id for f in flagged} == {o.pk for o in orders} - {stored.order_id}
+    assert (stored.deliveries, sum(f.deliveries for f in flagged)) == (2, 2)
+    paid = [o for o in orders if type(o)._default_manager.get(pk=o.pk).status == "paid"]
+    assert [o.pk for o in paid] == [stored.order_id]

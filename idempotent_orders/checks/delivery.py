@@ -3,8 +3,8 @@
 The lock cache and the Redis dedup layer (E080, E010, E012, E033), inbox rows
 that outlive every redelivery of the broker, Celery's retries and each webhook
 provider's retries (E030, E051), the app's tasks acknowledged late (E031, E032,
-W031), webhook providers well formed (E050), and MySQL/MariaDB at READ
-COMMITTED (E034).
+W031), webhook providers well formed (E050) with their events kept through their
+retries (W051), and MySQL/MariaDB at READ COMMITTED (E034).
 """
 
 from __future__ import annotations
@@ -279,6 +279,21 @@ def check_webhooks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     "retried after its inbox row is purged would be applied again.",
                     hint="Raise IDEMPOTENT_ORDERS['DEDUP_RETENTION'] well above it.",
                     id="idempotent_orders.E051",
+                )
+            )
+        if (
+            p is not None
+            and well_typed("WEBHOOK_RETENTION")
+            and p.retry_horizon >= conf.WEBHOOK_RETENTION
+        ):
+            errors.append(
+                Warning(
+                    f"WEBHOOK_RETENTION ({conf.WEBHOOK_RETENTION}s) does not cover the retry "
+                    f"horizon of webhook provider {name!r} ({p.retry_horizon}s): an event id "
+                    "the provider reuses for another event after the first event's row is "
+                    "purged is no longer flagged, but taken for a retry.",
+                    hint="Raise IDEMPOTENT_ORDERS['WEBHOOK_RETENTION'] above it.",
+                    id="idempotent_orders.W051",
                 )
             )
     return errors

@@ -9,12 +9,14 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from idempotent_orders.conf import conf
+from idempotent_orders.webhooks.signing import standard_key
 
-#: Signature schemes a provider may use.
-SCHEMES = ("stripe", "hmac")
+#: Signature schemes a provider may use ("standard": Standard Webhooks 1.0).
+SCHEMES = ("stripe", "hmac", "standard")
 #: Seconds a provider keeps retrying an event, by scheme, when RETRY_HORIZON is not given
-#: (Stripe retries for up to three days; a generic sender's horizon is unknown: 0).
-RETRY_HORIZONS = {"stripe": 3 * 24 * 3600, "hmac": 0}
+#: (Stripe retries for up to three days; a generic or Standard Webhooks sender's horizon
+#: is unknown: 0).
+RETRY_HORIZONS = {"stripe": 3 * 24 * 3600, "hmac": 0, "standard": 0}
 #: Keys a provider's dict may have.
 KEYS = frozenset(
     {
@@ -76,6 +78,13 @@ def problems(name: Any, raw: Any) -> list[str]:
     secrets = _secrets(raw)
     if not secrets or not all(isinstance(s, str) and s for s in secrets):
         found.append(f"provider {name!r} needs SECRET (or SECRETS), non-empty strings")
+    elif raw.get("SCHEME") == "standard":
+        for secret in secrets:
+            try:
+                standard_key(secret)
+            except ValueError as exc:
+                found.append(f"provider {name!r}: {exc}")
+                break
     types = raw.get("EVENT_TYPES")
     if not isinstance(types, dict) or not types:
         found.append(f"provider {name!r}: EVENT_TYPES must map provider types to message types")

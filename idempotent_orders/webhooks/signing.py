@@ -1,7 +1,10 @@
-"""Signature schemes over the raw request body: generic HMAC-SHA256 and Stripe's ``t=…,v1=…``."""
+"""Signature schemes over the raw request body: generic HMAC-SHA256, Stripe's ``t=…,v1=…``
+and Standard Webhooks 1.0 (``webhook-id``, ``webhook-timestamp``, ``webhook-signature``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import time
@@ -118,6 +121,68 @@ def verify_stripe(
     stamp = _timestamp(stamps[0], tolerance, now)
     payload = f"{stamp}.".encode() + body
     if not _matches([hmac_sha256(s, payload) for s in secrets], signatures):
+        raise SignatureError(
+            "webhook-signature-invalid", "no v1 signature matches the body under any secret"
+        )
+
+
+#: The prefix of a Standard Webhooks secret (the rest is the key, base64).
+STANDARD_SECRET_PREFIX = "whsec_"
+#: The headers of the Standard Webhooks scheme.
+STANDARD_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
+
+
+def standard_key(secret: str) -> bytes:
+    """The HMAC key of a Standard Webhooks secret: ``whsec_<base64>`` (the prefix is
+    optional); ``ValueError`` when the rest is not base64 or is empty."""
+    raw = secret.removeprefix(STANDARD_SECRET_PREFIX)
+    try:
+        key = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("a Standard Webhooks secret is whsec_ and a base64 key") from None
+    if not key:
+        raise ValueError("a Standard Webhooks secret's key is empty")
+    return key
+
+
+def standard_signature(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value for ``body``: ``v1,<base64 HMAC-SHA256>`` of
+    ``"<msg_id>.<timestamp>.<body>"`` under the secret's key."""
+    payload = f"{msg_id}.{timestamp}.".encode() + body
+    digest = hmac.new(standard_key(secret), payload, hashlib.sha256).digest()
+    return f"v1,{base64.b64encode(digest).decode('ascii')}"
+
+
+def verify_standard(
+    body: bytes,
+    msg_id: str | None,
+    timestamp: str | None,
+    signature: str | None,
+    secrets: list[str],
+    *,
+    tolerance: int = 300,
+    now: float | None = None,
+) -> None:
+    """Raise :class:`SignatureError` unless ``signature`` (space-separated
+    ``<version>,<base64>`` entries) holds a ``v1`` signature of ``msg_id``,
+    ``timestamp`` and ``body`` under one of ``secrets`` and ``timestamp`` is within
+    ``tolerance`` seconds of now. Other versions (``v1a``, ``v2``) are ignored."""
+    if not (msg_id and timestamp and signature):
+        given_headers = zip(STANDARD_HEADERS, (msg_id, timestamp, signature), strict=True)
+        missing = [header for header, value in given_headers if not value]
+        raise SignatureError("webhook-signature-missing", f"no {', '.join(missing)} header")
+    given = []
+    for entry in signature.split(" "):
+        version, sep, value = entry.partition(",")
+        if sep and version == "v1" and value:
+            given.append(value)
+    if not given:
+        raise SignatureError(
+            "webhook-signature-malformed", "the webhook-signature header holds no v1,<base64>"
+        )
+    stamp = _timestamp(timestamp, tolerance, now)
+    expected = [standard_signature(s, msg_id, stamp, body).partition(",")[2] for s in secrets]
+    if not _matches(expected, given):
         raise SignatureError(
             "webhook-signature-invalid", "no v1 signature matches the body under any secret"
         )

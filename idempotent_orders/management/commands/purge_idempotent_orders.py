@@ -10,7 +10,10 @@ from idempotent_orders.retention import purge
 
 
 class Command(BaseCommand):
-    help = "Delete old inbox rows, give up old parked messages and expired keys, in batches."
+    help = (
+        "Delete old inbox rows, give up old parked messages, delete expired keys, old "
+        "webhook events and fired timers, in batches."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--batch-size", type=int, default=None)
