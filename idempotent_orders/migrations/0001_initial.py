@@ -359,6 +359,8 @@ class Migration(migrations.Migration):
         ),
         # Outside the models' state: which indexes a database gets is decided by its
         # features (above), and the NOTIFY trigger is PostgreSQL's alone.
-        migrations.RunPython(add_indexes, remove_indexes, elidable=False),
+        # Not in a transaction: MariaDB cannot roll DDL back, and Django refuses DDL in
+        # an atomic block there.
+        migrations.RunPython(add_indexes, remove_indexes, atomic=False, elidable=False),
         migrations.RunPython(create_notify, drop_notify, elidable=False),
     ]
