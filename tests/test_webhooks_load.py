@@ -325,7 +325,7 @@ def test_a_loaded_run_applies_each_valid_event_once_and_keeps_every_other_with_a
     live_server: Any, make_order: Callable[..., Any], inline: bool
 ) -> None:
     """3 concurrent senders x 200 events (600 distinct events, each sent 1-3 times:
-    about 1,200 requests), seeded: valid payments for distinct orders, events reusing a
+    about 1,400 requests), seeded: valid payments for distinct orders, events reusing a
     valid event's id with another order and payment, refunds ahead of their payment
     (named by metadata: parked; found by payment: failed, no order paid by it) and
     hostile bodies (bad JSON, not an object, a NUL in the id, nested past 64 levels or
