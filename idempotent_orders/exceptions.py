@@ -46,6 +46,14 @@ class OrderChanged(Exception):
     """
 
 
+class TransitionNotSaved(IdempotentOrdersError):
+    """The model's own ``save()`` returned without writing the order (it never called
+    ``super().save()``), so a transition a message applied was not committed. The
+    message is kept as failed with this reason, never recorded as applied."""
+
+    default_code = "transition-not-saved"
+
+
 class ConcurrentUpdate(IdempotentOrdersError):
     """Optimistic-lock conflicts did not settle within ``CONFLICT_RETRIES``; retry later.
 

@@ -147,3 +147,29 @@ def test_the_payment_key_names_the_spent_payment(make_order: Any) -> None:
         assert second.status == "pending_payment"
     finally:
         registry._registry.pop("provider.charge", None)
+
+
+def test_a_save_that_writes_nothing_fails_the_message_never_applied(
+    make_order: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project's save() that returns without super().save(): the message is kept as
+    failed with why, never recorded as applied over an unchanged order."""
+    from idempotent_orders.consuming.failures import MessageFailed
+    from idempotent_orders.models import ProcessedMessage
+
+    model = get_order_model()
+    order = make_order()
+
+    def save(self: Any, *args: Any, **kwargs: Any) -> None:
+        """Skips the write (a bug a shop can have)."""
+
+    monkeypatch.setattr(model, "save", save)
+    assert road(model, "pay")[0] == "save"
+    message = payment(order)
+    with pytest.raises(MessageFailed):
+        consume_message(message, consumer="payments")
+    row = ProcessedMessage.objects.get(consumer="payments", message_id=message["message_id"])
+    assert row.status == "failed"
+    assert "returned without writing" in row.error
+    order.refresh_from_db()
+    assert (order.status, order.version) == ("pending_payment", 0)

@@ -38,7 +38,7 @@ from idempotent_orders.consuming.graph import (
     edge,
     state_field,
 )
-from idempotent_orders.exceptions import OrderChanged
+from idempotent_orders.exceptions import OrderChanged, TransitionNotSaved
 from idempotent_orders.models import SAVE_GUARD
 from idempotent_orders.signals import order_transitioned
 
@@ -338,7 +338,7 @@ def _describe(receiver: Any) -> str:
     return f"{getattr(receiver, '__module__', '?')}.{name}"
 
 
-_save_hooks: dict[type[Model], tuple[tuple[int, int], tuple[str, ...]]] = {}
+_save_hooks: dict[type[Model], tuple[tuple[Any, ...], tuple[str, ...]]] = {}
 
 
 def save_hooks(model: type[Model]) -> tuple[str, ...]:
@@ -352,7 +352,7 @@ def save_hooks(model: type[Model]) -> tuple[str, ...]:
     connected later are seen: the answer is kept until a receiver is connected or
     disconnected).
     """
-    key = (len(pre_save.receivers), len(post_save.receivers))
+    key = (len(pre_save.receivers), len(post_save.receivers), model.save)
     cached = _save_hooks.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -630,7 +630,15 @@ def _save(instance: Model, guard: Mapping[str, Any], version: int) -> bool:
         instance.__dict__["version"] = version
         return False
     finally:
-        instance.__dict__.pop(SAVE_GUARD, None)
+        unsent = instance.__dict__.pop(SAVE_GUARD, None) is not None
+    if unsent:
+        # The project's save() returned without writing the row (it never reached
+        # super().save()): the message must not be recorded as applied.
+        model = type(instance)
+        raise TransitionNotSaved(
+            f"{model.__module__}.{model.__qualname__}.save() returned without writing "
+            f"order {instance.pk}: the transition was not committed"
+        )
     return True
 
 
