@@ -200,7 +200,7 @@ class ConsumedMessage:
     consumer: str
 
 
-_current: contextvars.ContextVar[ConsumedMessage | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[tuple[Envelope, str] | None] = contextvars.ContextVar(
     "idempotent_orders_current_message", default=None
 )
 
@@ -216,13 +216,11 @@ def current_message() -> ConsumedMessage | None:
     tracking number here. It is set for each attempt of a message (a lost race runs
     the transition again), never across messages.
     """
-    return _current.get()
-
-
-@contextlib.contextmanager
-def consuming(envelope: Envelope, consumer: str) -> Iterator[ConsumedMessage]:
-    """Make ``envelope`` the :func:`current_message` for the code run inside."""
-    message = ConsumedMessage(
+    held = _current.get()
+    if held is None:
+        return None
+    envelope, consumer = held
+    return ConsumedMessage(
         message_id=envelope.message_id,
         message_type=envelope.message_type,
         order_id=envelope.order_id,
@@ -230,8 +228,14 @@ def consuming(envelope: Envelope, consumer: str) -> Iterator[ConsumedMessage]:
         payload=MappingProxyType(envelope.payload),
         consumer=consumer,
     )
-    token = _current.set(message)
+
+
+@contextlib.contextmanager
+def consuming(envelope: Envelope, consumer: str) -> Iterator[None]:
+    """Make ``envelope`` the :func:`current_message` for the code run inside (what it
+    shows is built only when asked)."""
+    token = _current.set((envelope, consumer))
     try:
-        yield message
+        yield
     finally:
         _current.reset(token)
