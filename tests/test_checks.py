@@ -57,6 +57,7 @@ def test_silent_on_the_demo_settings(tmp_path) -> None:
         ({"FULFILMENT_VERIFIER": "idempotent_orders.fulfilment.Nope"}, "idempotent_orders.E035"),
         ({"LEASE_SECONDS": 0}, "idempotent_orders.E036"),
         ({"PURGE_BATCH_SIZE": -1}, "idempotent_orders.E036"),
+        ({"MAX_MESSAGE_ID_LENGTH": 256}, "idempotent_orders.E037"),
         ({"LEASE_SECONDS": 10, "HEARTBEAT_SECONDS": 8}, "idempotent_orders.W030"),
         ({"DEDUP_RETENTION": 120}, "idempotent_orders.E030"),  # the retry budget is 303s
         ({"BROKER_REDELIVERY_HORIZON": 8 * 24 * 3600}, "idempotent_orders.E030"),

@@ -1,7 +1,7 @@
 """System checks with stable IDs (``idempotent_orders.E0xx`` / ``W0xx``), one module per area.
 
 - :mod:`~idempotent_orders.checks.configuration`: ``IDEMPOTENT_ORDERS`` itself
-  (names, types, values: E001-E003, E035, E036, W030, W037);
+  (names, types, values: E001-E003, E035-E037, W030, W037);
 - :mod:`~idempotent_orders.checks.order_model`: the order model (E040-E045,
   W041, E052) and its admin's operator transitions (W046);
 - :mod:`~idempotent_orders.checks.delivery`: applied once however a message

@@ -135,6 +135,21 @@ def check_setting_values(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
                 id="idempotent_orders.W030",
             )
         )
+    if well_typed("MAX_MESSAGE_ID_LENGTH"):
+        from idempotent_orders.models import ProcessedMessage
+
+        column = ProcessedMessage._meta.get_field("message_id").max_length or 0
+        if conf.MAX_MESSAGE_ID_LENGTH > column:
+            errors.append(
+                Error(
+                    f"settings.IDEMPOTENT_ORDERS['MAX_MESSAGE_ID_LENGTH'] is "
+                    f"{conf.MAX_MESSAGE_ID_LENGTH}, longer than the inbox's message_id "
+                    f"column ({column}): an id the consumer and the webhook endpoint "
+                    "accept would fail when stored.",
+                    hint=f"Keep it at most {column}.",
+                    id="idempotent_orders.E037",
+                )
+            )
     if (
         well_typed("PARKED_ATTENTION_AFTER")
         and well_typed("PARKED_TIMEOUT")
