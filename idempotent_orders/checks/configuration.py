@@ -1,8 +1,9 @@
 """Checks of ``settings.IDEMPOTENT_ORDERS`` itself: known names, right types, sane values.
 
 E001-E003 (a dict of known names, each of its setting's type), E035 (dotted
-paths import), E036 (every setting of ``conf.POSITIVE`` is positive), W030 and
-W037 (pairs of settings that contradict each other). :func:`well_typed` lets
+paths import), E036 (every setting of ``conf.POSITIVE`` is positive), E037 (message
+ids fit the inbox's column), W030 and W037 (pairs of settings that contradict each
+other). :func:`well_typed` lets
 the other checks skip a setting E003 already reports.
 """
 
@@ -139,7 +140,7 @@ def check_setting_values(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
         from idempotent_orders.models import ProcessedMessage
 
         column = ProcessedMessage._meta.get_field("message_id").max_length or 0
-        if conf.MAX_MESSAGE_ID_LENGTH > column:
+        if column < conf.MAX_MESSAGE_ID_LENGTH:
             errors.append(
                 Error(
                     f"settings.IDEMPOTENT_ORDERS['MAX_MESSAGE_ID_LENGTH'] is "
