@@ -318,6 +318,9 @@ def _drain() -> None:
     assert not failures, failures
 
 
+# A long run of real concurrency: PostgreSQL's heavy leg and MariaDB's leg of the first
+# Django run it; the Django 6 legs leave it out (nothing in it depends on Django's version).
+@pytest.mark.heavy
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("inline", [False, True], ids=["queued", "inline"])

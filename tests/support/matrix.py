@@ -44,11 +44,12 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # what the default-model legs of the same Django and database repeat.
 REPEAT = {
     "postgres": "not heavy and (not workers or workers_on_every_django)",
-    "mariadb": "not workers and not browser",
+    "mariadb": "not workers and not browser and not heavy",
     "sqlite": "not workers",
 }
-# The long runs are all PostgreSQL's (backends("postgresql")): on the first Django's
-# PostgreSQL leg they run as a leg of their own, beside the rest of it.
+# The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
+# leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
+# that are MariaDB's too (the webhook load run) in line; the Django 6 legs leave them out.
 HEAVY = "heavy"
 RESTARTS = "restarts_rabbitmq"
 HEAVY_DATABASES = {"postgres"}
