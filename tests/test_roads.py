@@ -173,3 +173,38 @@ def test_a_save_that_writes_nothing_fails_the_message_never_applied(
     assert "returned without writing" in row.error
     order.refresh_from_db()
     assert (order.status, order.version) == ("pending_payment", 0)
+
+
+@pytest.mark.backends("postgresql")
+def test_the_statements_each_road_sends(make_order: Any) -> None:
+    """PostgreSQL: the raw road is one statement (the inbox row and the guarded UPDATE
+    together, no read); the save() road reads the order and sends save()'s UPDATE of
+    every column, between BEGIN and COMMIT."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    model = get_order_model()
+    table = model._meta.db_table
+    first, raw_order, saved_order = make_order(), make_order(), make_order()
+    consume_message(payment(first), consumer="payments")  # the session's first statements
+    with CaptureQueriesContext(connection) as raw:
+        assert consume_message(payment(raw_order), consumer="payments") is Outcome.APPLIED
+    texts = [q["sql"] for q in raw.captured_queries]
+    assert len(texts) == 1, texts
+    assert f'UPDATE "{table}"' in texts[0] and "INSERT INTO" in texts[0]
+
+    def saved(sender: Any, **kwargs: Any) -> None:
+        pass
+
+    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.test_roads.count")
+    try:
+        with CaptureQueriesContext(connection) as save_road:
+            assert consume_message(payment(saved_order), consumer="payments") is Outcome.APPLIED
+    finally:
+        post_save.disconnect(sender=model, dispatch_uid="tests.test_roads.count")
+    texts = [q["sql"] for q in save_road.captured_queries]
+    assert texts[0].startswith("SELECT") and f'FROM "{table}"' in texts[0], texts
+    updates = [t for t in texts if t.startswith(f'UPDATE "{table}"')]
+    assert len(updates) == 1, texts
+    assert '"business_key" = ' in updates[0]  # save() writes every column
+    assert texts[-1] == "COMMIT"
