@@ -191,7 +191,8 @@ def test_the_statements_each_road_sends(make_order: Any) -> None:
         assert consume_message(payment(raw_order), consumer="payments") is Outcome.APPLIED
     texts = [q["sql"] for q in raw.captured_queries]
     assert len(texts) == 1, texts
-    assert f'UPDATE "{table}"' in texts[0] and "INSERT INTO" in texts[0]
+    assert f'UPDATE "{table}"' in texts[0]
+    assert "INSERT INTO" in texts[0]
 
     def saved(sender: Any, **kwargs: Any) -> None:
         pass
