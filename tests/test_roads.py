@@ -204,7 +204,8 @@ def test_the_statements_each_road_sends(make_order: Any) -> None:
     finally:
         post_save.disconnect(sender=model, dispatch_uid="tests.test_roads.count")
     texts = [q["sql"] for q in save_road.captured_queries]
-    assert texts[0].startswith("SELECT") and f'FROM "{table}"' in texts[0], texts
+    assert texts[0].startswith("SELECT"), texts
+    assert f'FROM "{table}"' in texts[0]
     updates = [t for t in texts if t.startswith(f'UPDATE "{table}"')]
     assert len(updates) == 1, texts
     assert '"business_key" = ' in updates[0]  # save() writes every column
