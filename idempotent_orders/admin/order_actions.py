@@ -226,6 +226,12 @@ def _run(p: Plan, name: str, rule: Rule | None) -> tuple[str, str]:
             result.status.value,
             f"cannot {_verb(name)} from {_label(type(p.order), result.source)}",
         )
+    model = type(p.order)
+    if edge(model, name).target is None:
+        # The body picked the target: say the one it picked, not the choice offered.
+        return result.status.value, (
+            f"{_label(model, result.source)} -> {_label(model, result.target)}"
+        )
     return result.status.value, p.text
 
 

@@ -31,6 +31,9 @@ def test_cancel_order_is_an_action_that_shows_where_it_may_end(staff: Client) ->
         url, {**data, "post": "yes", f"version-{order.pk}": str(order.version)}, follow=True
     )
     assert done.status_code == 200
+    # The message says where the body took the order, not the choice it had.
+    said = [str(m) for m in done.context["messages"]]
+    assert f"Order {order.pk}: awaiting_payment -> order_canceled" in said
     order.refresh_from_db()
     assert order.status == "order_canceled"
 
