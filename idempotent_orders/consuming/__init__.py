@@ -47,6 +47,7 @@ front of the database are :mod:`idempotent_orders.dedup`.
 #: The modules of the road, lowest first: each imports only modules before it.
 LAYERS = (
     "graph",
+    "rules",
     "registry",
     "envelope",
     "running",

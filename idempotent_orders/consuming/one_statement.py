@@ -30,10 +30,8 @@ write. A project's own validator never takes this path.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
@@ -50,7 +48,6 @@ from django.db.models import (
 )
 from django.utils import timezone
 
-from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
     TransitionResult,
@@ -66,6 +63,7 @@ from idempotent_orders.consuming.prepared import (
     inbox_preparation,
     preparation,
 )
+from idempotent_orders.consuming.rules import Rule
 from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
@@ -83,105 +81,10 @@ from idempotent_orders.consuming.sql import (
     inbox_template,
     queue_follow_up,
 )
-from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import Outcome, SpentPayment
 from idempotent_orders.signals import order_transitioned
 
 __all__ = ["apply_unread"]
-
-#: ``(field name, value, empty_allowed)``: the column must equal ``value`` (or be empty).
-Test = tuple[str, Any, bool]
-#: Turns a payload into the written columns and the tests on the order; None: no guess.
-Guard = Callable[[type[Model], Mapping[str, Any]], tuple[dict[str, Any], list[Test]] | None]
-
-
-@functools.cache
-def _names(model: type[Model]) -> frozenset[str]:
-    return frozenset(f.name for f in model._meta.concrete_fields)
-
-
-def _money(model: type[Model], payload: Mapping[str, Any]) -> list[Test] | None:
-    """The amount/currency tests of ``registry._check_money``; None when it would reject."""
-    raw = payload.get("amount")
-    if not isinstance(raw, str) or not raw.isascii():
-        return None
-    try:
-        amount = Decimal(raw)
-    except InvalidOperation:
-        return None
-    if not amount.is_finite() or amount <= 0:
-        return None
-    names = _names(model)
-    tests: list[Test] = []
-    if "amount" in names:
-        tests.append(("amount", amount, False))
-    if "currency" in names:
-        currency = payload.get("currency")
-        if not isinstance(currency, str):
-            return None  # never equal to a column value: the validator rejects it
-        tests.append(("currency", currency, False))
-    return tests
-
-
-def _text(payload: Mapping[str, Any], key: str, max_length: int) -> str | None:
-    try:
-        return registry._text(payload, key, max_length=max_length)
-    except InvalidMessage:
-        return None
-
-
-def _payment(model: type[Model], payload: Mapping[str, Any]) -> Any:
-    payment_id = _text(payload, "payment_id", 128)
-    tests = _money(model, payload)
-    if payment_id is None or tests is None:
-        return None
-    if "payment_id" not in _names(model):
-        return {}, tests
-    return {"payment_id": payment_id}, [*tests, ("payment_id", payment_id, True)]
-
-
-def _refund(model: type[Model], payload: Mapping[str, Any]) -> Any:
-    payment_id = _text(payload, "payment_id", 128)
-    tests = _money(model, payload)
-    if payment_id is None or tests is None:
-        return None
-    if "payment_id" in _names(model):
-        tests.append(("payment_id", payment_id, True))
-    return {}, tests
-
-
-def _shipment(model: type[Model], payload: Mapping[str, Any]) -> Any:
-    tracking = _text(payload, "tracking_number", 128)
-    carrier = _text(payload, "carrier", 64)
-    if tracking is None or carrier is None:
-        return None
-    names = _names(model)
-    values = {"tracking_number": tracking, "carrier": carrier}
-    return {k: v for k, v in values.items() if k in names}, []
-
-
-def _delivery(model: type[Model], payload: Mapping[str, Any]) -> Any:
-    tracking = _text(payload, "tracking_number", 128)
-    if tracking is None:
-        return None
-    if "tracking_number" not in _names(model):
-        return {}, []
-    return {}, [("tracking_number", tracking, True)]
-
-
-def _nothing(model: type[Model], payload: Mapping[str, Any]) -> Any:
-    return {}, []
-
-
-#: The built-in validators and their SQL form. Keyed by the function itself, so a
-#: type registered with a project's own validator never takes this path.
-GUARDS: dict[Any, Guard] = {
-    registry.validate_payment: _payment,
-    registry.validate_refund: _refund,
-    registry.validate_shipment: _shipment,
-    registry.validate_delivery: _delivery,
-    registry._no_payload: _nothing,
-}
 
 
 @dataclass(frozen=True)
@@ -396,9 +299,9 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
     ``transition_written`` was called (when anyone listens for the order); the caller
     announces the outcome.
     """
-    guard = GUARDS.get(envelope.handler.validate)
-    if guard is None:
-        return None
+    rule = envelope.handler.validate
+    if not isinstance(rule, Rule):
+        return None  # a project's own validator: read, decide, write
     name = envelope.handler.transition
     shape = _shape(model, name)
     if shape is None or runs_user_code(model, name):
@@ -426,7 +329,7 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
     # The wrapper itself, not the ``connection`` proxy: each attribute read
     # through the proxy costs a context-local lookup.
     conn = connections[alias]
-    guessed = guard(model, envelope.payload)
+    guessed = rule.tests(model, envelope.payload)
     if guessed is None:
         return None
     fields, tests = guessed

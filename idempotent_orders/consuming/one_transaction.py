@@ -48,8 +48,9 @@ from django.utils import timezone
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.one_statement import GUARDS, Test, _shape
+from idempotent_orders.consuming.one_statement import _shape
 from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.rules import Rule, Test
 from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
@@ -421,7 +422,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     (:func:`~idempotent_orders.consuming.one_statement.apply_unread`): the message's writes as
     one transaction of their own, with the tests
     :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
-    :data:`~idempotent_orders.consuming.one_statement.GUARDS`) in the UPDATE's WHERE
+    :class:`~idempotent_orders.consuming.rules.Rule`) in the UPDATE's WHERE
     clause instead of a read of the order first: on MariaDB one text, one round trip; on
     SQLite the statements straight to the driver, as :func:`claim_and_apply_at_once`.
 
@@ -435,8 +436,8 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     the caller announces the outcome.
     """
     conn = connections[DEFAULT_DB_ALIAS]
-    guard = GUARDS.get(envelope.handler.validate)
-    if guard is None:
+    rule = envelope.handler.validate
+    if not isinstance(rule, Rule):
         return None
     name = envelope.handler.transition
     shape = _shape(model, name)
@@ -451,7 +452,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != conn.alias:
         return None
-    guessed = guard(model, envelope.payload)
+    guessed = rule.tests(model, envelope.payload)
     if guessed is None:
         return None
     fields, tests = guessed

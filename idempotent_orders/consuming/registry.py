@@ -10,15 +10,14 @@ check error (``idempotent_orders.E040``), never a per-message crash.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.db.models import Model
 
-from idempotent_orders.exceptions import InvalidMessage
+from idempotent_orders.consuming import rules
+from idempotent_orders.consuming.rules import Rule
 
 #: Turns (order, payload) into the extra columns the transition writes; raises InvalidMessage.
 #: The order is an instance of the order model (typed loosely so validators may name their own).
@@ -106,91 +105,13 @@ def registered() -> list[MessageHandler]:
     return [_registry[name] for name in sorted(_registry)]
 
 
-def _no_payload(order: Model, payload: Mapping[str, Any]) -> dict[str, Any]:
-    return {}
-
-
-def _text(payload: Mapping[str, Any], key: str, *, max_length: int) -> str:
-    value = payload.get(key)
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidMessage(f"payload.{key} must be a non-empty string")
-    if len(value) > max_length:
-        raise InvalidMessage(f"payload.{key} is longer than {max_length} characters")
-    return value
-
-
-def _has(order: Model, name: str) -> bool:
-    return name in _field_names(type(order))
-
-
-@functools.cache
-def _field_names(model: type[Model]) -> frozenset[str]:
-    return frozenset(f.name for f in model._meta.concrete_fields)
-
-
-def _check_money(order: Any, payload: Mapping[str, Any]) -> None:
-    raw = payload.get("amount")
-    if not isinstance(raw, str):
-        raise InvalidMessage("payload.amount must be a decimal string such as '12.50'")
-    if not raw.isascii():
-        # Decimal() reads any Unicode digit (fullwidth "12.50" too); amounts are ASCII.
-        raise InvalidMessage(f"payload.amount {raw[:40]!r} must use ASCII digits")
-    try:
-        amount = Decimal(raw)
-    except InvalidOperation:
-        raise InvalidMessage(f"payload.amount {raw[:40]!r} is not a decimal number") from None
-    if not amount.is_finite() or amount <= 0:
-        raise InvalidMessage(f"payload.amount {raw[:40]!r} must be a positive amount")
-    if _has(order, "amount") and amount != order.amount:
-        raise InvalidMessage(
-            f"payload.amount {amount} does not match the order amount {order.amount}"
-        )
-    currency = payload.get("currency")
-    if _has(order, "currency") and currency != order.currency:
-        raise InvalidMessage(
-            f"payload.currency {str(currency)[:8]!r} does not match the order currency "
-            f"{order.currency!r}"
-        )
-
-
-def validate_payment(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
-    payment_id = _text(payload, "payment_id", max_length=128)
-    _check_money(order, payload)
-    if not _has(order, "payment_id"):
-        return {}
-    if order.payment_id and order.payment_id != payment_id:
-        raise InvalidMessage(
-            f"payment {payment_id[:40]!r} differs from the order's payment {order.payment_id!r}"
-        )
-    return {"payment_id": payment_id}
-
-
-def validate_refund(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
-    payment_id = _text(payload, "payment_id", max_length=128)
-    _check_money(order, payload)
-    if _has(order, "payment_id") and order.payment_id and order.payment_id != payment_id:
-        raise InvalidMessage(
-            f"refund of payment {payment_id[:40]!r}, order paid by {order.payment_id!r}"
-        )
-    return {}
-
-
-def validate_shipment(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
-    values = {
-        "tracking_number": _text(payload, "tracking_number", max_length=128),
-        "carrier": _text(payload, "carrier", max_length=64),
-    }
-    return {name: value for name, value in values.items() if _has(order, name)}
-
-
-def validate_delivery(order: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
-    tracking = _text(payload, "tracking_number", max_length=128)
-    shipped_as = order.tracking_number if _has(order, "tracking_number") else ""
-    if shipped_as and shipped_as != tracking:
-        raise InvalidMessage(
-            f"delivery of parcel {tracking[:40]!r}, order shipped as {shipped_as!r}"
-        )
-    return {}
+#: The built-in validators, each a :class:`~idempotent_orders.consuming.rules.Rule`: a
+#: project registering its own type may name them (``validate=registry.validate_payment``).
+validate_payment: Rule = rules.PAYMENT
+validate_refund: Rule = rules.REFUND
+validate_shipment: Rule = rules.SHIPMENT
+validate_delivery: Rule = rules.DELIVERY
+_no_payload: Rule = rules.NOTHING
 
 
 #: The built-in types: (type, transition, validator, consumers).
