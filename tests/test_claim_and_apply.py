@@ -14,7 +14,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders.consuming import prepared, single, writing
+from idempotent_orders.consuming import one_statement, prepared, single, writing
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.consuming.sql import claim_and_apply
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
@@ -152,7 +152,7 @@ def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
         return real(row, order_, **kwargs)
 
     monkeypatch.setattr(writing, "claim_and_apply", racing)
-    monkeypatch.setattr(single, "apply_unread", lambda *args: None)  # the read-first path
+    monkeypatch.setattr(one_statement, "apply_unread", lambda *args: None)  # the read-first path
     # (A cancellation: a payment, which carries money, records its payment id as
     # spent, and takes the general path once apply_unread() has declined it.)
     cancel = {"message_id": f"cancel-{order.pk}", "type": "order.cancelled", "order_id": order.pk}

@@ -18,7 +18,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import one_transaction, single, writing
+from idempotent_orders.consuming import one_transaction, writing
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     Order,
@@ -50,7 +50,7 @@ def fulfil() -> Iterator[None]:
 @pytest.fixture
 def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """MariaDB's road without a read first declines: the order is read, then written."""
-    monkeypatch.setattr(single, "apply_unread_at_once", lambda *args: None)
+    monkeypatch.setattr(one_transaction, "apply_unread_at_once", lambda *args: None)
 
 
 def _statements(queries: CaptureQueriesContext) -> list[str]:

@@ -36,6 +36,7 @@ from django.db.models import (
 from django_fsm.signals import pre_transition
 
 from idempotent_orders import dedup, get_order_model
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.chunk import (
     Item,
     Waiting,
@@ -306,8 +307,9 @@ def _transact(consumer: str, items: dict[str, Item], user: bool) -> tuple[list[I
         # each holding a share lock the other's FOR UPDATE waits on. PostgreSQL
         # checks at commit, so it claims first and locks only the orders of
         # new messages.
-        lock_first = connection.vendor == "mysql"
-        if connection.vendor == "postgresql":
+        chosen = backend()
+        lock_first = chosen.locks_orders_first
+        if chosen.arrays:
             # The claim itself says which orders exist (one statement, not two).
             new_ids = claim_postgres(consumer, list(items.values()))
             known = {items[m].envelope.order_id for m in new_ids if items[m].order_exists}
@@ -331,11 +333,10 @@ def _transact(consumer: str, items: dict[str, Item], user: bool) -> tuple[list[I
     return claimed, {pk for pk, order in orders.items() if not order.has_parked}
 
 
-def _waiting_key(vendor: str) -> Callable[[tuple[int, Waiting]], tuple[Any, ...]]:
+def _waiting_key(nulls_last: bool) -> Callable[[tuple[int, Waiting]], tuple[Any, ...]]:
     """The order ``release_parked`` takes parked rows in: ``ORDER BY seq, id`` as the
-    database sorts it (NULL last on PostgreSQL, first elsewhere), batch items last.
+    database sorts it (``nulls_last``: NULL after every value), batch items last.
     """
-    nulls_last = vendor == "postgresql"
 
     def key(entry: tuple[int, Waiting]) -> tuple[Any, ...]:
         position, waiting = entry
@@ -377,7 +378,7 @@ def _decide_and_write(
     released: list[tuple[Waiting, Verdict | Exception]] = []
     # The connection itself: Django's ``connection`` proxy looks it up again on every use.
     conn = transaction.get_connection()
-    order_key = _waiting_key(conn.vendor)
+    order_key = _waiting_key(backend(conn).nulls_last)
     # ``updated_at`` (when the model has one): one moment for the whole chunk,
     # the moment of its one UPDATE.
     stamp = written_values(model, {})

@@ -30,7 +30,8 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
-from idempotent_orders.consuming.arrays import array_literal
+from idempotent_orders.consuming.backends import backend
+from idempotent_orders.consuming.backends.postgresql_arrays import array_literal
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
@@ -238,7 +239,7 @@ def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
         return {}
     model = get_order_model()
     locked = model._default_manager.select_for_update()
-    if connection.vendor == "postgresql":
+    if backend().arrays:
         # ``pk = ANY(<one array>)``: ``pk__in`` prepares a parameter per order.
         qn = connection.ops.quote_name
         pk = model._meta.pk
@@ -259,7 +260,7 @@ def update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[i
     """One conditional UPDATE of every changed order: ``WHERE (id=:id AND version=:v) OR ...``."""
     model = get_order_model()
     names = sorted({name for values in changed.values() for name in values})
-    if connection.vendor == "postgresql":
+    if backend().arrays:
         _update_orders_from_values(model, changed, read_version, names)
         return
     rows = update_many(model, changed, read_version, names)

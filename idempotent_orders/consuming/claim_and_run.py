@@ -67,6 +67,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Field, Model
 from django.utils import timezone
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.decision import decide
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
@@ -112,7 +113,7 @@ class _Declined(Exception):
 def can_claim_and_run(conn: Any) -> bool:
     """Whether :func:`claim_and_run` may run on ``conn`` now: PostgreSQL through psycopg 3
     with client-side binding cursors (Django's default), outside any transaction."""
-    if conn.vendor != "postgresql" or conn.in_atomic_block or not conn.get_autocommit():
+    if not backend(conn).one_statement or conn.in_atomic_block or not conn.get_autocommit():
         return False
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
 

@@ -75,6 +75,7 @@ from idempotent_orders.consuming.running import (
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
     build,
+    can_claim_and_apply,
     compiled_read,
     handed_over,
     inbox_partitioned,
@@ -294,14 +295,15 @@ _statements: dict[tuple[Any, ...], _Statement] = {}
 def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
     """Apply ``envelope`` in one statement when its verdict is "apply"; None: take the usual path.
 
-    Call only where :func:`~idempotent_orders.consuming.sql.can_claim_and_apply` holds.
+    Declines inside a caller's transaction (see
+    :func:`~idempotent_orders.consuming.sql.can_claim_and_apply`).
     On APPLIED the inbox row and the transition are committed and
     ``transition_written`` was called (when anyone listens for the order); the caller
     announces the outcome.
     """
     rule = envelope.handler.validate
-    if not isinstance(rule, Rule):
-        return None  # a project's own validator: read, decide, write
+    if not isinstance(rule, Rule) or not can_claim_and_apply():
+        return None  # a project's own validator, or a caller's transaction: read first
     name = envelope.handler.transition
     shape = _shape(model, name)
     if shape is None or runs_user_code(model, name):

@@ -45,6 +45,7 @@ from django.db import (
 from django.db.models import CharField, DecimalField, Field, Model, TextField
 from django.utils import timezone
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
@@ -437,7 +438,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     """
     conn = connections[DEFAULT_DB_ALIAS]
     rule = envelope.handler.validate
-    if not isinstance(rule, Rule):
+    if not isinstance(rule, Rule) or not can_claim_and_apply_at_once():
         return None
     name = envelope.handler.transition
     shape = _shape(model, name)
@@ -539,13 +540,13 @@ def _update(
     meta = model._meta
     assert meta.pk is not None
     qn = conn.ops.quote_name
-    binary = "BINARY {} = %s" if conn.vendor == "mysql" else "{} = %s COLLATE BINARY"
+    bytewise = backend(conn).bytewise
     state = qn(str(state_field(model).column))
     version = qn(str(_field(model, "version").column))
     sets = [f"{state} = %s", f"{version} = {version} + 1"]
     value_fields = [_field(model, name) for name in values]
     sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
-    where = [f"{qn(str(meta.pk.column))} = %s", binary.format(state)]
+    where = [f"{qn(str(meta.pk.column))} = %s", bytewise(state)]
     where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
     if seq:
         where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
@@ -554,7 +555,7 @@ def _update(
         field = _field(model, field_name)
         column = qn(str(field.column))
         text = isinstance(field, CharField | TextField)
-        test = binary.format(column) if text else f"{column} = %s"
+        test = bytewise(column) if text else f"{column} = %s"
         where.append(f"({column} = '' OR {test})" if empty else test)
         test_fields.append(field)
     sql = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"

@@ -15,7 +15,8 @@ from typing import Any
 
 from django.db import connection
 
-from idempotent_orders.consuming.arrays import array_literal
+from idempotent_orders.consuming.backends import backend
+from idempotent_orders.consuming.backends.postgresql_arrays import array_literal
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
@@ -62,13 +63,8 @@ def spend(payment: str, order_id: Any, consumer: str, message_id: str) -> Any | 
     table, columns = _table()
     values = "%s, %s, %s, %s"
     column = columns[0]
-    if connection.vendor == "mysql":
-        sql = f"INSERT IGNORE INTO {table} ({', '.join(columns)}) VALUES ({values})"
-    else:
-        sql = (
-            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({values})"
-            f" ON CONFLICT ({column}) DO NOTHING"
-        )
+    head, tail = backend().insert_ignoring(table, ", ".join(columns), column)
+    sql = f"{head} VALUES ({values}) {tail}"
     with connection.cursor() as cursor:
         cursor.execute(sql, [payment, order_id, consumer, message_id])
         if cursor.rowcount == 1:
@@ -95,7 +91,7 @@ def record_spent(
     the statement text is the same for any number of rows); None elsewhere, where
     Django's ``bulk_create`` writes them and cannot tell.
     """
-    if connection.vendor != "postgresql":
+    if not backend().arrays:
         SpentPayment.objects.bulk_create(
             [
                 SpentPayment(payment_id=p, order_id=o, consumer=consumer, message_id=m)

@@ -12,7 +12,6 @@ from typing import Any, cast
 from django.db import (
     DatabaseError,
     IntegrityError,
-    InterfaceError,
     OperationalError,
     connection,
     transaction,
@@ -21,7 +20,7 @@ from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming.claim_and_run import claim_and_run
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.decision import (
     Verdict,
     announce,
@@ -48,16 +47,8 @@ from idempotent_orders.consuming.failures import (
     record_failure,
     retryable,
 )
-from idempotent_orders.consuming.one_statement import apply_unread
-from idempotent_orders.consuming.one_transaction import (
-    apply_unread_at_once,
-    can_claim_and_apply_at_once,
-)
 from idempotent_orders.consuming.running import keeps_parked_flag
-from idempotent_orders.consuming.sql import (
-    can_claim_and_apply,
-    read_order,
-)
+from idempotent_orders.consuming.sql import read_order
 from idempotent_orders.consuming.writing import (
     Conflict,
     Duplicate,
@@ -139,14 +130,12 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     try:
         with consuming(envelope, consumer):
             applied = None
-            if can_claim_and_apply():
-                # No read first where the transition is SQL; two texts where it is the
-                # project's.
-                applied = apply_unread(envelope, consumer, get_order_model())
-                if applied is None:
-                    applied = claim_and_run(envelope, consumer, get_order_model())
-            elif can_claim_and_apply_at_once():
-                applied = apply_unread_at_once(envelope, consumer, get_order_model())
+            # Where the database can, the message is applied before its order is read;
+            # each such road declines (writing nothing) what it cannot take.
+            for road in backend().roads_without_read():
+                applied = road(envelope, consumer, get_order_model())
+                if applied is not None:
+                    break
             if applied is None:
                 outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
         if applied is not None:
@@ -216,7 +205,7 @@ def read_back(
     was written since ``since`` with this payload; an older one is a copy's, which the
     retry answers as a duplicate.
     """
-    if connection.in_atomic_block or not _connection_lost(error):
+    if connection.in_atomic_block or not backend().connection_lost(error):
         return None
     try:
         connection.close()
@@ -233,26 +222,6 @@ def read_back(
     if not outcome or updated_at < since or fingerprint != envelope.fingerprint:
         return None
     return Outcome(outcome)
-
-
-#: SQLSTATEs of a connection that went away (class 08, and the server shutting down).
-_LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
-#: MySQL's "server has gone away" and "lost connection during query".
-_LOST_MYSQL_ERRORS = {2006, 2013}
-
-
-def _connection_lost(error: Exception) -> bool:
-    """Whether ``error`` says the connection went away (so a statement sent may have
-    committed), not that the server refused or rolled something back."""
-    if not isinstance(error, (OperationalError, InterfaceError)):
-        return False
-    if connection.vendor == "mysql":
-        return bool(error.args) and error.args[0] in _LOST_MYSQL_ERRORS
-    if connection.vendor != "postgresql":
-        return False
-    sqlstate = getattr(error.__cause__, "sqlstate", None)
-    # No SQLSTATE: psycopg's own error, the server never answered.
-    return sqlstate is None or sqlstate.startswith(_LOST_SQLSTATE_PREFIXES)
 
 
 def _database_conflict(consumer: str, message_id: str) -> None:

@@ -23,6 +23,7 @@ from django.db.models import Field, Model
 from django.db.models.expressions import DatabaseDefault
 from django.db.models.manager import BaseManager
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.models import OutboxMessage, ProcessedMessage
 
 __all__ = [
@@ -59,7 +60,7 @@ _shapes: dict[tuple[str, str], bool] = {}
 def inbox_partitioned(conn: Any = None) -> bool:
     """Whether the inbox of ``conn`` (the default connection) is partitioned by time."""
     conn = conn or connection
-    if conn.vendor != "postgresql":
+    if not backend(conn).partitions:
         return False
     key = (conn.alias, conn.settings_dict["NAME"])
     partitioned = _shapes.get(key)
@@ -345,12 +346,16 @@ def _on_conflict() -> str:
         # No unique index spans the partitions; CLAIMABLE has filtered the rows, and
         # each partition's own unique index is the arbiter.
         return "ON CONFLICT DO NOTHING"
+    return f"ON CONFLICT ({_unique()}) DO NOTHING"
+
+
+def _unique() -> str:
+    """The inbox's unique columns, quoted."""
     qn = connection.ops.quote_name
-    unique = ", ".join(
+    return ", ".join(
         qn(str(ProcessedMessage._meta.get_field(name).column))  # type: ignore[union-attr]
         for name in ("consumer", "message_id")
     )
-    return f"ON CONFLICT ({unique}) DO NOTHING"
 
 
 def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
@@ -371,7 +376,8 @@ def insert_inbox_values(
     table, pk, message_id = _names()
     returning = f"RETURNING {pk}, {message_id}"
     at = [f.attname for f in fields].index("message_id")
-    if connection.vendor == "postgresql":
+    chosen = backend()
+    if chosen.arrays:
         # One array per column: the statement text is the same for any number of
         # rows, so the driver parses it once, not a placeholder per value per call.
         arrays: list[list[Any]] = [list(column) for column in zip(*rows, strict=True)]
@@ -386,23 +392,20 @@ def insert_inbox_values(
             return {mid: pk_ for pk_, mid in cursor.fetchall()}
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
     params: list[Any] = [value for row in rows for value in row]
-    if connection.vendor == "mysql":
-        # MariaDB >= 10.5 returns only the rows IGNORE let through. Nothing else
-        # is ignored in practice: ids longer than the column never get here.
-        head, tail = f"INSERT IGNORE INTO {table}", returning
-    else:
-        head, tail = f"INSERT INTO {table}", f"{_on_conflict()} {returning}"
+    # Nothing else is ignored in practice: ids longer than the column never get here.
+    head, tail = chosen.insert_ignoring(table, columns, _unique())
+    tail = f"{tail} {returning}".strip()
     new: dict[str, int] = {}
     with connection.cursor() as cursor:
         if connection.features.can_return_rows_from_bulk_insert:
             values = ", ".join([placeholder] * len(rows))
-            cursor.execute(f"{head} ({columns}) VALUES {values} {tail}", params)
+            cursor.execute(f"{head} VALUES {values} {tail}", params)
             new.update((mid, pk_) for pk_, mid in cursor.fetchall())
         else:  # an old SQLite without RETURNING: one row at a time, same semantics
             width = len(fields)
             for n, row in enumerate(rows):
                 cursor.execute(
-                    f"{head} ({columns}) VALUES {placeholder} {tail}",
+                    f"{head} VALUES {placeholder} {tail}",
                     params[n * width : (n + 1) * width],
                 )
                 found = cursor.fetchall()
@@ -417,7 +420,7 @@ def can_claim_and_apply() -> bool:
     Inside a caller's transaction the single statement would not be the whole
     transaction (and its deliberate error would abort the caller's).
     """
-    return connection.vendor == "postgresql" and not connection.in_atomic_block
+    return backend().one_statement and not connection.in_atomic_block
 
 
 #: SQLSTATE of the division by zero that undoes a claim whose UPDATE found no row.

@@ -18,6 +18,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.decision import (
     REFUND,
     Verdict,
@@ -173,7 +174,7 @@ def write(
             ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
             if not claimed:
                 raise Duplicate  # another delivery ran it meanwhile
-        elif parked is None and payment is not None and connection.vendor == "postgresql":
+        elif parked is None and payment is not None and backend().one_statement:
             # The claim and the spent payment in one statement (one round trip).
             fields = {"consumer": consumer, "message_id": envelope.message_id, **row}
             fields["message_type"] = envelope.message_type

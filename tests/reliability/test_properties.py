@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idempotent_orders.consuming import batch, single, writing
+from idempotent_orders.consuming import batch, one_statement, one_transaction, single, writing
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.graph import TransitionStatus, classify
 from idempotent_orders.consuming.registry import get_handler
@@ -105,20 +105,24 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
     "after_update": lambda: _both(
         mock.patch.object(writing, "commit", _after(writing.commit)),
         mock.patch.object(writing, "claim_and_apply", _raise),
-        mock.patch.object(single, "apply_unread", _raise),
+        mock.patch.object(one_statement, "apply_unread", _raise),
         mock.patch.object(writing, "claim_and_apply_at_once", _raise),
-        mock.patch.object(single, "apply_unread_at_once", _raise),
+        mock.patch.object(one_transaction, "apply_unread_at_once", _raise),
     ),
     # A one-statement claim-and-apply (or MariaDB's and SQLite's one transaction)
     # committed; nothing after it happened.
     "after_claim": lambda: _both(
         mock.patch.object(writing, "claim_and_apply", _after(writing.claim_and_apply)),
-        mock.patch.object(single, "apply_unread", _after_applied(single.apply_unread)),
+        mock.patch.object(
+            one_statement, "apply_unread", _after_applied(one_statement.apply_unread)
+        ),
         mock.patch.object(
             writing, "claim_and_apply_at_once", _after_written(writing.claim_and_apply_at_once)
         ),
         mock.patch.object(
-            single, "apply_unread_at_once", _after_applied(single.apply_unread_at_once)
+            one_transaction,
+            "apply_unread_at_once",
+            _after_applied(one_transaction.apply_unread_at_once),
         ),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.

@@ -1,0 +1,107 @@
+"""The database backends of the consume road: what differs between PostgreSQL, MariaDB and
+SQLite, chosen once per connection.
+
+The road (:mod:`~idempotent_orders.consuming.single`, :mod:`~idempotent_orders.consuming.batch`)
+is the same on every database; where a database can do a step in fewer statements, the
+road asks :func:`backend` for its :class:`Backend` and uses what it names:
+
+- ``without_read``: the roads that apply a message before reading its order (a message
+  with nothing of the project's to run), tried in order; each returns None to decline;
+- the statements' spelling: inserting while skipping duplicates, comparing text
+  bytewise, one array per column (PostgreSQL's ``unnest``);
+- the features that change the plan: whether a batch locks its orders before it claims,
+  where ``ORDER BY`` puts NULL, whether a lost connection may hide a commit.
+
+A backend holds no state of its own beyond what it reads once from the connection; the
+instance is shared by every connection of its vendor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection as default_connection
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.utils.module_loading import import_string
+
+__all__ = ["Backend", "backend"]
+
+#: A road that applies a message before its order is read: ``(envelope, consumer, model)``
+#: to the outcome, or None when it declines (nothing written).
+RoadWithoutRead = Callable[[Any, str, Any], Any]
+
+
+class Backend:
+    """What the consume road needs to know of one database vendor (portable defaults)."""
+
+    vendor = ""
+    #: The roads that skip the order's read, as ``module:function`` under
+    #: ``idempotent_orders.consuming``, tried in order (see :meth:`roads_without_read`).
+    without_read: tuple[str, ...] = ()
+    #: Statements take one array per column (``unnest``, ``= ANY``), one text for any
+    #: number of rows.
+    arrays = False
+    #: A message's writes go in one statement (data-modifying ``WITH`` clauses): the
+    #: inbox claim and the spent payment, or the claim and the order's UPDATE.
+    one_statement = False
+    #: The inbox may be partitioned by time (then no unique index spans it).
+    partitions = False
+    #: A batch locks its orders before it claims their inbox rows: the database checks a
+    #: foreign key at once, share-locking the order the inbox row points to.
+    locks_orders_first = False
+    #: ``ORDER BY`` puts NULL after every value.
+    nulls_last = False
+
+    def __init__(self) -> None:
+        self._roads: tuple[tuple[Any, str], ...] | None = None
+
+    def roads_without_read(self) -> list[RoadWithoutRead]:
+        """The functions ``without_read`` names (their modules imported once; each function
+        looked up by name, so a test may stand in for one)."""
+        if self._roads is None:
+            found = []
+            for path in self.without_read:
+                module, _, name = path.partition(":")
+                found.append(
+                    (importlib.import_module(f"idempotent_orders.consuming.{module}"), name)
+                )
+            self._roads = tuple(found)
+        return [getattr(module, name) for module, name in self._roads]
+
+    def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
+        """``(head, tail)`` of an INSERT into ``table`` (``columns``) that skips a row whose
+        ``conflict`` columns are taken: ``f"{head} VALUES (...) {tail}"``."""
+        return f"INSERT INTO {table} ({columns})", f"ON CONFLICT ({conflict}) DO NOTHING"
+
+    def bytewise(self, column: str) -> str:
+        """``column = %s`` compared byte for byte, whatever the column's collation."""
+        return f"{column} = %s"
+
+    def connection_lost(self, error: Exception) -> bool:
+        """Whether ``error`` says the connection went away (a statement sent may have
+        committed), not that the server refused or rolled something back."""
+        return False
+
+
+#: The backend of each vendor Django names (``connection.vendor``).
+BACKENDS = {
+    "postgresql": "idempotent_orders.consuming.backends.postgresql.PostgreSQL",
+    "mysql": "idempotent_orders.consuming.backends.mysql.MySQL",
+    "sqlite": "idempotent_orders.consuming.backends.sqlite.SQLite",
+}
+
+_chosen: dict[str, Backend] = {}
+
+
+def backend(conn: BaseDatabaseWrapper | None = None) -> Backend:
+    """The backend of ``conn`` (the default connection), chosen once per vendor."""
+    vendor = (conn or default_connection).vendor
+    found = _chosen.get(vendor)
+    if found is None:
+        path = BACKENDS.get(vendor)
+        # Another database: the ORM road alone.
+        chosen: type[Backend] = import_string(path) if path else Backend
+        found = _chosen[vendor] = chosen()
+    return found

@@ -1,0 +1,30 @@
+"""MariaDB and MySQL: a decided message's writes as one multi-statement text."""
+
+from __future__ import annotations
+
+from django.db import InterfaceError, OperationalError
+
+from idempotent_orders.consuming.backends import Backend
+
+__all__ = ["MySQL"]
+
+#: "Server has gone away" and "lost connection during query".
+_LOST_ERRORS = {2006, 2013}
+
+
+class MySQL(Backend):
+    vendor = "mysql"
+    without_read = ("one_transaction:apply_unread_at_once",)
+    locks_orders_first = True
+
+    def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
+        # MariaDB >= 10.5 returns only the rows IGNORE let through.
+        return f"INSERT IGNORE INTO {table} ({columns})", ""
+
+    def bytewise(self, column: str) -> str:
+        return f"BINARY {column} = %s"
+
+    def connection_lost(self, error: Exception) -> bool:
+        if not isinstance(error, (OperationalError, InterfaceError)):
+            return False
+        return bool(error.args) and error.args[0] in _LOST_ERRORS

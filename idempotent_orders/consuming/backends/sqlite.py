@@ -1,0 +1,15 @@
+"""SQLite: a decided message's statements straight to the driver between BEGIN and COMMIT."""
+
+from __future__ import annotations
+
+from idempotent_orders.consuming.backends import Backend
+
+__all__ = ["SQLite"]
+
+
+class SQLite(Backend):
+    vendor = "sqlite"
+    without_read = ("one_transaction:apply_unread_at_once",)
+
+    def bytewise(self, column: str) -> str:
+        return f"{column} = %s COLLATE BINARY"
