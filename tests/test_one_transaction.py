@@ -19,6 +19,8 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
 from idempotent_orders.consuming import one_transaction, writing
+from idempotent_orders.consuming.backends.mysql import MySQL
+from idempotent_orders.consuming.backends.sqlite import SQLite
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     Order,
@@ -345,6 +347,7 @@ def test_sqlite_tests_a_decimal_only_where_a_double_tells_its_values_apart() -> 
     wide = DecimalField(max_digits=20, decimal_places=2)
     narrow = DecimalField(max_digits=15, decimal_places=2)
     amount = Decimal("12345678901234567.01")
-    assert one_transaction._test_value(wide, amount, "sqlite") is None
-    assert one_transaction._test_value(wide, amount, "mysql") == amount
-    assert one_transaction._test_value(narrow, Decimal("12.5"), "sqlite") == Decimal("12.50")
+    sqlite = SQLite.exact_decimal_digits
+    assert one_transaction._test_value(wide, amount, sqlite) is None
+    assert one_transaction._test_value(wide, amount, MySQL.exact_decimal_digits) == amount
+    assert one_transaction._test_value(narrow, Decimal("12.5"), sqlite) == Decimal("12.50")

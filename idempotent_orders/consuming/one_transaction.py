@@ -113,10 +113,9 @@ def can_claim_and_apply_at_once() -> bool:
     conn = connections[DEFAULT_DB_ALIAS]
     if conn.in_atomic_block or not conn.get_autocommit():
         return False
-    if conn.vendor == "sqlite":
-        return True
-    if conn.vendor != "mysql":
-        return False
+    chosen = backend(conn)
+    if not chosen.at_once_in_one_text:
+        return chosen.at_once
     conn.ensure_connection()
     return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
 
@@ -147,7 +146,7 @@ def _compile(
     conditions: Sequence[str],
 ) -> _Texts:
     qn = connection.ops.quote_name
-    mysql = connection.vendor == "mysql"
+    mysql = backend().at_once_in_one_text
     template = inbox_template()
     inbox = template.head + ", ".join(["%s"] * len(template.fields)) + ")"
     smeta = SpentPayment._meta
@@ -271,7 +270,7 @@ def claim_and_apply_at_once(
     if follow_up is not None:
         queued = [f.get_db_prep_save(follow_up[f.name], prep) for f in texts.queued]
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
-    if conn.vendor == "mysql":
+    if backend(conn).at_once_in_one_text:
         return _mysql(statements)
     return _sqlite(statements)
 
@@ -392,12 +391,7 @@ def _mysql(
 # -- MariaDB and SQLite: the decision's tests in the UPDATE, no read first -------------------
 
 
-#: The most significant digits a decimal test may have on SQLite, which compares a
-#: decimal column as a double: up to 15, two values of one scale are two doubles.
-_SQLITE_EXACT_DIGITS = 15
-
-
-def _test_value(field: Field[Any, Any], value: Any, vendor: str) -> Any:
+def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) -> Any:
     """``value`` as the test sends it; None when the test could not be exact.
 
     A decimal goes as a literal of the column's own scale: one that the column cannot
@@ -407,7 +401,7 @@ def _test_value(field: Field[Any, Any], value: Any, vendor: str) -> Any:
     """
     if not isinstance(field, DecimalField):
         return value
-    if vendor == "sqlite" and (field.max_digits or 99) > _SQLITE_EXACT_DIGITS:
+    if exact_digits is not None and (field.max_digits or 99) > exact_digits:
         return None
     try:
         exact = value.quantize(Decimal(1).scaleb(-(field.decimal_places or 0)))
@@ -472,7 +466,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if seq is not None:
         args.append(seq - 1)
     for field, (_, value, _) in zip(update.tests, tests, strict=True):
-        sent = _test_value(field, value, conn.vendor)
+        sent = _test_value(field, value, backend(conn).exact_decimal_digits)
         if sent is None:
             return None
         args.append(field.get_db_prep_save(sent, conn))
@@ -496,7 +490,8 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
     read: list[Any] = []
     try:
-        done = _mysql(statements, read) if conn.vendor == "mysql" else _sqlite(statements, read)
+        one_text = backend(conn).at_once_in_one_text
+        done = _mysql(statements, read) if one_text else _sqlite(statements, read)
     except (IntegrityError, DataError):
         return None  # rolled back: the usual road decides, and says why
     except OperationalError as exc:

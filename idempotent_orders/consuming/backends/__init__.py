@@ -53,6 +53,13 @@ class Backend:
     locks_orders_first = False
     #: ``ORDER BY`` puts NULL after every value.
     nulls_last = False
+    #: A decided message's statements go straight to the driver as one transaction of
+    #: their own (:mod:`~idempotent_orders.consuming.one_transaction`).
+    at_once = False
+    #: ... and as one text, one round trip (the driver runs multi statements).
+    at_once_in_one_text = False
+    #: The most digits a decimal column keeps exactly (None: what it declares).
+    exact_decimal_digits: int | None = None
 
     def __init__(self) -> None:
         self._roads: tuple[tuple[Any, str], ...] | None = None

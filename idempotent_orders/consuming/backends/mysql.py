@@ -16,6 +16,8 @@ class MySQL(Backend):
     vendor = "mysql"
     without_read = ("one_transaction:apply_unread_at_once",)
     locks_orders_first = True
+    at_once = True
+    at_once_in_one_text = True
 
     def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
         # MariaDB >= 10.5 returns only the rows IGNORE let through.

@@ -10,6 +10,10 @@ __all__ = ["SQLite"]
 class SQLite(Backend):
     vendor = "sqlite"
     without_read = ("one_transaction:apply_unread_at_once",)
+    at_once = True
+    #: A decimal column is compared as a double: up to 15 digits, two values of one scale
+    #: are two doubles.
+    exact_decimal_digits = 15
 
     def bytewise(self, column: str) -> str:
         return f"{column} = %s COLLATE BINARY"
