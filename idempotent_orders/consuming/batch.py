@@ -35,7 +35,7 @@ from django.db.models import (
 )
 from django_fsm.signals import pre_transition
 
-from idempotent_orders import dedup, get_order_model
+from idempotent_orders import dedup, get_order_model, otel
 from idempotent_orders.consuming.chunk import (
     Item,
     Waiting,
@@ -98,6 +98,7 @@ CHUNK = 500
 DEADLOCK_RETRIES = 5
 
 
+@otel.traced_batch
 def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
     """Consume ``messages`` exactly once each; the outcomes come back in input order.
 
