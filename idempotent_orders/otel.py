@@ -3,15 +3,13 @@
 With ``opentelemetry-api`` installed (the ``otel`` extra), each of these gets a span
 that follows OpenTelemetry's messaging semantic conventions:
 
-========================  ========  ===========================  ==========================
-what                      kind      ``messaging.operation.type``  ``messaging.destination.name``
-========================  ========  ===========================  ==========================
-a message consumed        CONSUMER  ``process``                  the consumer (``payments``)
-each message of a batch   CONSUMER  ``process``                  the consumer
-a webhook received        CONSUMER  ``receive``                  the provider (``stripe``)
-an outbox row written     PRODUCER  ``send``                     the task's name
-a timer fired             CONSUMER  ``process``                  ``timers``
-========================  ========  ===========================  ==========================
+| what | kind | ``messaging.operation.type`` | ``messaging.destination.name`` |
+| --- | --- | --- | --- |
+| a message consumed | CONSUMER | ``process`` | the consumer (``payments``) |
+| each message of a batch | CONSUMER | ``process`` | the consumer |
+| a webhook received | CONSUMER | ``receive`` | the provider (``stripe``) |
+| an outbox row written | PRODUCER | ``send`` | the task's name |
+| a timer fired | CONSUMER | ``process`` | ``timers`` |
 
 Each span also carries ``messaging.system`` (``idempotent_orders``),
 ``messaging.operation.name``, ``messaging.message.id`` and the app's own
