@@ -555,6 +555,8 @@ class Timer(models.Model):
     error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
     fired_at = models.DateTimeField(null=True, blank=True)
+    #: The W3C trace context the timer was scheduled in: its firing is that trace's.
+    traceparent = models.CharField(max_length=55, blank=True, default="")
 
     class Meta:
         ordering = ["due_at", "id"]

@@ -24,7 +24,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Model, Q
 from django.utils import timezone
 
-from idempotent_orders import get_order_model
+from idempotent_orders import get_order_model, otel, tracing
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, dead_letter, describe
@@ -115,6 +115,7 @@ def schedule(
                 message_id=message_id,
                 payload=payload or {},
                 due_at=at,
+                traceparent=tracing.current().traceparent,
             )
     except IntegrityError:
         return Timer.objects.get(message_id=message_id)
@@ -142,6 +143,7 @@ def _still_possible(timer: Timer) -> str:
     return f"order is {state}; {timer.transition} no longer applies"
 
 
+@otel.traced_fire
 def fire(timer: Timer) -> Outcome:
     """Consume ``timer``'s message (once, whoever calls) and record what it did."""
     consumed = _first_outcome(timer)

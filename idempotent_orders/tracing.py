@@ -10,9 +10,12 @@ the context variable, so :func:`current` inside the task
 (and any row it writes to the outbox) carries the same trace: one order's
 journey is one trace. :class:`TraceLogFilter` adds both to log records.
 
-Where :func:`current` looks, first hit wins: :func:`use` / the restored
-context of the running task; the running Celery task's own message headers;
-OpenTelemetry's current span when ``opentelemetry-api`` is installed.
+Where :func:`current` looks: :func:`use` / the restored context of the running task,
+else the running Celery task's own message headers (:func:`carried`: the context the
+app carries by hand); OpenTelemetry's current span, when ``opentelemetry-api`` is
+installed, wins where nothing is carried or where it is in the carried trace (it is then
+the deeper context: the span of the message being consumed, under its producer's).
+:mod:`idempotent_orders.otel` makes the spans.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TraceContext", "TraceLogFilter", "current", "use", "valid_traceparent"]
+__all__ = ["TraceContext", "TraceLogFilter", "carried", "current", "use", "valid_traceparent"]
 
 #: W3C Trace Context ``traceparent``: version-traceid-parentid-flags, lowercase hex.
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -72,15 +75,24 @@ def use(traceparent: str = "", correlation_id: str = "") -> Iterator[TraceContex
         _context.reset(token)
 
 
-def current() -> TraceContext:
-    """The trace context in effect here (empty when there is none)."""
+def carried() -> TraceContext:
+    """The trace context the app carries here: a :func:`use` block's or the restored one
+    of the running task, else the running Celery task's message headers (empty when
+    there is none); OpenTelemetry's context is not looked at."""
     context = _context.get()
     if context:
         return context
-    from_task = _from_celery_task()
-    if from_task:
-        return from_task
-    return TraceContext(_from_opentelemetry(), "")
+    return _from_celery_task()
+
+
+def current() -> TraceContext:
+    """The trace context in effect here (empty when there is none): :func:`carried`, or
+    OpenTelemetry's current span when nothing is carried or it is in the carried trace."""
+    context = carried()
+    span = _from_opentelemetry()
+    if span and (not context.traceparent or span[3:35] == context.traceparent[3:35]):
+        return TraceContext(span, context.correlation_id)
+    return context
 
 
 def from_headers(headers: Any) -> TraceContext:
@@ -118,6 +130,7 @@ def _from_celery_task() -> TraceContext:
     return from_headers(request)
 
 
+_otel_inject: Any
 try:  # looked up once: a failed import on every call would cost the producer
     from opentelemetry.propagate import inject as _otel_inject
 except ImportError:

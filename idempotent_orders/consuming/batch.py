@@ -35,7 +35,7 @@ from django.db.models import (
 )
 from django_fsm.signals import pre_transition
 
-from idempotent_orders import dedup, get_order_model
+from idempotent_orders import dedup, get_order_model, otel
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.chunk import (
     Item,
@@ -99,6 +99,7 @@ CHUNK = 500
 DEADLOCK_RETRIES = 5
 
 
+@otel.traced_batch
 def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
     """Consume ``messages`` exactly once each; the outcomes come back in input order.
 

@@ -18,7 +18,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from idempotent_orders import dedup, get_order_model
+from idempotent_orders import dedup, get_order_model, otel
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.decision import (
@@ -85,6 +85,7 @@ __all__ = [
 logger = logging.getLogger("idempotent_orders")
 
 
+@otel.traced_consume
 def consume_message(message: Any, *, consumer: str) -> Outcome:
     """Apply one payment/shipping message to its order, exactly once.
 

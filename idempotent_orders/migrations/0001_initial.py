@@ -279,6 +279,7 @@ class Migration(migrations.Migration):
                 ('error', models.TextField(blank=True, default='')),
                 ('created_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
                 ('fired_at', models.DateTimeField(blank=True, null=True)),
+                ('traceparent', models.CharField(blank=True, default='', max_length=55)),
                 ('order', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='timers', to=ORDER_MODEL)),
             ],
             options={

@@ -18,7 +18,7 @@ from typing import Any
 from celery import Task
 from django.db import IntegrityError, connections, router, transaction
 
-from idempotent_orders import tracing
+from idempotent_orders import otel, tracing
 from idempotent_orders.conf import conf
 from idempotent_orders.models import OutboxMessage
 from idempotent_orders.outbox import relay, thread
@@ -78,16 +78,33 @@ def publish_on_commit(
         message_id = message.get("message_id")
     message_id = str(message_id) if message_id is not None else uuid.uuid4().hex
     db = using or router.db_for_write(OutboxMessage)
+    explicit = traceparent is not None
     traceparent, correlation_id = _trace_fields(traceparent, correlation_id)
-    fields = {
-        "message_id": message_id,
-        "task_name": name,
-        "payload": message,
-        "options": options,
-        "order_key": None if order_key is None else str(order_key),
-        "traceparent": traceparent,
-        "correlation_id": correlation_id,
-    }
+    # The row stores the context of its send span (opentelemetry-api installed): the
+    # consumer's span is that span's child.
+    with otel.sending(
+        name, traceparent, explicit=explicit, message_id=message_id, message=message
+    ) as send:
+        fields = {
+            "message_id": message_id,
+            "task_name": name,
+            "payload": message,
+            "options": options,
+            "order_key": None if order_key is None else str(order_key),
+            "traceparent": send.traceparent,
+            "correlation_id": correlation_id,
+        }
+        row, written = _write(db, fields)
+        send.outcome("queued" if written else "duplicate")
+    if written:
+        published_on_commit(db, row.pk, row.order_key is not None)
+    return row
+
+
+def _write(db: str, fields: dict[str, Any]) -> tuple[OutboxMessage, bool]:
+    """The row of ``fields``, and whether it was written now (False: it was queued
+    already, committed or earlier in this transaction, and that row is returned)."""
+    message_id = fields["message_id"]
     conn = connections[db]
     try:
         if conn.vendor == "postgresql":
@@ -110,9 +127,8 @@ def publish_on_commit(
         # The message was queued already (committed, or earlier in this transaction):
         # that row is the message, published once; the repeat changes nothing.
         logger.info("outbox: message %s is queued already; returning its row", message_id)
-        return existing
-    published_on_commit(db, row.pk, row.order_key is not None)
-    return row
+        return existing, False
+    return row, True
 
 
 def outbox_row(
@@ -182,14 +198,30 @@ def publish_many_on_commit(
     is the message.
     """
     db = using or router.db_for_write(OutboxMessage)
-    conn = connections[db]
     unique: dict[str, Any] = {}
     for message_id, message in messages:
         unique.setdefault(str(message_id), message)
     if not unique:
         return {}
     name = task if isinstance(task, str) else task.name
+    explicit = traceparent is not None
     traceparent, correlation_id = _trace_fields(traceparent, correlation_id)
+    # One send span for the rows, whose context they all store.
+    with otel.sending(name, traceparent, explicit=explicit, count=len(unique)) as send:
+        return _publish_many(db, name, unique, order_key, send, correlation_id, options)
+
+
+def _publish_many(
+    db: str,
+    name: str,
+    unique: dict[str, Any],
+    order_key: str | None,
+    send: otel.Sending,
+    correlation_id: str,
+    options: dict[str, Any],
+) -> dict[str, int]:
+    conn = connections[db]
+    traceparent = send.traceparent
     shared = {
         "task_name": name,
         "options": options,

@@ -22,7 +22,7 @@ from typing import Any
 
 from celery import current_app
 
-from idempotent_orders import tracing
+from idempotent_orders import otel, tracing
 from idempotent_orders.models import OutboxMessage
 
 logger = logging.getLogger("idempotent_orders")
@@ -42,10 +42,12 @@ def _send(row: OutboxMessage) -> None:
     trace = tracing.TraceContext(row.traceparent, row.correlation_id).headers()
     if trace:
         options["headers"] = {**options.get("headers", {}), **trace}
-    if task is not None:  # keeps the task's own routing and options
-        task.apply_async(args=(row.payload,), **options)
-    else:
-        current_app.send_task(row.task_name, args=(row.payload,), **options)
+    # An instrumented publish (opentelemetry-instrumentation-celery) is the row's child.
+    with otel.attached(row.traceparent):
+        if task is not None:  # keeps the task's own routing and options
+            task.apply_async(args=(row.payload,), **options)
+        else:
+            current_app.send_task(row.task_name, args=(row.payload,), **options)
 
 
 #: Row options a template publishes as ``apply_async`` would; any other falls back to it

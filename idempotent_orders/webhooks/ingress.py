@@ -23,6 +23,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 
+from idempotent_orders import otel
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.envelope import parse_envelope, valid_message_id
 from idempotent_orders.consuming.failures import TRANSIENT, MessageFailed, describe
@@ -202,6 +203,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:77]}..."
 
 
+@otel.traced_receive
 def receive(
     name: str,
     body: bytes,
