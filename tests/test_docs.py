@@ -214,6 +214,22 @@ def test_a_stale_written_part_is_found_and_rewritten() -> None:
     assert built.endswith("|\nafter\n")
 
 
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize(
+    "path", [*pages(), ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_every_python_example_compiles(path: Path) -> None:
+    """Each python block of a page is Python as written (the partial payment one also runs:
+    tests/swapped/test_docs_examples.py)."""
+    for number, block in enumerate(PYTHON_BLOCK.findall(path.read_text()), 1):
+        try:
+            compile(block, f"{path.name} block {number}", "exec")
+        except SyntaxError as exc:
+            pytest.fail(f"{path.name}, python block {number}: {exc}")
+
+
 def test_an_unknown_marker_fails_the_build() -> None:
     hooks.on_config({})
     with pytest.raises(ValueError, match="unknown generated part"):
