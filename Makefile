@@ -21,7 +21,8 @@ help:
 	@echo "make venv        build .venv (the project, its extras and the dev group) from pyproject.toml"
 	@echo "make demo        run the demo on the embedded default (SQLite + filesystem broker)"
 	@echo "make demo-web    the demo shop at http://127.0.0.1:8000/shop/ with a Celery worker (Ctrl-C stops both)"
-	@echo "make test        the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x; prints its wall time"
+	@echo "make test        the test suite: SQLite, PostgreSQL, MariaDB; Django 5.2 and 6.x; a subset on the"
+	@echo "                 original django-fsm 2.8.x (.venv-fsm28); prints its wall time"
 	@echo "                 (MATRIX_ARGS=... passes options on, e.g. MATRIX_ARGS='--databases postgres')"
 	@echo "make lint        ruff check, ruff format --check, mypy"
 	@echo "make format      ruff format and ruff check --fix"
@@ -69,9 +70,12 @@ demo-web: venv
 
 # The Django 6 leg needs Python >= 3.12; without one (and outside CI) it is
 # reported as not run. tests/support/matrix.py decides which database legs run.
+# The original django-fsm leg runs in its own venv (make/fsm28.mk).
 test: venv
 	@if [ -n "$(PYTHON_DJ6)" ]; then $(MAKE) --no-print-directory $(VENV_DJ6)/.installed; fi
-	$(PY) tests/support/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) $(MATRIX_ARGS)
+	@$(MAKE) --no-print-directory $(VENV_FSM28)/.installed
+	$(PY) tests/support/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) \
+		--venv-fsm28 $(VENV_FSM28) $(MATRIX_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

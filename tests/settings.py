@@ -184,3 +184,9 @@ if os.environ.get("IO_TEST_TASK_MAX_RETRIES"):
 
 # The live server's static-files handler needs a STATIC_URL (HTTP live tests).
 STATIC_URL = "static/"
+
+
+# The original django-fsm leg (`make test`, tests/support/matrix.py) runs the app on the
+# archived django-fsm 2.8.x, as a shop that stays on it does: with W004 silenced.
+DJANGO_FSM = os.environ.get("IO_TEST_DJANGO_FSM", "django-fsm-2")
+SILENCED_SYSTEM_CHECKS = [] if DJANGO_FSM == "django-fsm-2" else ["idempotent_orders.W004"]

@@ -186,6 +186,50 @@ def test_reference_pages_carry_their_generated_parts() -> None:
     assert "| `manage.py reconcile_orders` |" in operations
 
 
+def test_the_generated_parts_written_in_the_pages_are_fresh() -> None:
+    """A reader of the repository sees the tables the code generates now."""
+    hooks.on_config({})
+    assert [str(p.relative_to(ROOT)) for p in hooks.stale()] == [], "run make docs-gen"
+    for name in ("settings", "checks"):
+        text = (DOCS / "reference" / f"{name}.md").read_text()
+        assert f"<!-- gen:{name} -->\n| " in text
+        assert f"<!-- /gen:{name} -->" in text
+    written = (DOCS / "reference" / "checks.md").read_text()
+    assert ">E004</code>" in written
+
+
+def test_a_stale_written_part_is_found_and_rewritten() -> None:
+    hooks.on_config({})
+    page = "intro\n<!-- gen:checks -->\n| an old table |\n<!-- /gen:checks -->\nafter\n"
+    fresh = hooks.written(page)
+    assert fresh != page
+    assert "| an old table |" not in fresh
+    assert fresh.startswith("intro\n<!-- gen:checks -->\n| ID | level |")
+    assert fresh.endswith("<!-- /gen:checks -->\nafter\n")
+    assert hooks.written(fresh) == fresh
+    # The build shows the part without its marker lines.
+    built = hooks.on_page_markdown(fresh, page=None, config=None, files=None)
+    assert "gen:" not in built
+    assert built.startswith("intro\n| ID | level |")
+    assert built.endswith("|\nafter\n")
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize(
+    "path", [*pages(), ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_every_python_example_compiles(path: Path) -> None:
+    """Each python block of a page is Python as written (the partial payment one also runs:
+    tests/swapped/test_docs_examples.py)."""
+    for number, block in enumerate(PYTHON_BLOCK.findall(path.read_text()), 1):
+        try:
+            compile(block, f"{path.name} block {number}", "exec")
+        except SyntaxError as exc:
+            pytest.fail(f"{path.name}, python block {number}: {exc}")
+
+
 def test_an_unknown_marker_fails_the_build() -> None:
     hooks.on_config({})
     with pytest.raises(ValueError, match="unknown generated part"):

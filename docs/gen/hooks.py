@@ -1,6 +1,8 @@
-"""MkDocs hooks: fill the generated parts of the pages from the code at build time.
+"""The generated parts of the pages, written into the pages themselves and refreshed by the build.
 
-A page asks for a generated part with a marker line:
+A page asks for a generated part with a marker line, and carries the part, as last
+generated, between it and its closing line (``<!-- /gen:checks -->``), so that a reader
+of the repository sees it too:
 
 - ``<!-- gen:settings -->``: the settings table, from ``idempotent_orders/conf.py``;
 - ``<!-- gen:checks -->``: the system check table, from ``idempotent_orders/checks/``;
@@ -8,7 +10,9 @@ A page asks for a generated part with a marker line:
   ``idempotent_orders_graph`` management command's own function;
 - ``<!-- gen:commands -->``: the app's management commands with their help text.
 
-An unknown marker fails the build.
+An unknown marker fails the build. ``python docs/gen/hooks.py`` (``make docs-gen``)
+writes every part into its page; ``--check`` only lists the stale pages (and
+tests/test_docs.py fails on one). The MkDocs build fills each part afresh.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MARKER = re.compile(r"^<!-- gen:(?P<kind>[a-z]+)(?: (?P<arg>\S+))? -->$", re.MULTILINE)
+DOCS = ROOT / "docs"
+#: A marker line, then (once written) the part and the closing line.
+MARKER = re.compile(
+    r"^<!-- gen:(?P<kind>[a-z]+)(?: (?P<arg>\S+))? -->(?:\n|$)"
+    r"(?:(?P<body>.*?)^<!-- /gen:(?P=kind) -->(?:\n|$))?",
+    re.MULTILINE | re.DOTALL,
+)
 
 
 def _setup_django() -> None:
@@ -103,4 +113,42 @@ def _replace(match: re.Match[str]) -> str:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """The page with each generated part made afresh, its marker lines left out."""
     return MARKER.sub(_replace, markdown)
+
+
+def written(markdown: str) -> str:
+    """The page with each generated part made afresh between its marker lines."""
+
+    def block(match: re.Match[str]) -> str:
+        opening = match.group(0).split("\n", 1)[0]
+        return f"{opening}\n{_replace(match)}<!-- /gen:{match['kind']} -->\n"
+
+    return MARKER.sub(block, markdown)
+
+
+def pages() -> list[Path]:
+    """Every page of the site (the generators' folder is none)."""
+    return sorted(p for p in DOCS.rglob("*.md") if "gen" not in p.relative_to(DOCS).parts)
+
+
+def stale() -> list[Path]:
+    """The pages whose written parts differ from what the code generates now."""
+    return [p for p in pages() if written(p.read_text()) != p.read_text()]
+
+
+def main(argv: list[str]) -> int:
+    on_config({})
+    found = stale()
+    if "--check" in argv:
+        for path in found:
+            print(f"{path.relative_to(ROOT)}: generated parts are stale (make docs-gen)")
+        return 1 if found else 0
+    for path in found:
+        path.write_text(written(path.read_text()))
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -2,6 +2,9 @@
 
 - :mod:`~idempotent_orders.checks.configuration`: ``IDEMPOTENT_ORDERS`` itself
   (names, types, values: E001-E003, E035-E037, W030, W037);
+- :mod:`~idempotent_orders.checks.fsm_package`: which package provides the module
+  ``django_fsm``: django-fsm-2 or the original django-fsm, or both over each other
+  (E004, W004);
 - :mod:`~idempotent_orders.checks.order_model`: the order model (E040-E045,
   W041, E052) and its admin's operator transitions (W046);
 - :mod:`~idempotent_orders.checks.delivery`: applied once however a message
@@ -43,6 +46,7 @@ from idempotent_orders.checks.delivery import (
     mysql_isolation_errors,
     redelivery_horizon,
 )
+from idempotent_orders.checks.fsm_package import check_fsm_package, fsm_package_messages
 from idempotent_orders.checks.http import check_http_settings
 from idempotent_orders.checks.metrics import check_metrics_access
 from idempotent_orders.checks.order_model import (
@@ -62,6 +66,7 @@ __all__ = [
     "accepts",
     "check_celery_tasks",
     "check_dedup",
+    "check_fsm_package",
     "check_http_settings",
     "check_metrics_access",
     "check_mysql_isolation",
@@ -78,6 +83,7 @@ __all__ = [
     "check_setting_values",
     "check_settings",
     "check_webhooks",
+    "fsm_package_messages",
     "mysql_isolation_errors",
     "redelivery_horizon",
     "setting_type",

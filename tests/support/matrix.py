@@ -67,6 +67,28 @@ ESTIMATE = {
 }
 
 
+# The original django-fsm leg: the app on the archived django-fsm 2.8.x (its own venv,
+# make/fsm28.mk) instead of django-fsm-2, on PostgreSQL: the package check, the state graph,
+# the consume road's every way through (the claim and the save() road included), batches,
+# failures, and the admin's operator transitions; under a minute.
+FSM28_TESTS = (
+    "tests/test_fsm_package.py",
+    "tests/test_checks.py",
+    "tests/test_graph_command.py",
+    "tests/test_transitions.py",
+    "tests/test_consume.py",
+    "tests/test_roads.py",
+    "tests/test_every_path.py",
+    "tests/test_claim_and_apply.py",
+    "tests/test_batch.py",
+    "tests/test_failures.py",
+    "tests/test_migrations.py",
+    "tests/test_admin.py",
+)
+FSM28_SELECTION = "not workers and not heavy and not browser"
+FSM28_DATABASE = "postgres"
+ESTIMATE[("fsm28", FSM28_DATABASE)] = 40
+
 #: The order models each leg runs, by the tag of their suite ("": the app's own Order)
 #: and the settings that swap them in.
 SUITES = (
@@ -108,6 +130,8 @@ class Leg:
     suffix: str  # appended to the database name and the Redis key prefix
     estimate: float
     exclusive: bool = False
+    paths: tuple[str, ...] = ()  # test files (none: the whole suite)
+    env: tuple[tuple[str, str], ...] = ()  # more environment for the leg
 
 
 @dataclass
@@ -151,6 +175,7 @@ def run_leg(leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, 
         "IO_TEST_DB_NAME": base["db"] + leg.suffix,
         "IO_TEST_NAMESPACE": base["namespace"] + leg.suffix,
         "IO_TEST_SCREENSHOTS": str(report_dir / "screenshots" / leg.key),
+        **dict(leg.env),
     }
     print(f"=== leg {leg.name}: started", flush=True)
     started = time.monotonic()
@@ -166,6 +191,7 @@ def run_leg(leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, 
                 f"--junitxml={junit}",
                 *(["-m", leg.selection] if leg.selection else []),
                 *pytest_args,
+                *leg.paths,
             ],
             cwd=ROOT,
             env=env,
@@ -195,6 +221,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--venv", default=".venv")
     parser.add_argument("--venv-dj6", default=None)
+    parser.add_argument(
+        "--venv-fsm28",
+        default=None,
+        help="a venv with the original django-fsm 2.8.x instead of django-fsm-2 (one leg)",
+    )
     parser.add_argument("--databases", default="sqlite,postgres,mariadb")
     parser.add_argument(
         "--jobs",
@@ -295,6 +326,30 @@ def main() -> int:
                         estimate=estimate,
                     )
                 )
+
+    if args.venv_fsm28:
+        python = ROOT / args.venv_fsm28 / "bin" / "python"
+        title = f"{FSM28_DATABASE} | django-fsm 2.8.x | {len(FSM28_TESTS)} files"
+        reason = why_not(python, FSM28_DATABASE)
+        if reason:
+            message = f"leg {title}: not run: {reason}"
+            print(f"=== {message}", flush=True)
+            problems.append(message)
+        else:
+            legs.append(
+                Leg(
+                    name=f"{title} | -m '{FSM28_SELECTION}'",
+                    key=f"{Path(args.venv_fsm28).name.lstrip('.')}-{FSM28_DATABASE}",
+                    python=python,
+                    database=FSM28_DATABASE,
+                    settings_module="tests.settings",
+                    selection=FSM28_SELECTION,
+                    suffix=f"_{FSM28_DATABASE}_fsm28",
+                    estimate=ESTIMATE[("fsm28", FSM28_DATABASE)],
+                    paths=FSM28_TESTS,
+                    env=(("IO_TEST_DJANGO_FSM", "django-fsm==2.8"),),
+                )
+            )
 
     jobs = max(1, args.jobs)
     if args.dry_run:
