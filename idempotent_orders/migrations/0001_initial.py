@@ -6,6 +6,8 @@ import django.db.models.functions.datetime
 from typing import Any
 
 import django_fsm
+
+import idempotent_orders.fsm
 from django.conf import settings
 from django.db import migrations, models
 from django.db.models import Q
@@ -137,7 +139,7 @@ class Migration(migrations.Migration):
                 'abstract': False,
                 'swappable': 'IDEMPOTENT_ORDERS_ORDER_MODEL',
             },
-            bases=(django_fsm.FSMModelMixin, models.Model),
+            bases=(idempotent_orders.fsm.FSMModelMixin, models.Model),
         ),
         migrations.CreateModel(
             name='AuditEntry',
