@@ -19,6 +19,9 @@ from __future__ import annotations
 _PUBLIC = (
     "CRASH_POINTS",
     "Delivery",
+    "Effect",
+    "EffectBeforeCommit",
+    "Effects",
     "ExactlyOnce",
     "WorkerDied",
     "assert_exactly_once",
@@ -28,6 +31,7 @@ _PUBLIC = (
     "deliver_from_threads",
     "deliver_in_batches",
     "shuffled_copies",
+    "watch_effects",
 )
 
 __all__ = list(_PUBLIC)
