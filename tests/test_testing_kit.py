@@ -23,6 +23,7 @@ from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.effects import effect
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage, SpentPayment
 from idempotent_orders.testing import (
+    Effect,
     EffectBeforeCommit,
     WorkerDied,
     assert_exactly_once,
@@ -416,3 +417,26 @@ def test_an_effect_declared_by_dotted_path_is_counted_where_it_was_imported() ->
     captured.clear()
     with pytest.raises(ValueError, match="cannot find the effect"), watch_effects("no.such.thing"):
         pass
+
+
+@pytest.mark.django_db
+def test_before_commit_is_told_from_the_transactions_the_code_opens_not_the_tests() -> None:
+    by_payment = Effect(GATEWAY, name="capture", key=lambda call: call.args[0])
+    with watch_effects(by_payment, before_commit="ignore") as seen:
+        capture("p-1", "1")
+        with transaction.atomic():
+            capture("p-2", "2")
+        capture("p-3", "3")
+    assert [c.before_commit for c in seen.calls] == [False, True, False]
+    assert seen.count("capture") == {"p-1": 1, "p-2": 1, "p-3": 1}
+    with (
+        pytest.raises(AssertionError, match=r"capture \('p-1', '1'\) ran 2 times"),
+        watch_effects(by_payment, before_commit="ignore"),
+    ):
+        capture_one_payment_twice()
+    captured.clear()
+
+
+def capture_one_payment_twice() -> None:
+    capture("p-1", "1")
+    capture("p-1", "9")  # another amount, the same payment: the key says so
