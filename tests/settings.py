@@ -184,3 +184,8 @@ if os.environ.get("IO_TEST_TASK_MAX_RETRIES"):
 
 # The live server's static-files handler needs a STATIC_URL (HTTP live tests).
 STATIC_URL = "static/"
+
+
+# Django 6.1's mailers (the testing kit's tests send e-mail): Django's test outbox.
+# Django 5.2 ignores the setting.
+MAILERS = {"default": {"BACKEND": "django.core.mail.backends.locmem.EmailBackend"}}
