@@ -190,3 +190,7 @@ STATIC_URL = "static/"
 # archived django-fsm 2.8.x, as a shop that stays on it does: with W004 silenced.
 DJANGO_FSM = os.environ.get("IO_TEST_DJANGO_FSM", "django-fsm-2")
 SILENCED_SYSTEM_CHECKS = [] if DJANGO_FSM == "django-fsm-2" else ["idempotent_orders.W004"]
+
+# Django 6.1's mailers (the testing kit's tests send e-mail): Django's test outbox.
+# Django 5.2 ignores the setting.
+MAILERS = {"default": {"BACKEND": "django.core.mail.backends.locmem.EmailBackend"}}

@@ -23,10 +23,15 @@ from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.graph import state_field
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import InboxStatus, Outcome, ParkedMessage, ProcessedMessage
+from idempotent_orders.testing import effects
+from idempotent_orders.testing.effects import Effect, EffectBeforeCommit, Effects, watch_effects
 
 __all__ = [
     "CRASH_POINTS",
     "Delivery",
+    "Effect",
+    "EffectBeforeCommit",
+    "Effects",
     "ExactlyOnce",
     "WorkerDied",
     "assert_exactly_once",
@@ -36,6 +41,7 @@ __all__ = [
     "deliver_from_threads",
     "deliver_in_batches",
     "shuffled_copies",
+    "watch_effects",
 ]
 
 #: ``(consumer, message)``: one delivery of a message to a consumer.
@@ -70,9 +76,15 @@ def shuffled_copies(
 
 def deliver(deliveries: Iterable[Delivery]) -> collections.Counter[Outcome]:
     """Consume each delivery with ``consume_message``, in order; the count of each outcome."""
-    return collections.Counter(
-        consume_message(dict(message), consumer=consumer) for consumer, message in deliveries
-    )
+    outcomes: collections.Counter[Outcome] = collections.Counter()
+    for consumer, message in deliveries:
+        with effects.delivery(_label(consumer, message)):
+            outcomes[consume_message(dict(message), consumer=consumer)] += 1
+    return outcomes
+
+
+def _label(consumer: str, message: Mapping[str, Any]) -> str:
+    return f"{consumer}/{message.get('message_id')}"
 
 
 def deliver_in_batches(
@@ -86,7 +98,8 @@ def deliver_in_batches(
         for consumer, message in deliveries[start : start + size]:
             by_consumer.setdefault(consumer, []).append(dict(message))
         for consumer, batch in by_consumer.items():
-            outcomes.update(consume_batch(batch, consumer=consumer))
+            with effects.delivery(f"a batch of {len(batch)} to {consumer}"):
+                outcomes.update(consume_batch(batch, consumer=consumer))
     return outcomes
 
 
@@ -107,7 +120,8 @@ def deliver_from_threads(
         try:
             barrier.wait()
             for consumer, message in chunk:
-                outcome = consume_message(dict(message), consumer=consumer)
+                with effects.delivery(_label(consumer, message)):
+                    outcome = consume_message(dict(message), consumer=consumer)
                 with lock:
                     outcomes[outcome] += 1
         except BaseException as exc:
@@ -133,13 +147,12 @@ def deliver_from_event_loop(deliveries: Sequence[Delivery]) -> collections.Count
     """Consume every delivery at once from an event loop (``asyncio.gather`` of
     ``aconsume_message``); needs ``django_db(transaction=True)``. Call it from sync code."""
 
+    async def one(consumer: str, message: Mapping[str, Any]) -> Outcome:
+        with effects.delivery(_label(consumer, message)):
+            return await aconsume_message(dict(message), consumer=consumer)
+
     async def storm() -> list[Outcome]:
-        return await asyncio.gather(
-            *(
-                aconsume_message(dict(message), consumer=consumer)
-                for consumer, message in deliveries
-            )
-        )
+        return await asyncio.gather(*(one(consumer, message) for consumer, message in deliveries))
 
     return collections.Counter(asyncio.run(storm()))
 
@@ -200,15 +213,42 @@ def crash_at(point: str, *, times: int = 1) -> Iterator[Crash]:
         if crash.fired >= crash.times or not matches(sql):
             return execute(sql, params, many, context)
         crash.fired += 1
+        _died(point)
         if not connection.in_atomic_block:
             raise WorkerDied(f"worker died before its autocommitted statement ({point})")
-        execute(sql, params, many, context)
+        # A text that commits itself (PostgreSQL's "UPDATE ...; COMMIT" in one round
+        # trip) runs without its COMMIT: the worker dies before it, as a killed one would.
+        body, commits = _without_commit(sql)
+        if commits is None:
+            raise WorkerDied(f"worker died before a statement that commits ({point})")
+        execute(body, params, many, context)
         raise WorkerDied(f"worker died {point.replace('_', ' ')}, before commit")
 
     with connection.execute_wrapper(wrapper):
         yield crash
     if not crash.fired:
         raise AssertionError(f"crash point {point!r} was never reached")
+
+
+#: ``; COMMIT`` ending a text of several statements.
+_TRAILING_COMMIT = re.compile(r";\s*COMMIT\s*;?\s*$", re.IGNORECASE)
+#: ``COMMIT`` as a statement of its own anywhere in a text.
+_ANY_COMMIT = re.compile(r"(?:^|;)\s*COMMIT\b", re.IGNORECASE)
+
+
+def _without_commit(sql: str) -> tuple[str, bool | None]:
+    """``sql`` without a trailing ``; COMMIT`` and whether it had one; ``(sql, None)``
+    when it commits elsewhere than at its end (it cannot run without committing)."""
+    body = _TRAILING_COMMIT.sub("", sql)
+    if _ANY_COMMIT.search(body):
+        return sql, None
+    return body, body != sql
+
+
+def _died(point: str) -> None:
+    """Tell the effect watchers (:mod:`idempotent_orders.testing.effects`) that this
+    context's delivery dies at ``point``."""
+    effects.worker_died(point)
 
 
 # --- the invariant --------------------------------------------------------------------------
@@ -222,7 +262,8 @@ def assert_exactly_once(
     states: Mapping[Any, Any] | None = None,
     baseline: Mapping[Any, int] | None = None,
 ) -> None:
-    """Assert, from the database alone, that every message was handled exactly once.
+    """Assert, from the database, that every message was handled exactly once (and, inside
+    :func:`watch_effects`, that no watched effect ran twice for one business event).
 
     - every message (``(consumer, message)`` pairs; copies are counted once) has its
       one inbox row, with a final outcome (``expect`` when given; None accepts applied,
@@ -276,6 +317,8 @@ def assert_exactly_once(
             )
         if states is not None and pk in states and current != states[pk]:
             problems.append(f"order {pk}: in {current!r}, expected {states[pk]!r}")
+    # The effects outside the database, when the test watches them (watch_effects).
+    problems += effects.active_problems()
     if problems:
         raise AssertionError("exactly-once violated:\n  " + "\n  ".join(problems))
 
@@ -305,4 +348,8 @@ class ExactlyOnce:
     deliver_from_event_loop = staticmethod(deliver_from_event_loop)
     crash_at = staticmethod(crash_at)
     assert_exactly_once = staticmethod(assert_exactly_once)
+    watch_effects = staticmethod(watch_effects)
     WorkerDied = WorkerDied
+    Effect = Effect
+    EffectBeforeCommit = EffectBeforeCommit
+    Effects = Effects

@@ -24,14 +24,16 @@ def exactly_once(request: pytest.FixtureRequest) -> ExactlyOnce:
 
     ``exactly_once.shuffled_copies(messages)``, ``.deliver(...)``,
     ``.deliver_in_batches(...)``, ``.deliver_from_threads(...)``,
-    ``.deliver_from_event_loop(...)``, ``.crash_at(point)`` and
+    ``.deliver_from_event_loop(...)``, ``.crash_at(point)``, ``.watch_effects(...)`` and
     ``.assert_exactly_once(orders, messages)``: see :mod:`idempotent_orders.testing.kit`.
-    Asks for the database itself (``db``) unless the test already has it.
+    Asks for the database itself unless the test already has it: ``transactional_db``,
+    so that deliveries commit as in production (no test transaction around them, and
+    ``on_commit`` callbacks run).
     """
     if not {"db", "transactional_db"} & set(request.fixturenames) and not any(
         m.name == "django_db" for m in request.node.iter_markers()
     ):
-        request.getfixturevalue("db")
+        request.getfixturevalue("transactional_db")
     from idempotent_orders.testing.kit import ExactlyOnce
 
     seed = zlib.crc32(request.node.nodeid.encode())
