@@ -80,6 +80,11 @@ DEFAULTS: dict[str, Any] = {
     # the filter answering "maybe" (ask Redis, then the database) until it is loaded.
     # False: the first lookup loads it before answering (its time grows with the window).
     "DEDUP_BLOOM_WARM_UP_IN_BACKGROUND": True,
+    # Keep a snapshot of the filters in the dedup cache (DEDUP_CACHE_ALIAS): a new process
+    # loads it and reads only the inbox rows created since, not the whole window.
+    "DEDUP_BLOOM_SNAPSHOT": True,
+    # One process (of all that share the cache) writes that snapshot at most this often.
+    "DEDUP_BLOOM_SNAPSHOT_INTERVAL": 60,
     # Counters are kept per process and added to a Redis hash at most this often.
     "STATS_FLUSH_INTERVAL": 1,
     # Seconds a parked message may wait for its predecessor before it is surfaced.
@@ -210,6 +215,7 @@ POSITIVE: frozenset[str] = frozenset(
         "DEDUP_WINDOW",
         "DEDUP_BLOOM_CAPACITY",
         "DEDUP_BLOOM_BUCKET_SECONDS",
+        "DEDUP_BLOOM_SNAPSHOT_INTERVAL",
         "PARKED_TIMEOUT",
         "PARKED_ATTENTION_AFTER",
         "KEY_MAX_LENGTH",
@@ -350,6 +356,14 @@ class Settings:
     @property
     def DEDUP_BLOOM_WARM_UP_IN_BACKGROUND(self) -> bool:
         return bool(self._get("DEDUP_BLOOM_WARM_UP_IN_BACKGROUND"))
+
+    @property
+    def DEDUP_BLOOM_SNAPSHOT(self) -> bool:
+        return bool(self._get("DEDUP_BLOOM_SNAPSHOT"))
+
+    @property
+    def DEDUP_BLOOM_SNAPSHOT_INTERVAL(self) -> int:
+        return int(self._get("DEDUP_BLOOM_SNAPSHOT_INTERVAL"))
 
     @property
     def DEDUP_BLOOM_CAPACITY(self) -> int:

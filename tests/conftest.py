@@ -186,7 +186,9 @@ def _fresh_fast_path() -> Iterator[None]:
             # benchmark's, another checkout's) are walked past in a few calls, not in
             # one call per ten keys for every test.
             cache.delete_pattern("processed:*", itersize=10_000)  # type: ignore[attr-defined]
+            cache.delete_pattern("bloom-snapshot:*", itersize=10_000)  # type: ignore[attr-defined]
         except Exception:
             _dedup_cache_ok = False  # Redis is not running here; tests needing it say so
     yield
+    dedup.bloom.wait_snapshot(30)  # a snapshot written in the background is not the next test's
     dedup.reset()

@@ -133,7 +133,7 @@ def test_bloom_rebuilds_from_the_inbox_window(make_order) -> None:
 def _blocked_load(bloom: BloomLayer, gate: threading.Event, readers: list[Any]) -> Any:
     """A stand-in for the inbox read: waits for ``gate``, then finds one row, "seen"."""
 
-    def read(since: datetime, generation: int | None = None) -> int:
+    def read(since: datetime, generation: int | None = None, *, paced: bool = False) -> int:
         readers.append(threading.current_thread())
         gate.wait(30)
         bucket = bloom._bucket_of(time.time())

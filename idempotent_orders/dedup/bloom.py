@@ -9,7 +9,10 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from django.db import connections
+from typing import Any
+
+from django.core.cache import caches
+from django.db import connections, router
 from django.db.models import CharField, Value
 from django.db.models.functions import Concat
 from django.utils import timezone
@@ -17,12 +20,18 @@ from rbloom import Bloom
 
 from idempotent_orders.conf import conf
 
-__all__ = ["BloomLayer", "stable_hash"]
+__all__ = ["BloomLayer", "snapshot_key", "stable_hash"]
 
 #: Separates consumer and message id; message ids are printable, so it cannot occur in them.
 _SEP = "\x1f"
 #: Inbox rows fetched and added to a filter at a time by :meth:`BloomLayer.refresh`.
 _CHUNK = 5000
+#: The same for a window loaded from the inbox in the background: after each such chunk
+#: the loading thread sleeps as long as the chunk took, so the consuming thread is
+#: never kept from the interpreter for longer than one small chunk.
+_PACED_CHUNK = 1000
+#: The snapshot's layout; a snapshot of another layout is not loaded.
+_SNAPSHOT_FORMAT = 1
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -39,6 +48,15 @@ def stable_hash(item: str) -> int:
 
 def _key(consumer: str, message_id: str) -> str:
     return f"{consumer}{_SEP}{message_id}"
+
+
+def snapshot_key() -> str:
+    """The dedup cache's key for the snapshot of the filters of the inbox's database."""
+    from idempotent_orders.models import ProcessedMessage
+
+    name = connections[router.db_for_read(ProcessedMessage)].settings_dict.get("NAME")
+    sizing = f"{conf.DEDUP_BLOOM_CAPACITY}:{conf.DEDUP_BLOOM_ERROR_RATE}"
+    return f"bloom-snapshot:{name}:{sizing}:{conf.DEDUP_BLOOM_BUCKET_SECONDS}"
 
 
 def _hashed(item: int) -> int:
@@ -59,6 +77,18 @@ class BloomLayer:
     ``DEDUP_BLOOM_WARM_UP_IN_BACKGROUND`` is on; until that load is done the filter
     answers "maybe" to everything, so no message recorded by another process is
     called "not seen" while it loads: it costs a Redis lookup, as without a filter.
+
+    With ``DEDUP_BLOOM_SNAPSHOT`` (and a dedup cache), that load starts from the
+    snapshot of the filters one process writes to the cache every
+    ``DEDUP_BLOOM_SNAPSHOT_INTERVAL`` seconds (:meth:`write_snapshot`): the
+    buckets, how far the inbox was read into them, and the inbox's newest row
+    then. A new process loads it with one GET and reads from the inbox only the
+    rows created since (the gap), the way a refresh of the writer would have
+    read them; until then it answers "maybe" as above. A snapshot whose newest
+    row the inbox does not hold (a restored or another database), of other
+    sizes, or older than the window is not used: the window is read instead, in
+    small chunks with pauses so that the load leaves the interpreter to the
+    consuming thread most of the time.
     """
 
     def __init__(self) -> None:
@@ -80,6 +110,12 @@ class BloomLayer:
         self._warm_thread: threading.Thread | None = None
         #: Bumped by :meth:`clear`: a load begun before it leaves no trace after it.
         self._generation = 0
+        #: When this process may next offer to write the snapshot (monotonic seconds).
+        self._next_snapshot = 0.0
+        #: The thread writing the snapshot, while one runs.
+        self._snapshot_thread: threading.Thread | None = None
+        #: Where the last window load started from: "snapshot", "inbox" or "" (none yet).
+        self.loaded_from = ""
 
     # -- buckets ---------------------------------------------------------------
     def _bucket_of(self, when: float) -> int:
@@ -158,6 +194,8 @@ class BloomLayer:
             self._overlap_watermark = None
             self._next_refresh = 0.0
             self._next_overlap_read = 0.0
+            self._next_snapshot = 0.0
+            self.loaded_from = ""
 
     def rebuild(self) -> int:
         """Load the last ``DEDUP_WINDOW`` seconds of the inbox; returns the rows read."""
@@ -191,7 +229,9 @@ class BloomLayer:
         self._next_refresh = mono + conf.DEDUP_BLOOM_REFRESH
         started = timezone.now()
         if self._watermark is None or self._overlap_watermark is None:  # first read: the window
-            since = started - timedelta(seconds=conf.DEDUP_WINDOW)
+            snapshot = None if force else self._load_snapshot(self._generation)
+            since = started - timedelta(seconds=conf.DEDUP_WINDOW) if snapshot is None else snapshot
+            self.loaded_from = "inbox" if snapshot is None else "snapshot"
             full = True
         elif mono >= self._next_overlap_read:  # rows committed late since the last such read
             since = min(self._watermark, self._overlap_watermark)
@@ -201,6 +241,7 @@ class BloomLayer:
             full = False
         count = self._read(since)
         self._mark_read(started, mono, full=full)
+        self._offer_snapshot(mono)
         return count
 
     def _mark_read(self, started: datetime, mono: float, *, full: bool) -> None:
@@ -245,7 +286,12 @@ class BloomLayer:
         mono = time.monotonic()
         started = timezone.now()
         try:
-            count = self._read(started - timedelta(seconds=conf.DEDUP_WINDOW), generation)
+            snapshot = self._load_snapshot(generation)
+            if snapshot is None:
+                since = started - timedelta(seconds=conf.DEDUP_WINDOW)
+                count = self._read(since, generation, paced=True)
+            else:
+                count = self._read(snapshot, generation)  # the gap since the snapshot
         except Exception:  # the filter keeps answering "maybe"; the next refresh retries
             logger.warning("could not load the dedup Bloom filter", exc_info=True)
             with self._lock:
@@ -260,9 +306,11 @@ class BloomLayer:
             self._mark_read(started, mono, full=True)
             self._next_refresh = mono + conf.DEDUP_BLOOM_REFRESH
             self._warming = self._loading = False
+            self.loaded_from = "inbox" if snapshot is None else "snapshot"
         logger.debug("dedup Bloom filter loaded: %d inbox rows", count)
+        self._offer_snapshot(time.monotonic())
 
-    def _read(self, since: datetime, generation: int | None = None) -> int:
+    def _read(self, since: datetime, generation: int | None = None, *, paced: bool = False) -> int:
         """Add the inbox rows created at or after ``since``; returns how many.
 
         One query per live bucket the range touches, so rows need no time of
@@ -285,12 +333,17 @@ class BloomLayer:
             keys = rows.annotate(
                 key=Concat("consumer", Value(_SEP), "message_id", output_field=CharField())
             ).values_list("key", flat=True)
+            size = _PACED_CHUNK if paced else _CHUNK
             chunk: list[str] = []
-            for key in keys.iterator(chunk_size=_CHUNK):
+            began = time.perf_counter()
+            for key in keys.iterator(chunk_size=size):
                 chunk.append(key)
-                if len(chunk) == _CHUNK:
+                if len(chunk) == size:
                     count += self._add_keys(bucket, chunk, generation)
                     chunk = []
+                    if paced:  # as long again for the other threads
+                        time.sleep(time.perf_counter() - began)
+                        began = time.perf_counter()
             count += self._add_keys(bucket, chunk, generation)
         return count
 
@@ -305,3 +358,131 @@ class BloomLayer:
 
     def bucket_count(self) -> int:
         return len(self._buckets)
+
+    # -- the snapshot in the dedup cache -------------------------------------------------
+    def _load_snapshot(self, generation: int) -> datetime | None:
+        """Merge the cache's snapshot into the filters; the moment the inbox must be read
+        from to complete them, or None (no usable snapshot: read the window)."""
+        if not (conf.DEDUP_BLOOM_SNAPSHOT and conf.DEDUP_CACHE_ALIAS):
+            return None
+        from idempotent_orders.models import ProcessedMessage
+
+        sizing = (conf.DEDUP_BLOOM_CAPACITY, conf.DEDUP_BLOOM_ERROR_RATE)
+        try:
+            snapshot: Any = caches[conf.DEDUP_CACHE_ALIAS].get(snapshot_key())
+        except Exception:  # the cache is advisory: read the window instead
+            logger.warning("could not read the dedup Bloom snapshot", exc_info=True)
+            return None
+        if not isinstance(snapshot, dict) or snapshot.get("format") != _SNAPSHOT_FORMAT:
+            return None
+        if snapshot["sizing"] != (*sizing, conf.DEDUP_BLOOM_BUCKET_SECONDS):
+            return None
+        since: datetime = min(snapshot["watermark"], snapshot["overlap_watermark"])
+        now = time.time()
+        if since.timestamp() < now - conf.DEDUP_WINDOW:
+            return None  # the gap is the whole window
+        newest = snapshot["newest"]
+        if newest is not None:
+            found = (
+                ProcessedMessage.objects.filter(pk=newest[0])
+                .values_list("consumer", "message_id")
+                .first()
+            )
+            if found != tuple(newest[1:]):
+                logger.info("the dedup Bloom snapshot is not of this inbox; reading the window")
+                return None
+        live = self._live_buckets(now)
+        loaded = {
+            bucket: Bloom.load_bytes(data, _hashed)
+            for bucket, data in snapshot["buckets"].items()
+            if bucket in live
+        }
+        with self._lock:
+            if generation != self._generation:
+                return None
+            for bucket, bloom in loaded.items():
+                # What this process remembered meanwhile stays: the union of both.
+                self._filter(bucket).update(bloom)
+        return since
+
+    def _offer_snapshot(self, mono: float) -> None:
+        """Write the snapshot in a background thread, at most once per interval (and then
+        only if no process of those sharing the cache wrote one within the interval)."""
+        if mono < self._next_snapshot or not (
+            conf.DEDUP_BLOOM_SNAPSHOT and conf.DEDUP_CACHE_ALIAS
+        ):
+            return
+        with self._lock:
+            if self._warming or (self._snapshot_thread and self._snapshot_thread.is_alive()):
+                return
+            self._next_snapshot = mono + conf.DEDUP_BLOOM_SNAPSHOT_INTERVAL
+            thread = threading.Thread(
+                target=self._snapshot_in_background,
+                args=(self._generation,),
+                name="idempotent-orders-bloom-snapshot",
+                daemon=True,
+            )
+            self._snapshot_thread = thread
+            thread.start()
+
+    def _snapshot_in_background(self, generation: int) -> None:
+        try:
+            self.write_snapshot(claim=True, generation=generation)
+        except Exception:  # advisory: the next interval tries again
+            logger.warning("could not write the dedup Bloom snapshot", exc_info=True)
+        finally:
+            connections.close_all()  # this thread's own connections
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Wait for a snapshot being written in the background (tests, benchmarks)."""
+        thread = self._snapshot_thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def write_snapshot(self, *, claim: bool = False, generation: int | None = None) -> bool:
+        """Write this process's filters to the dedup cache; False when nothing was written:
+        the filters are not loaded, or (``claim``) a process wrote one within the interval.
+
+        Each bucket is copied under the lock on its own, after the watermarks: a
+        bucket copied later only holds more ids than those watermarks promise.
+        """
+        from idempotent_orders.models import ProcessedMessage
+
+        cache = caches[conf.DEDUP_CACHE_ALIAS]
+        key = snapshot_key()
+        interval = conf.DEDUP_BLOOM_SNAPSHOT_INTERVAL
+        if claim and not cache.add(f"{key}:writer", 1, timeout=interval):
+            return False
+        newest = (
+            ProcessedMessage.objects.order_by("-pk")
+            .values_list("pk", "consumer", "message_id")
+            .first()
+        )
+        sizing = (conf.DEDUP_BLOOM_CAPACITY, conf.DEDUP_BLOOM_ERROR_RATE)
+        with self._lock:
+            if self._warming or self._watermark is None or self._overlap_watermark is None:
+                return False
+            if generation is not None and generation != self._generation:
+                return False
+            generation = self._generation
+            watermark, overlap_watermark = self._watermark, self._overlap_watermark
+            live = self._live_buckets(time.time())
+            wanted = [bucket for bucket in self._buckets if bucket in live]
+        buckets: dict[int, bytes] = {}
+        for bucket in wanted:
+            with self._lock:
+                if generation != self._generation or (self._buckets and self._sizing != sizing):
+                    return False  # cleared, or sized anew, meanwhile
+                bloom = self._buckets.get(bucket)
+                if bloom is not None:
+                    buckets[bucket] = bloom.save_bytes()
+        snapshot = {
+            "format": _SNAPSHOT_FORMAT,
+            "sizing": (*sizing, conf.DEDUP_BLOOM_BUCKET_SECONDS),
+            "watermark": watermark,
+            "overlap_watermark": overlap_watermark,
+            "newest": newest,
+            "buckets": buckets,
+        }
+        cache.set(key, snapshot, timeout=conf.DEDUP_WINDOW)
+        return True
