@@ -5,9 +5,13 @@
 Creates two databases of its own (``size_<ns>`` filled, ``size_<ns>_empty``), migrates
 them, fills one with ``INSERT ... SELECT generate_series`` and times, through Django's test ``Client`` logged in as a
 superuser, the admin pages an operator opens, ``outbox_stats()`` and the Bloom
-filter's warm-up at process start. Each figure is also given as a ratio to the same
-measurement on the empty database, taken in the same run: the two alternate
-``BENCH_ROUNDS`` times (3), medians. The databases are dropped at the end unless
+filter's warm-up at process start (``BENCH_PARTS=admin``); and a fresh worker that
+consumes ``BENCH_FRESH_MESSAGES`` (1,000) new payments from its first message, its
+filter loaded from the snapshot another process wrote, and without a snapshot
+(``BENCH_PARTS=worker``; both by default). Each figure is also given as a ratio to the
+same measurement on the empty database, taken in the same run: the two alternate
+``BENCH_ROUNDS`` times (3), medians (a rate's ratio is the full database's rate over
+the empty one's). The databases are dropped at the end unless
 ``BENCH_KEEP=1``; a run that finds a kept database migrates it and measures again. At
 10M inbox rows (``BENCH_INBOX_ROWS=10000000``) the fill takes about 7 minutes here
 and the databases about 5 GB.
@@ -34,6 +38,11 @@ OUTBOX = int(os.environ.get("BENCH_OUTBOX_ROWS", str(max(INBOX // 10, 1000))))
 PARKED = int(os.environ.get("BENCH_PARKED_ROWS", "10000"))
 REPEAT = int(os.environ.get("BENCH_REPEAT", "5"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+FRESH = int(os.environ.get("BENCH_FRESH_MESSAGES", "1000"))
+PARTS = set(os.environ.get("BENCH_PARTS", "admin,worker").split(","))
+#: The fresh worker's configurations: the default (a snapshot written by another process
+#: before it starts), and no snapshot (the window read from the inbox, paced).
+WORKER_MODES = {"snapshot": {}, "no snapshot": {"DEDUP_BLOOM_SNAPSHOT": False}}
 PG = ["-h", "127.0.0.1", "-U", "postgres"]
 
 
@@ -235,6 +244,7 @@ def measure() -> dict[str, float]:
             **settings.IDEMPOTENT_ORDERS,
             "DEDUP_WINDOW": 24 * 3600,
             "DEDUP_BLOOM_WARM_UP_IN_BACKGROUND": background,
+            "DEDUP_BLOOM_SNAPSHOT": False,  # the window from the inbox, as it says
         }
         with override_settings(IDEMPOTENT_ORDERS=values):
             runs = []
@@ -248,9 +258,67 @@ def measure() -> dict[str, float]:
     return out
 
 
-def _child(db: str) -> dict[str, float]:
+def write_snapshot() -> dict[str, float]:
+    """What a worker already running does: load the window and write the snapshot."""
+    import django
+
+    django.setup()
+    from idempotent_orders import dedup
+
+    started = time.perf_counter()
+    rows = dedup.bloom.rebuild()
+    loaded = time.perf_counter()
+    assert dedup.bloom.write_snapshot()
+    return {
+        "rows": rows,
+        "load_s": loaded - started,
+        "write_s": time.perf_counter() - loaded,
+    }
+
+
+def fresh_worker(mode: str) -> dict[str, float]:
+    """A new process consumes ``FRESH`` new payments one by one, timed from the first."""
+    import uuid
+
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.test import override_settings
+
+    from bench.common import make_orders, payment
+    from idempotent_orders import dedup
+    from idempotent_orders.consuming.single import consume_message
+
+    orders = make_orders(FRESH)  # before the clock: the worker's first message is next
+    tag = uuid.uuid4().hex[:8]
+    messages = [payment(order, f"{tag}-") for order in orders]
+    values = {**settings.IDEMPOTENT_ORDERS, **WORKER_MODES[mode]}
+    times: list[float] = []
+    warming = 0
+    clock = time.perf_counter
+    with override_settings(IDEMPOTENT_ORDERS=values):
+        started = clock()
+        for message in messages:
+            began = clock()
+            consume_message(message, consumer="payments")
+            times.append(clock() - began)
+            warming += dedup.bloom.warming
+        elapsed = clock() - started
+        dedup.bloom.wait_warm(600)
+        dedup.bloom.wait_snapshot(600)
+    cuts = statistics.quantiles(times, n=100)
+    return {
+        f"fresh worker, {mode}: msg/s": FRESH / elapsed,
+        f"fresh worker, {mode}: p50 ms": cuts[49] * 1000,
+        f"fresh worker, {mode}: p99 ms": cuts[98] * 1000,
+        f"fresh worker, {mode}: messages while loading": warming,
+    }
+
+
+def _child(db: str, *args: str) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, __file__, "--measure"],
+        [sys.executable, __file__, *args],
         env=_env(db),
         check=True,
         capture_output=True,
@@ -264,9 +332,20 @@ def report() -> dict[str, Any]:
     # Full and empty alternate, ROUNDS times (medians): on a shared machine the load
     # moves between two children run one after the other.
     runs: dict[str, list[dict[str, float]]] = {FULL: [], EMPTY: []}
+    if "worker" in PARTS:
+        for db in (FULL, EMPTY):
+            prepared = _child(db, "--write-snapshot")
+            print(f"snapshot of {db}: {prepared}", file=sys.stderr)
     for _ in range(ROUNDS):
         for db in (FULL, EMPTY):
-            runs[db].append(_child(db))
+            figures: dict[str, float] = {}
+            if "admin" in PARTS:
+                figures.update(_child(db, "--measure"))
+            if "worker" in PARTS:
+                for mode in WORKER_MODES:
+                    figures.update(_child(db, "--fresh-worker", mode))
+            print(f"{db}: {json.dumps(figures)}", file=sys.stderr)
+            runs[db].append(figures)
     full, empty = (
         {k: statistics.median(r[k] for r in runs[db]) for k in runs[db][0]} for db in (FULL, EMPTY)
     )
@@ -283,6 +362,12 @@ def report() -> dict[str, Any]:
 def main() -> None:
     if sys.argv[1:2] == ["--measure"]:
         print(json.dumps(measure()))
+        return
+    if sys.argv[1:2] == ["--write-snapshot"]:
+        print(json.dumps(write_snapshot()))
+        return
+    if sys.argv[1:2] == ["--fresh-worker"]:
+        print(json.dumps(fresh_worker(sys.argv[2])))
         return
     if _psql("postgres", f"SELECT 1 FROM pg_database WHERE datname='{FULL}'"):
         migrate_kept()

@@ -63,7 +63,7 @@ def _writer() -> BloomLayer:
     return writer
 
 
-def test_a_new_process_starts_from_the_snapshot_and_reads_only_the_gap(redis_server) -> None:
+def test_a_new_process_starts_from_the_snapshot_and_reads_only_the_gap(redis_server: RedisServer) -> None:
     _inbox("before-1", "before-2")
     writer = _writer()
     assert writer.loaded_from == "inbox"
@@ -87,7 +87,7 @@ def test_a_new_process_starts_from_the_snapshot_and_reads_only_the_gap(redis_ser
     assert not fresh.might_contain("payments", "never-seen")
 
 
-def test_only_ids_in_the_snapshot_not_in_the_gap_come_from_it(redis_server) -> None:
+def test_only_ids_in_the_snapshot_not_in_the_gap_come_from_it(redis_server: RedisServer) -> None:
     """An id the snapshot holds, though its row is older than the gap, is found: the filter
     came from the snapshot, not from reading the window again."""
     _inbox("anchor")
@@ -101,7 +101,7 @@ def test_only_ids_in_the_snapshot_not_in_the_gap_come_from_it(redis_server) -> N
     assert fresh.might_contain("payments", "anchor")
 
 
-def test_rows_committed_while_the_snapshot_loads_are_never_not_seen(redis_server) -> None:
+def test_rows_committed_while_the_snapshot_loads_are_never_not_seen(redis_server: RedisServer) -> None:
     _inbox("before")
     _writer()
     fresh = BloomLayer()
@@ -129,7 +129,7 @@ def test_rows_committed_while_the_snapshot_loads_are_never_not_seen(redis_server
     assert not fresh.might_contain("payments", "never-seen")
 
 
-def test_a_snapshot_older_than_the_window_is_not_used(redis_server) -> None:
+def test_a_snapshot_older_than_the_window_is_not_used(redis_server: RedisServer) -> None:
     _inbox("in-window")
     with settings_with(DEDUP_WINDOW=3600):
         _writer()
@@ -144,7 +144,7 @@ def test_a_snapshot_older_than_the_window_is_not_used(redis_server) -> None:
     assert fresh.might_contain("payments", "after")
 
 
-def test_a_snapshot_of_another_inbox_is_not_used(redis_server) -> None:
+def test_a_snapshot_of_another_inbox_is_not_used(redis_server: RedisServer) -> None:
     """The inbox lacks the snapshot's newest row (a database restored to before it, or
     another database): the window is read, and the ids only the snapshot had are "not
     seen", so a stale Redis key for them is never asked."""
@@ -157,7 +157,7 @@ def test_a_snapshot_of_another_inbox_is_not_used(redis_server) -> None:
     assert not fresh.might_contain("payments", "lost-in-the-restore")
 
 
-def test_a_snapshot_of_other_sizes_is_not_used(redis_server) -> None:
+def test_a_snapshot_of_other_sizes_is_not_used(redis_server: RedisServer) -> None:
     _inbox("row")
     _writer()
     with settings_with(DEDUP_BLOOM_CAPACITY=2000):
@@ -168,7 +168,7 @@ def test_a_snapshot_of_other_sizes_is_not_used(redis_server) -> None:
     assert fresh.might_contain("payments", "row")
 
 
-def test_one_process_writes_the_snapshot_per_interval(redis_server) -> None:
+def test_one_process_writes_the_snapshot_per_interval(redis_server: RedisServer) -> None:
     _inbox("row")
     first = _writer()
     second = _loaded(BloomLayer())
@@ -179,14 +179,14 @@ def test_one_process_writes_the_snapshot_per_interval(redis_server) -> None:
     assert first.write_snapshot()  # unclaimed (an operator's call) writes anyway
 
 
-def test_a_loading_filter_writes_no_snapshot(redis_server) -> None:
+def test_a_loading_filter_writes_no_snapshot(redis_server: RedisServer) -> None:
     bloom = BloomLayer()
     with mock.patch.object(bloom, "_load_snapshot", return_value=None):
         assert not bloom.write_snapshot()  # never loaded
     assert caches["dedup"].get(snapshot_key()) is None
 
 
-def test_without_a_snapshot_the_paced_load_reads_every_row(redis_server) -> None:
+def test_without_a_snapshot_the_paced_load_reads_every_row(redis_server: RedisServer) -> None:
     ids = [f"row-{i}" for i in range(2500)]  # three paced chunks, the last one short
     _inbox(*ids)
     with settings_with(DEDUP_BLOOM_SNAPSHOT=False):

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-
 from typing import Any
 
 from django.core.cache import caches
@@ -34,6 +33,8 @@ _PACED_CHUNK = 1000
 _SNAPSHOT_FORMAT = 1
 
 logger = logging.getLogger("idempotent_orders")
+#: The paced load's own clock (tests stand in for ``time`` with a clock of their own).
+_perf_counter = time.perf_counter
 
 
 def stable_hash(item: str) -> int:
@@ -335,15 +336,15 @@ class BloomLayer:
             ).values_list("key", flat=True)
             size = _PACED_CHUNK if paced else _CHUNK
             chunk: list[str] = []
-            began = time.perf_counter()
+            began = _perf_counter() if paced else 0.0
             for key in keys.iterator(chunk_size=size):
                 chunk.append(key)
                 if len(chunk) == size:
                     count += self._add_keys(bucket, chunk, generation)
                     chunk = []
                     if paced:  # as long again for the other threads
-                        time.sleep(time.perf_counter() - began)
-                        began = time.perf_counter()
+                        time.sleep(_perf_counter() - began)
+                        began = _perf_counter()
             count += self._add_keys(bucket, chunk, generation)
         return count
 
@@ -408,9 +409,7 @@ class BloomLayer:
     def _offer_snapshot(self, mono: float) -> None:
         """Write the snapshot in a background thread, at most once per interval (and then
         only if no process of those sharing the cache wrote one within the interval)."""
-        if mono < self._next_snapshot or not (
-            conf.DEDUP_BLOOM_SNAPSHOT and conf.DEDUP_CACHE_ALIAS
-        ):
+        if mono < self._next_snapshot or not (conf.DEDUP_BLOOM_SNAPSHOT and conf.DEDUP_CACHE_ALIAS):
             return
         with self._lock:
             if self._warming or (self._snapshot_thread and self._snapshot_thread.is_alive()):
