@@ -108,8 +108,8 @@ def test_rows_committed_while_the_snapshot_loads_are_never_not_seen(redis_server
     original = fresh._load_snapshot
     gate = threading.Event()
 
-    def load_then_commit_more(generation: int) -> datetime | None:
-        since = original(generation)
+    def load_then_commit_more(generation: int, *, paced: bool = False) -> datetime | None:
+        since = original(generation, paced=paced)
         _inbox("committed-during-the-load")  # after the snapshot, before the gap read
         gate.wait(30)
         return since

@@ -287,7 +287,7 @@ class BloomLayer:
         mono = time.monotonic()
         started = timezone.now()
         try:
-            snapshot = self._load_snapshot(generation)
+            snapshot = self._load_snapshot(generation, paced=True)
             if snapshot is None:
                 since = started - timedelta(seconds=conf.DEDUP_WINDOW)
                 count = self._read(since, generation, paced=True)
@@ -361,7 +361,7 @@ class BloomLayer:
         return len(self._buckets)
 
     # -- the snapshot in the dedup cache -------------------------------------------------
-    def _load_snapshot(self, generation: int) -> datetime | None:
+    def _load_snapshot(self, generation: int, *, paced: bool = False) -> datetime | None:
         """Merge the cache's snapshot into the filters; the moment the inbox must be read
         from to complete them, or None (no usable snapshot: read the window)."""
         if not (conf.DEDUP_BLOOM_SNAPSHOT and conf.DEDUP_CACHE_ALIAS):
@@ -393,17 +393,25 @@ class BloomLayer:
                 logger.info("the dedup Bloom snapshot is not of this inbox; reading the window")
                 return None
         live = self._live_buckets(now)
-        loaded = {
-            bucket: Bloom.load_bytes(data, _hashed)
-            for bucket, data in snapshot["buckets"].items()
-            if bucket in live
-        }
-        with self._lock:
-            if generation != self._generation:
-                return None
-            for bucket, bloom in loaded.items():
-                # What this process remembered meanwhile stays: the union of both.
-                self._filter(bucket).update(bloom)
+        for bucket, data in snapshot["buckets"].items():
+            if bucket not in live:
+                continue
+            began = _perf_counter()
+            bloom = Bloom.load_bytes(data, _hashed)
+            with self._lock:
+                if generation != self._generation:
+                    return None
+                if self._sizing != sizing:
+                    self._buckets.clear()
+                    self._sizing = sizing
+                mine = self._buckets.get(bucket)
+                if mine is not None:  # what this process remembered meanwhile stays
+                    bloom.update(mine)
+                self._buckets[bucket] = bloom
+            if paced:  # a bucket at a time, and as long again for the other threads
+                time.sleep(_perf_counter() - began)
+        # Just written by another process: the next one is due an interval from now.
+        self._next_snapshot = time.monotonic() + conf.DEDUP_BLOOM_SNAPSHOT_INTERVAL
         return since
 
     def _offer_snapshot(self, mono: float) -> None:
@@ -426,7 +434,7 @@ class BloomLayer:
 
     def _snapshot_in_background(self, generation: int) -> None:
         try:
-            self.write_snapshot(claim=True, generation=generation)
+            self.write_snapshot(claim=True, generation=generation, paced=True)
         except Exception:  # advisory: the next interval tries again
             logger.warning("could not write the dedup Bloom snapshot", exc_info=True)
         finally:
@@ -438,9 +446,12 @@ class BloomLayer:
         if thread is not None:
             thread.join(timeout)
 
-    def write_snapshot(self, *, claim: bool = False, generation: int | None = None) -> bool:
+    def write_snapshot(
+        self, *, claim: bool = False, generation: int | None = None, paced: bool = False
+    ) -> bool:
         """Write this process's filters to the dedup cache; False when nothing was written:
         the filters are not loaded, or (``claim``) a process wrote one within the interval.
+        ``paced``: after each bucket copied, a pause as long (the background writer).
 
         Each bucket is copied under the lock on its own, after the watermarks: a
         bucket copied later only holds more ids than those watermarks promise.
@@ -469,12 +480,15 @@ class BloomLayer:
             wanted = [bucket for bucket in self._buckets if bucket in live]
         buckets: dict[int, bytes] = {}
         for bucket in wanted:
+            began = _perf_counter()
             with self._lock:
                 if generation != self._generation or (self._buckets and self._sizing != sizing):
                     return False  # cleared, or sized anew, meanwhile
                 bloom = self._buckets.get(bucket)
                 if bloom is not None:
                     buckets[bucket] = bloom.save_bytes()
+            if paced:
+                time.sleep(_perf_counter() - began)
         snapshot = {
             "format": _SNAPSHOT_FORMAT,
             "sizing": (*sizing, conf.DEDUP_BLOOM_BUCKET_SECONDS),
