@@ -342,24 +342,36 @@ def report() -> dict[str, Any]:
         for db in (FULL, EMPTY):
             prepared = _child(db, "--write-snapshot")
             print(f"snapshot of {db}: {prepared}", file=sys.stderr)
-    for _ in range(ROUNDS):
+    for round_no in range(ROUNDS):
+        # Each fresh worker on the full database right beside the same on the empty one,
+        # which goes first every other round: their ratio is the round's figure.
+        order = (FULL, EMPTY) if round_no % 2 == 0 else (EMPTY, FULL)
+        figures: dict[str, dict[str, float]] = {FULL: {}, EMPTY: {}}
+        if "admin" in PARTS:
+            for db in order:
+                figures[db].update(_child(db, "--measure"))
+        if "worker" in PARTS:
+            for mode in WORKER_MODES:
+                for db in order:
+                    figures[db].update(_child(db, "--fresh-worker", mode))
         for db in (FULL, EMPTY):
-            figures: dict[str, float] = {}
-            if "admin" in PARTS:
-                figures.update(_child(db, "--measure"))
-            if "worker" in PARTS:
-                for mode in WORKER_MODES:
-                    figures.update(_child(db, "--fresh-worker", mode))
-            print(f"{db}: {json.dumps(figures)}", file=sys.stderr)
-            runs[db].append(figures)
+            print(f"{db}: {json.dumps(figures[db])}", file=sys.stderr)
+            runs[db].append(figures[db])
     full, empty = (
         {k: statistics.median(r[k] for r in runs[db]) for k in runs[db][0]} for db in (FULL, EMPTY)
     )
+    pairs = {
+        k: [f[k] / e[k] for f, e in zip(runs[FULL], runs[EMPTY], strict=True) if e[k]] for k in full
+    }
     result = {
         "sizes": sizes(FULL),
         "ms": {k: round(v, 1) for k, v in full.items()},
         "empty_ms": {k: round(v, 1) for k, v in empty.items()},
         "ratio": {k: round(full[k] / empty[k], 2) for k in full if empty.get(k)},
+        # The median of the rounds' own ratios (the fresh workers': a rate's is the full
+        # database's over the empty one's, measured side by side).
+        "round_ratios": {k: [round(r, 2) for r in v] for k, v in pairs.items() if v},
+        "median_round_ratio": {k: round(statistics.median(v), 2) for k, v in pairs.items() if v},
     }
     print(json.dumps(result, indent=1))
     return result

@@ -63,7 +63,9 @@ def _writer() -> BloomLayer:
     return writer
 
 
-def test_a_new_process_starts_from_the_snapshot_and_reads_only_the_gap(redis_server: RedisServer) -> None:
+def test_a_new_process_starts_from_the_snapshot_and_reads_only_the_gap(
+    redis_server: RedisServer,
+) -> None:
     _inbox("before-1", "before-2")
     writer = _writer()
     assert writer.loaded_from == "inbox"
@@ -101,7 +103,9 @@ def test_only_ids_in_the_snapshot_not_in_the_gap_come_from_it(redis_server: Redi
     assert fresh.might_contain("payments", "anchor")
 
 
-def test_rows_committed_while_the_snapshot_loads_are_never_not_seen(redis_server: RedisServer) -> None:
+def test_rows_committed_while_the_snapshot_loads_are_never_not_seen(
+    redis_server: RedisServer,
+) -> None:
     _inbox("before")
     _writer()
     fresh = BloomLayer()
@@ -194,3 +198,33 @@ def test_without_a_snapshot_the_paced_load_reads_every_row(redis_server: RedisSe
     assert fresh.loaded_from == "inbox"
     assert all(fresh.might_contain("payments", m) for m in ids)
     assert caches["dedup"].get(snapshot_key()) is None  # switched off: none written
+
+
+def _bucket_keys() -> set[str]:
+    """The keys of the snapshots' buckets (``<snapshot key>:<write>:<bucket>``)."""
+    cache: Any = caches["dedup"]
+    return set(cache.keys(f"{snapshot_key()}:*")) - {f"{snapshot_key()}:writer"}
+
+
+def test_each_write_keeps_the_one_before_and_deletes_older_ones(redis_server: RedisServer) -> None:
+    _inbox("row")
+    writer = _writer()
+    writes = [caches["dedup"].get(snapshot_key())["write"]]
+    for _ in range(3):
+        assert writer.write_snapshot()
+        writes.append(caches["dedup"].get(snapshot_key())["write"])
+    assert len(set(writes)) == 4
+    kept = {key.split(":")[-2] for key in _bucket_keys() if key.split(":")[-2] in writes}
+    assert kept == set(writes[-2:])  # the last write and the one before it
+
+
+def test_a_snapshot_whose_bucket_is_gone_is_not_used(redis_server: RedisServer) -> None:
+    _inbox("row")
+    _writer()
+    snapshot = caches["dedup"].get(snapshot_key())
+    assert snapshot["buckets"]
+    caches["dedup"].delete(f"{snapshot_key()}:{snapshot['write']}:{snapshot['buckets'][0]}")
+    fresh = _loaded(BloomLayer())
+    assert fresh.loaded_from == "inbox"
+    assert fresh.might_contain("payments", "row")
+    assert not fresh.might_contain("payments", "never-seen")

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,11 +27,13 @@ _SEP = "\x1f"
 #: Inbox rows fetched and added to a filter at a time by :meth:`BloomLayer.refresh`.
 _CHUNK = 5000
 #: The same for a window loaded from the inbox in the background: after each such chunk
-#: the loading thread sleeps as long as the chunk took, so the consuming thread is
-#: never kept from the interpreter for longer than one small chunk.
-_PACED_CHUNK = 1000
+#: (and each bucket of a snapshot) the loading thread sleeps ``_PAUSE`` times as long as
+#: the chunk took, so the consuming thread is never kept from the interpreter for longer
+#: than one small chunk, and has it three quarters of the time.
+_PACED_CHUNK = 250
+_PAUSE = 3.0
 #: The snapshot's layout; a snapshot of another layout is not loaded.
-_SNAPSHOT_FORMAT = 1
+_SNAPSHOT_FORMAT = 2
 
 logger = logging.getLogger("idempotent_orders")
 #: The paced load's own clock (tests stand in for ``time`` with a clock of their own).
@@ -342,8 +345,8 @@ class BloomLayer:
                 if len(chunk) == size:
                     count += self._add_keys(bucket, chunk, generation)
                     chunk = []
-                    if paced:  # as long again for the other threads
-                        time.sleep(_perf_counter() - began)
+                    if paced:  # leave the interpreter to the other threads
+                        time.sleep(_PAUSE * (_perf_counter() - began))
                         began = _perf_counter()
             count += self._add_keys(bucket, chunk, generation)
         return count
@@ -369,8 +372,9 @@ class BloomLayer:
         from idempotent_orders.models import ProcessedMessage
 
         sizing = (conf.DEDUP_BLOOM_CAPACITY, conf.DEDUP_BLOOM_ERROR_RATE)
+        cache = caches[conf.DEDUP_CACHE_ALIAS]
         try:
-            snapshot: Any = caches[conf.DEDUP_CACHE_ALIAS].get(snapshot_key())
+            snapshot: Any = cache.get(snapshot_key())
         except Exception:  # the cache is advisory: read the window instead
             logger.warning("could not read the dedup Bloom snapshot", exc_info=True)
             return None
@@ -393,10 +397,15 @@ class BloomLayer:
                 logger.info("the dedup Bloom snapshot is not of this inbox; reading the window")
                 return None
         live = self._live_buckets(now)
-        for bucket, data in snapshot["buckets"].items():
+        key = snapshot_key()
+        for bucket in snapshot["buckets"]:
             if bucket not in live:
                 continue
             began = _perf_counter()
+            data = cache.get(f"{key}:{snapshot['write']}:{bucket}")
+            if not isinstance(data, bytes):  # gone (two writes since): read the window
+                logger.info("the dedup Bloom snapshot lost a bucket; reading the window")
+                return None
             bloom = Bloom.load_bytes(data, _hashed)
             with self._lock:
                 if generation != self._generation:
@@ -408,8 +417,8 @@ class BloomLayer:
                 if mine is not None:  # what this process remembered meanwhile stays
                     bloom.update(mine)
                 self._buckets[bucket] = bloom
-            if paced:  # a bucket at a time, and as long again for the other threads
-                time.sleep(_perf_counter() - began)
+            if paced:  # a bucket at a time, leaving the interpreter to the other threads
+                time.sleep(_PAUSE * (_perf_counter() - began))
         # Just written by another process: the next one is due an interval from now.
         self._next_snapshot = time.monotonic() + conf.DEDUP_BLOOM_SNAPSHOT_INTERVAL
         return since
@@ -453,8 +462,11 @@ class BloomLayer:
         the filters are not loaded, or (``claim``) a process wrote one within the interval.
         ``paced``: after each bucket copied, a pause as long (the background writer).
 
-        Each bucket is copied under the lock on its own, after the watermarks: a
-        bucket copied later only holds more ids than those watermarks promise.
+        Each bucket is copied under the lock on its own, after the watermarks (a
+        bucket copied later only holds more ids than those watermarks promise), and
+        written under a key of its own for this write; the snapshot's own key, written
+        last, names them. The buckets of the write before are kept for the processes
+        still loading them, those of the one before that are deleted.
         """
         from idempotent_orders.models import ProcessedMessage
 
@@ -478,24 +490,38 @@ class BloomLayer:
             watermark, overlap_watermark = self._watermark, self._overlap_watermark
             live = self._live_buckets(time.time())
             wanted = [bucket for bucket in self._buckets if bucket in live]
-        buckets: dict[int, bytes] = {}
+        write = uuid.uuid4().hex[:12]
+        written: list[int] = []
         for bucket in wanted:
             began = _perf_counter()
             with self._lock:
                 if generation != self._generation or (self._buckets and self._sizing != sizing):
+                    cache.delete_many([f"{key}:{write}:{b}" for b in written])
                     return False  # cleared, or sized anew, meanwhile
                 bloom = self._buckets.get(bucket)
-                if bloom is not None:
-                    buckets[bucket] = bloom.save_bytes()
+                data = None if bloom is None else bloom.save_bytes()
+            if data is not None:
+                cache.set(f"{key}:{write}:{bucket}", data, timeout=conf.DEDUP_WINDOW)
+                written.append(bucket)
             if paced:
-                time.sleep(_perf_counter() - began)
+                time.sleep(_PAUSE * (_perf_counter() - began))
+        before: Any = cache.get(key)
+        if not isinstance(before, dict) or before.get("format") != _SNAPSHOT_FORMAT:
+            before = None
         snapshot = {
             "format": _SNAPSHOT_FORMAT,
             "sizing": (*sizing, conf.DEDUP_BLOOM_BUCKET_SECONDS),
             "watermark": watermark,
             "overlap_watermark": overlap_watermark,
             "newest": newest,
-            "buckets": buckets,
+            "write": write,
+            "buckets": written,
+            # The write before stays for the processes still loading it; the one before
+            # that goes now.
+            "previous": None if before is None else (before["write"], before["buckets"]),
         }
         cache.set(key, snapshot, timeout=conf.DEDUP_WINDOW)
+        if before is not None and before["previous"] is not None:
+            old_write, old_buckets = before["previous"]
+            cache.delete_many([f"{key}:{old_write}:{b}" for b in old_buckets])
         return True
