@@ -82,6 +82,8 @@ def test_a_new_process_starts_from_the_snapshot_and_reads_only_the_gap(
     with mock.patch.object(fresh, "_read", side_effect=spy):
         _loaded(fresh)
     assert fresh.loaded_from == "snapshot"
+    assert snapshot["buckets"]
+    assert all(slices == 7 for _bucket, slices in snapshot["buckets"])  # 1.7 MiB in 256 KiB
     assert reads == [min(snapshot["watermark"], snapshot["overlap_watermark"])]
     assert reads[0] > timezone.now() - timedelta(minutes=5)  # not the window (a day)
     for message_id in ("before-1", "before-2", "after-snapshot"):
@@ -214,7 +216,7 @@ def test_each_write_keeps_the_one_before_and_deletes_older_ones(redis_server: Re
         assert writer.write_snapshot()
         writes.append(caches["dedup"].get(snapshot_key())["write"])
     assert len(set(writes)) == 4
-    kept = {key.split(":")[-2] for key in _bucket_keys() if key.split(":")[-2] in writes}
+    kept = {key.split(":")[-3] for key in _bucket_keys() if key.split(":")[-3] in writes}
     assert kept == set(writes[-2:])  # the last write and the one before it
 
 
@@ -223,7 +225,8 @@ def test_a_snapshot_whose_bucket_is_gone_is_not_used(redis_server: RedisServer) 
     _writer()
     snapshot = caches["dedup"].get(snapshot_key())
     assert snapshot["buckets"]
-    caches["dedup"].delete(f"{snapshot_key()}:{snapshot['write']}:{snapshot['buckets'][0]}")
+    bucket, _slices = snapshot["buckets"][0]
+    caches["dedup"].delete(f"{snapshot_key()}:{snapshot['write']}:{bucket}:0")
     fresh = _loaded(BloomLayer())
     assert fresh.loaded_from == "inbox"
     assert fresh.might_contain("payments", "row")
