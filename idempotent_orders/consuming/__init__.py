@@ -27,6 +27,7 @@ LAYERS = (
     "payments",
     "failures",
     "savepoints",
+    "unread",
     "one_statement",
     "one_transaction",
     "update_many",

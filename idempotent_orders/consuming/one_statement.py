@@ -50,75 +50,29 @@ from django.utils import timezone
 
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
-    TransitionResult,
-    TransitionStatus,
-    edge,
-    has_transition,
     state_field,
 )
-from idempotent_orders.consuming.payments import payment_id
 from idempotent_orders.consuming.prepared import (
     PreparedMissing,
     fetch_one,
     inbox_preparation,
     preparation,
 )
-from idempotent_orders.consuming.rules import Rule
 from idempotent_orders.consuming.running import (
-    FollowUp,
-    FollowUpRow,
-    follow_up_rows,
-    runs_user_code,
-    transition_written,
     written_values,
 )
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
-    build,
     can_claim_and_apply,
-    compiled_read,
-    handed_over,
     inbox_partitioned,
     inbox_template,
     queue_follow_up,
 )
+from idempotent_orders.consuming.unread import Plan, Shape, plan, written
 from idempotent_orders.models import Outcome, SpentPayment
 from idempotent_orders.signals import order_transitioned
 
 __all__ = ["apply_unread"]
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """What one (model, transition) allows: its single source and target."""
-
-    source: str
-    target: str
-
-
-_shapes: dict[tuple[type[Model], str], _Shape | None] = {}
-
-
-def _shape(model: type[Model], name: str) -> _Shape | None:
-    key = (model, name)
-    try:
-        return _shapes[key]
-    except KeyError:
-        pass
-    shape: _Shape | None = None
-    if has_transition(model, name) and _is_text(state_field(model)):
-        e = edge(model, name)
-        if len(e.sources) == 1:
-            (source,) = e.sources
-            transition = getattr(model, name)._django_fsm.get_transition(source)
-            if transition is not None and not transition.conditions:
-                shape = _Shape(source, e.target)
-    _shapes[key] = shape
-    return shape
-
-
-def _is_text(field: Any) -> bool:
-    return isinstance(field, CharField | TextField)
 
 
 class _Arguments:
@@ -184,7 +138,7 @@ class _Statement:
 def _compile(
     conn: Any,
     model: type[Model],
-    shape: _Shape,
+    shape: Shape,
     value_names: list[str],
     tests: list[tuple[str, bool, bool]],
     seq: bool,
@@ -240,7 +194,7 @@ def _compile(
     for name, empty, shared in tests:
         tested = _field(model, name)
         column = qn(str(tested.column))
-        collate = ' COLLATE "C"' if _is_text(tested) else ""
+        collate = ' COLLATE "C"' if isinstance(tested, CharField | TextField) else ""
         source = f"set:{name}" if shared else f"test:{name}"
         test = f"{column} = {args.ref(source, tested, preparation(tested))}{collate}"
         where.append(f"({column} = '' OR {test})" if empty else test)
@@ -301,43 +255,24 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
     ``transition_written`` was called (when anyone listens for the order); the caller
     announces the outcome.
     """
-    rule = envelope.handler.validate
-    if not isinstance(rule, Rule) or not can_claim_and_apply():
-        return None  # a project's own validator, or a caller's transaction: read first
-    name = envelope.handler.transition
-    shape = _shape(model, name)
-    if shape is None or runs_user_code(model, name):
-        return None  # the model's own method must run: read, run, write
-    # No fsm-2 receiver here (the method would run): the work inside the transaction
-    # (:func:`~idempotent_orders.consuming.running.in_transaction_work`) is the
-    # follow-ups' alone, each with its outbox row as data or not (None).
-    rows = follow_up_rows(model, envelope.order_id, name, shape.target)
-    # The order as written is built only for someone to hand it to: a receiver of
-    # ``order_transitioned``, or a follow-up that writes its own row.
-    announced = order_transitioned.has_listeners(model)
-    handed: tuple[FollowUp, FollowUpRow] | None = None
-    # A follow-up that writes its own row does so in the statement's own transaction:
-    # the statement, the follow-up and COMMIT, three round trips.
-    follow_up = rows is None or len(rows) > 1 or bool(rows and not handed_over(rows[0][1].fields))
-    if follow_up:
-        announced = True
-    elif rows:
-        # The one row handed over as data is written by the statement too: the message
-        # is one statement in autocommit (one round trip).
-        handed = rows[0]
-    alias, plan = compiled_read(model, "pk")
-    if plan is None or alias != DEFAULT_DB_ALIAS:
+    if not can_claim_and_apply():
+        return None  # a caller's transaction: read first
+    p = plan(envelope, model)
+    if p is None:
         return None
+    shape, name, fields, tests = p.shape, p.name, p.fields, p.tests
+    # The order as written is built only for someone to hand it to: a receiver of
+    # ``order_transitioned``, or a follow-up that writes its own row (then the statement
+    # goes in a transaction with it: the statement, the follow-up and COMMIT).
+    handed = p.handed
+    follow_up = p.follow_ups is None
+    announced = follow_up or order_transitioned.has_listeners(model)
     # The wrapper itself, not the ``connection`` proxy: each attribute read
     # through the proxy costs a context-local lookup.
-    conn = connections[alias]
-    guessed = rule.tests(model, envelope.payload)
-    if guessed is None:
-        return None
-    fields, tests = guessed
+    conn = connections[DEFAULT_DB_ALIAS]
     seq = envelope.seq
     shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
-    payment = payment_id(envelope)
+    payment = p.payment
     # The spent record's payment id is the one written on the order when it is (one argument).
     spends = (
         ""
@@ -349,7 +284,7 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
     queued = FOLLOW_UP_FIELDS if handed is not None else ()
     partitioned = inbox_partitioned(conn)
     key = (
-        alias,
+        DEFAULT_DB_ALIAS,
         partitioned,
         model,
         name,
@@ -372,7 +307,7 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
             names,
             list(shapes),
             seq is not None,
-            plan.attnames if announced else (),
+            p.read.attnames if announced else (),
             spends,
             queued,
         )
@@ -392,14 +327,10 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
             values[f"outbox:{field_name}"] = value
     args = [prepare(values[source], conn) for source, prepare in statement.sources]
     if not follow_up:
-        return _apply(
-            statement, args, conn, model, alias, plan, shape, name, announced, handed=handed
-        )
+        return _apply(statement, args, conn, model, p, announced)
     try:
-        with transaction.atomic(using=alias):
-            applied = _apply(
-                statement, args, conn, model, alias, plan, shape, name, announced, True
-            )
+        with transaction.atomic(using=DEFAULT_DB_ALIAS):
+            applied = _apply(statement, args, conn, model, p, announced, True)
             if applied is None:
                 raise _Declined  # nothing written; the transaction may be aborted: undo it
             return applied
@@ -416,20 +347,16 @@ def _apply(
     args: list[Any],
     conn: Any,
     model: type[Model],
-    alias: str,
-    plan: Any,
-    shape: _Shape,
-    name: str,
+    p: Plan,
     announced: bool,
     in_transaction: bool = False,
-    handed: tuple[FollowUp, FollowUpRow] | None = None,
 ) -> Outcome | None:
     """Run the statement; on APPLIED announce the transition (follow-ups write here).
 
     ``in_transaction``: in the follow-up's ``atomic`` block, where the statement is
     prepared too (see :func:`~idempotent_orders.consuming.prepared.fetch_one`).
-    ``handed``: the follow-up whose outbox row the statement wrote; told the row's id.
     """
+    handed = None if in_transaction else p.handed
     try:
         row = fetch_one(statement.sql, args, conn, in_transaction=in_transaction)
     except DataError:
@@ -442,14 +369,7 @@ def _apply(
     if handed is not None:
         start = 3
         if row[2] is not None:  # NULL: the message id was in the outbox already
-            handed[1].written(alias, row[2])
+            handed[1].written(DEFAULT_DB_ALIAS, row[2])
     if announced:
-        order = build(model, alias, plan, row[start:])
-        result = TransitionResult(
-            TransitionStatus.APPLIED,
-            shape.source,
-            shape.target,
-            order.version,  # type: ignore[attr-defined]
-        )
-        transition_written(order, name, result, handed=() if handed is None else (handed[0],))
+        written(model, p, row[start:])
     return Outcome.APPLIED

@@ -48,27 +48,17 @@ from django.utils import timezone
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
-from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
-from idempotent_orders.consuming.one_statement import _shape
-from idempotent_orders.consuming.payments import payment_id
-from idempotent_orders.consuming.rules import Rule, Test
+from idempotent_orders.consuming.graph import state_field
+from idempotent_orders.consuming.rules import Test
 from idempotent_orders.consuming.running import (
-    FollowUp,
-    FollowUpRow,
-    follow_up_rows,
     guarded_update_sql,
-    in_transaction_work,
-    runs_user_code,
-    transition_written,
     written_values,
 )
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
-    build,
-    compiled_read,
-    handed_over,
     inbox_template,
 )
+from idempotent_orders.consuming.unread import plan, written
 from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
 from idempotent_orders.signals import order_transitioned
 
@@ -430,27 +420,13 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     APPLIED the inbox row, the transition and its follow-up's outbox row are committed;
     the caller announces the outcome.
     """
+    if not can_claim_and_apply_at_once():
+        return None
+    p = plan(envelope, model)
+    if p is None or p.follow_ups is None:
+        return None  # read first; or a follow-up writes its own rows: the usual road
     conn = connections[DEFAULT_DB_ALIAS]
-    rule = envelope.handler.validate
-    if not isinstance(rule, Rule) or not can_claim_and_apply_at_once():
-        return None
-    name = envelope.handler.transition
-    shape = _shape(model, name)
-    if shape is None or runs_user_code(model, name):
-        return None  # the model's own method must run: read, run, write
-    handed: tuple[FollowUp, FollowUpRow] | None = None
-    if in_transaction_work(model, shape.target):
-        rows = follow_up_rows(model, envelope.order_id, name, shape.target)
-        if rows is None or len(rows) != 1 or not handed_over(rows[0][1].fields):
-            return None
-        handed = rows[0]
-    alias, plan = compiled_read(model, "pk")
-    if plan is None or alias != conn.alias:
-        return None
-    guessed = rule.tests(model, envelope.payload)
-    if guessed is None:
-        return None
-    fields, tests = guessed
+    shape, fields, tests, handed = p.shape, p.fields, p.tests, p.handed
     seq = envelope.seq
     values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
     key = (conn.alias, model, tuple(values), tuple((t[0], t[2]) for t in tests), seq is None)
@@ -476,7 +452,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     statements: list[tuple[str, str, Sequence[Any]]] = [
         ("inbox", texts.inbox, inbox_template().params(inbox, now))
     ]
-    payment = payment_id(envelope)
+    payment = p.payment
     if payment is not None:
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))
@@ -484,7 +460,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned.
     announced = order_transitioned.has_listeners(model)
     if announced:
-        statements.append(("read", plan.sql, [args[len(values) + 1]]))
+        statements.append(("read", p.read.sql, [args[len(values) + 1]]))
     if handed is not None:
         queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
@@ -503,16 +479,9 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if not done.applied:
         return None
     if handed is not None and done.queued_id is not None:
-        handed[1].written(alias, done.queued_id)
+        handed[1].written(DEFAULT_DB_ALIAS, done.queued_id)
     if announced:
-        order = build(model, alias, plan, read[0])
-        result = TransitionResult(
-            TransitionStatus.APPLIED,
-            shape.source,
-            shape.target,
-            order.version,  # type: ignore[attr-defined]
-        )
-        transition_written(order, name, result, handed=() if handed is None else (handed[0],))
+        written(model, p, read[0])
     return Outcome.APPLIED
 
 
