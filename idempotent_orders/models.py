@@ -352,6 +352,21 @@ class AuditEntry(models.Model):
         return f"{self.username} {self.action} {self.target} {self.object_id}: {self.result}"
 
 
+class Heartbeat(models.Model):
+    """When a Celery worker process or the reconciler was last heard from (one row each).
+
+    In the database, so every process reads what every other wrote, whatever the
+    caches are (:mod:`idempotent_orders.liveness` writes and reads it).
+    """
+
+    #: ``worker:<hostname>`` or ``reconciler``.
+    name = models.CharField(max_length=191, primary_key=True)
+    beat_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.name} heard from at {self.beat_at}"
+
+
 class KeyState(models.TextChoices):
     """Life of an :class:`IdempotencyKey`; the values are part of the public contract."""
 

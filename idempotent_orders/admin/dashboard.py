@@ -143,39 +143,52 @@ def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(cut) + (f" and {more} more" if more > 0 else "")
 
 
+def _seconds(seconds: float) -> str:
+    """A threshold in words: "60 seconds" is "1 minute"."""
+    return _minutes(int(seconds))
+
+
+def _ago(seconds: float) -> str:
+    """A short age in words: "12 seconds", "3 minutes"."""
+    if seconds < 120:
+        return f"{int(seconds)} seconds"
+    return timesince(timezone.now() - timedelta(seconds=seconds))
+
+
 def _liveness_lines(stuck_url: str) -> list[Attention]:
-    """Workers gone quiet and the reconciler's last pass, from their heartbeats."""
-    if not liveness.shared():
-        # Another process's beats cannot reach this one: say so, claim nothing.
-        local = "LOCK_CACHE is local to each process: no heartbeat can be seen here"
-        return [
-            Attention("workers_gone", "Workers not heard from", 0, stuck_url, local),
-            Attention("reconciler", "Reconciler last pass", 0, stuck_url, local),
-        ]
+    """Workers gone quiet and the reconciler's last pass, from their heartbeats (rows in
+    the database: what every process wrote, whatever the caches are)."""
     workers = liveness.ages("worker:")
     gone = sorted(
         name.removeprefix("worker:") for name, age in workers.items() if age > liveness.SILENT_AFTER
     )
     alive = len(workers) - len(gone)
     reconciler = liveness.ages("reconciler").get("reconciler")
-    late = reconciler is None or reconciler > 5 * 60
+    silent = liveness.reconciler_silent_after()
+    late = reconciler is None or reconciler > silent
+    if workers:
+        heard = (f"gone: {_some(gone)}; " if gone else "") + (
+            f"{alive} heard from in the last minute"
+        )
+    else:
+        heard = "no worker heard from in the last hour (is a Celery worker running?)"
     return [
         Attention(
             "workers_gone",
-            f"Workers not heard from for {liveness.SILENT_AFTER} s",
+            f"Workers not heard from for {_seconds(liveness.SILENT_AFTER)}",
             len(gone),
             stuck_url,
-            (f"gone: {_some(gone)}; " if gone else "") + f"{alive} heard from in the last minute",
+            heard,
             short="",
         ),
         Attention(
             "reconciler",
-            "Reconciler not run in the last 5 minutes",
+            f"Reconciler not run for {_seconds(silent)}",
             int(late),
             stuck_url,
             "never heard from (is Celery beat running?)"
             if reconciler is None
-            else f"last pass {int(reconciler)} s ago",
+            else f"last pass {_ago(reconciler)} ago",
             short="",
         ),
     ]

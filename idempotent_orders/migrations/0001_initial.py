@@ -253,6 +253,13 @@ class Migration(migrations.Migration):
             ],
         ),
         migrations.CreateModel(
+            name='Heartbeat',
+            fields=[
+                ('name', models.CharField(max_length=191, primary_key=True, serialize=False)),
+                ('beat_at', models.DateTimeField()),
+            ],
+        ),
+        migrations.CreateModel(
             name='SpentPayment',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
