@@ -15,11 +15,10 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture(autouse=True)
-def _no_beats() -> Any:
+def _no_beats() -> None:
     from idempotent_orders.models import Heartbeat
 
     Heartbeat.objects.all().delete()
-    yield
 
 
 def lines(user: Any) -> dict[str, Any]:

@@ -58,7 +58,8 @@ class AttentionFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         return [
-            ("stuck", "stuck in processing (lease expired)"),
+            ("stuck", "stuck: a lease ran out with no word"),
+            ("refused", "refused by the other system, to be tried again"),
             ("processing", "processing"),
             ("rejected", "rejected"),
             ("rejected_today", "rejected today"),
@@ -70,9 +71,9 @@ class AttentionFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         if value == "stuck":
-            return queryset.filter(
-                status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now()
-            )
+            return stuck(queryset)
+        if value == "refused":
+            return refused(queryset)
         if value == "rejected_today":
             return queryset.filter(status=InboxStatus.REJECTED, created_at__gte=_start_of_today())
         if value == "refund":
@@ -80,6 +81,22 @@ class AttentionFilter(admin.SimpleListFilter):
         if value in {"processing", "rejected", "failed", "dead"}:
             return queryset.filter(status=value)
         return queryset
+
+
+def stuck(inbox: QuerySet[Any] | None = None) -> QuerySet[Any]:
+    """Leased work whose lease ran out with no word from whoever held it (a stall: a worker
+    died or hangs). The dashboard's count and its list share this rule."""
+    rows = ProcessedMessage.objects.all() if inbox is None else inbox
+    return rows.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now(), error="")
+
+
+def refused(inbox: QuerySet[Any] | None = None) -> QuerySet[Any]:
+    """Leased work the other system refused or failed (the step released its lease with the
+    answer): no worker stalled; the reconciler tries again, then gives it up to an operator."""
+    rows = ProcessedMessage.objects.all() if inbox is None else inbox
+    return rows.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now()).exclude(
+        error=""
+    )
 
 
 def _start_of_today() -> datetime:
@@ -218,10 +235,18 @@ def attention(user: Any) -> list[Attention]:
         lines += [
             Attention(
                 "stuck",
-                "Stuck in processing (lease expired)",
-                inbox.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=now).count(),
+                "Stuck: a lease ran out with no word",
+                stuck(inbox).count(),
                 changelist(ProcessedMessage, "?attention=stuck"),
                 short="stuck",
+            ),
+            Attention(
+                "refused",
+                "Refused by the other system (tried again)",
+                refused(inbox).count(),
+                changelist(ProcessedMessage, "?attention=refused"),
+                "the reconciler tries again; Retry… to try now",
+                short="refused",
             ),
             Attention(
                 "failed",
