@@ -413,6 +413,11 @@ def register_step(step: LeasedStep) -> LeasedStep:
     return step
 
 
+def step_consumers() -> list[str]:
+    """The consumers a leased step is registered for (``fulfilment``, ...)."""
+    return sorted(_steps)
+
+
 def get_step(consumer: str) -> LeasedStep | None:
     return _steps.get(consumer)
 
