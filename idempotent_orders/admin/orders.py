@@ -136,7 +136,14 @@ else:
 
 
 #: The text lookups a search field may end with (an order number is compared exactly).
-_TEXT_LOOKUPS = ("__exact", "__iexact", "__contains", "__icontains", "__startswith", "__istartswith")
+_TEXT_LOOKUPS = (
+    "__exact",
+    "__iexact",
+    "__contains",
+    "__icontains",
+    "__startswith",
+    "__istartswith",
+)
 
 
 class OrderAdminMixin(_ModelAdmin):
@@ -191,6 +198,7 @@ class OrderAdminMixin(_ModelAdmin):
                 path = path.removesuffix(lookup)
             match |= Q(**{f"{path}__exact": term})
         return queryset.filter(match), False
+
     #: An order table grows without bound: no unfiltered total beside each page, and a
     #: count that stops at 10,000 rows (an estimate past them on PostgreSQL).
     show_full_result_count = False
