@@ -1,8 +1,8 @@
-"""What a person sees, at a laptop's 1280×800 and a desktop's 1920×1080, in headless
+"""What a person sees, at a laptop's 1280x800 and a desktop's 1920x1080, in headless
 Chromium: the boxes of what matters inside the window, not only in the HTML.
 
 The pictures go to ``IO_TEST_SCREENSHOTS`` (docs/operations.md shows copies of the
-1280 ones; ``make screenshots`` refreshes them)."""
+1280 ones; `make screenshots` refreshes them)."""
 
 from __future__ import annotations
 
