@@ -20,6 +20,8 @@ DEBUG = False
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
 TIME_ZONE = "UTC"
+# The demo's one time format (the admin's dates as its timeline's), as the demo sets it.
+FORMAT_MODULE_PATH = ["demo_project.formats"]
 
 BACKEND = os.environ.get("IO_TEST_DATABASE", "sqlite")
 #: Name of the database the tests run in; parallel runs pick different names.

@@ -177,8 +177,20 @@ def test_staff_without_change_permission_is_refused(make_order) -> None:
 
 
 def test_attention_filters(staff, make_order) -> None:
-    stuck = stuck_fulfilment(make_order(), "fail")
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from idempotent_orders import leases
+
+    refused = stuck_fulfilment(make_order(), "fail")
     failed = stuck_fulfilment(make_order(), "fail")
+    # A worker that died mid-call: its lease runs out with no word.
+    quiet = make_order()
+    leases.claim(consumer="fulfilment", message_id="fulfil-quiet", token=0, order=quiet)
+    ProcessedMessage.objects.filter(message_id="fulfil-quiet").update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
     ProcessedMessage.objects.filter(pk=failed.pk).update(status=InboxStatus.FAILED)
     consume_message({"message_id": "bad-1", "type": "nope"}, consumer="payments")
 
@@ -187,7 +199,8 @@ def test_attention_filters(staff, make_order) -> None:
         assert response.status_code == 200
         return {r.message_id for r in response.context["cl"].result_list}
 
-    assert listed("stuck") == {stuck.message_id}
+    assert listed("stuck") == {"fulfil-quiet"}
+    assert listed("refused") == {refused.message_id}
     assert listed("failed") == {failed.message_id}
     assert listed("rejected") == {"bad-1"}
     response = staff.get(changelist("processedmessage") + "?attention=rejected")

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.checks import run_checks
 from django.urls import reverse
 from django.utils import timezone
@@ -171,7 +172,7 @@ def test_a_stuck_row_is_fixed_from_its_one_row_page(staff, make_order) -> None:
     fulfil(order.pk)
     row = ProcessedMessage.objects.get(message_id=fulfilment_message_id(order.pk))
     listing = staff.get(
-        reverse("admin:idempotent_orders_processedmessage_changelist") + "?attention=stuck"
+        reverse("admin:idempotent_orders_processedmessage_changelist") + "?attention=refused"
     )
     assert confirm_url(row, "retry") in listing.content.decode()
     page = staff.get(confirm_url(row, "retry"))
@@ -179,6 +180,12 @@ def test_a_stuck_row_is_fixed_from_its_one_row_page(staff, make_order) -> None:
     done = staff.post(confirm_url(row, "retry"), {"post": "yes"}, follow=True)
     assert "completed; now applied." in shown(done)[0]
     assert warehouse.effects(order.pk) == 1
+    # The order's timeline keeps the lost reply and the verified completion after the fix.
+    attempts = [(e.outcome, e.text) for e in timeline(order) if e.kind == "attempt"]
+    assert attempts == [
+        ("refused", "WarehouseError: connection reset while reading the reply"),
+        ("completed", "verified: the effect had happened"),
+    ]
     # The audit trail is searchable by the order and by the message id.
     audit = reverse("admin:idempotent_orders_auditentry_changelist")
     for q in (str(order.pk), row.message_id):
@@ -205,3 +212,31 @@ def test_held_attention_longer_than_the_timeout_is_a_warning(settings) -> None:
     assert "idempotent_orders.W037" in {m.id for m in run_checks()}
     settings.IDEMPOTENT_ORDERS = {**settings.IDEMPOTENT_ORDERS, "PARKED_ATTENTION_AFTER": 0}
     assert "idempotent_orders.E036" in {m.id for m in run_checks()}
+
+
+def test_four_refusals_stay_in_the_timeline_after_the_fix(make_order) -> None:
+    from idempotent_orders import reconcile
+    from idempotent_orders.admin import attention
+
+    order = make_order()
+    consume_message(payment(order), consumer="payments")
+    warehouse.script(order.pk, "fail", "fail", "fail", "fail")
+    fulfil(order.pk)
+    row = ProcessedMessage.objects.get(message_id=fulfilment_message_id(order.pk))
+    operator = get_user_model().objects.create_superuser("op4", "op4@example.com", "pw")
+    counts = {line.key: line.count for line in attention(operator)}
+    assert (counts["refused"], counts["stuck"]) == (1, 0)  # refused: no worker stalled
+    outcomes = {e.kind: e.outcome for e in timeline(order) if e.kind == "lease"}
+    assert outcomes == {"lease": "refused"}
+    for _ in range(3):
+        assert reconcile.retry(row.pk).value == "retry"
+    assert reconcile.retry(row.pk).value == "completed"
+    attempts = [(e.outcome, e.who) for e in timeline(order) if e.kind == "attempt"]
+    assert attempts == [("refused", "worker")] + [("refused", "admin")] * 3 + [
+        ("completed", "admin")
+    ]
+    assert all(
+        e.text == "WarehouseError: the warehouse refused the request"
+        for e in timeline(order)
+        if e.outcome == "refused"
+    )

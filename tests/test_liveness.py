@@ -15,14 +15,10 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture(autouse=True)
-def _no_beats() -> Any:
-    from django.core.cache import caches
+def _no_beats() -> None:
+    from idempotent_orders.models import Heartbeat
 
-    from idempotent_orders.conf import conf
-
-    caches[conf.LOCK_CACHE].delete(liveness.KEY)
-    yield
-    caches[conf.LOCK_CACHE].delete(liveness.KEY)
+    Heartbeat.objects.all().delete()
 
 
 def lines(user: Any) -> dict[str, Any]:
@@ -78,7 +74,8 @@ def test_a_real_worker_beats(celery_workers: Any) -> None:
     assert min(liveness.ages("worker:").values()) < liveness.SILENT_AFTER
 
 
-def test_a_process_local_cache_is_said_not_guessed(settings: Any) -> None:
+def test_a_process_local_cache_does_not_hide_the_beats(settings: Any) -> None:
+    """The beats are rows: a process-local LOCK_CACHE (the demo's default) changes nothing."""
     from django.contrib.auth import get_user_model
 
     settings.CACHES = {
@@ -87,9 +84,30 @@ def test_a_process_local_cache_is_said_not_guessed(settings: Any) -> None:
     }
     settings.IDEMPOTENT_ORDERS = {**settings.IDEMPOTENT_ORDERS, "LOCK_CACHE": "local"}
     user = get_user_model().objects.create_superuser("op2", "op2@example.com", "pw")
+    liveness.beat("worker:w9@host", at=time.time() - 2 * liveness.SILENT_AFTER)
+    liveness.beat("reconciler", at=time.time() - 10)
     shown = lines(user)
+    assert shown["workers_gone"].count == 1
     assert shown["reconciler"].count == 0
-    assert "local to each process" in shown["reconciler"].note
+    assert shown["reconciler"].note == "last pass 10 seconds ago"
+
+
+def test_the_reconciler_is_late_after_two_of_its_scheduled_intervals(settings: Any) -> None:
+    from idempotent_orders.beat import beat_schedule
+
+    settings.CELERY_BEAT_SCHEDULE = beat_schedule(reconcile=45.0)
+    assert liveness.reconciler_silent_after() == 90.0
+    settings.CELERY_BEAT_SCHEDULE = beat_schedule(reconcile=5.0)
+    assert liveness.reconciler_silent_after() == liveness.SILENT_AFTER
+    settings.CELERY_BEAT_SCHEDULE = {}
+    assert liveness.reconciler_silent_after() == 300.0
+
+
+def test_no_worker_ever_heard_from_is_said(staff: Client) -> None:
+    from django.contrib.auth import get_user_model
+
+    user = get_user_model().objects.get(username="operator")
+    assert "is a Celery worker running?" in lines(user)["workers_gone"].note
 
 
 def test_many_gone_workers_keep_the_note_short(staff: Client) -> None:

@@ -74,11 +74,11 @@ def test_operator_fixes_a_stuck_order_from_the_admin_index_in_three_clicks(
             page.route("**/static/**", serve_static)
             login(page, live_server.url)
             assert page.url == f"{live_server.url}/admin/"
-            assert page.text_content("#attention-stuck td.count") == "1"
+            assert page.text_content("#attention-refused td.count") == "1"
             page.screenshot(path=str(IMG / "admin-index-attention.png"), full_page=True)
             # 1: the count; 2: the row's "Retry…"; 3: "Yes, I'm sure".
             with page.expect_navigation():
-                page.click("#attention-stuck td.count a")
+                page.click("#attention-refused td.count a")
             with page.expect_navigation():
                 page.click("#result_list a.io-fix")
             assert "asks fulfilment first whether it already happened" in page.content()
