@@ -7,8 +7,8 @@ the transition has one source, :func:`~idempotent_orders.consuming.decision.deci
 "apply" exactly when a few column tests hold on the order: the state, ``has_parked``,
 ``last_seq`` and the rule's tests. A backend puts them in the WHERE clause of the
 UPDATE it sends with the inbox claim, instead of reading the order first
-(:mod:`~idempotent_orders.consuming.one_statement` on PostgreSQL,
-:mod:`~idempotent_orders.consuming.one_transaction` on MariaDB and SQLite). Anything
+(:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement` on PostgreSQL,
+:mod:`~idempotent_orders.consuming.backends.at_once` on MariaDB and SQLite). Anything
 else writes nothing and the message takes the read.
 
 :func:`plan` says whether a message can go so and what it writes and tests;

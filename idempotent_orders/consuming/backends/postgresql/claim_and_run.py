@@ -1,8 +1,8 @@
 """PostgreSQL's road for a transition that runs the project's code: two round trips.
 
 A transition with a body, ``conditions=`` or fsm-2 receivers cannot be decided in
-SQL (:mod:`~idempotent_orders.consuming.one_statement`): the model's own method must
-run on the order as read. The usual road reads the order, then begins, claims the
+SQL (:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement`): the model's
+own method must run on the order as read. The usual road reads the order, then begins, claims the
 message, updates the order, queues the follow-up and commits, one round trip each.
 Here the same statements travel in two texts (the client-side binding cursor, Django's
 default on psycopg 3, sends several statements in one ``execute``; ``nextset()``

@@ -14,7 +14,8 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders.consuming import one_statement, prepared, single, writing
+from idempotent_orders.consuming import prepared, single, writing
+from idempotent_orders.consuming.backends.postgresql import one_statement
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.consuming.sql import claim_and_apply
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage

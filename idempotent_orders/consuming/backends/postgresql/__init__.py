@@ -15,7 +15,10 @@ _LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
 
 class PostgreSQL(Backend):
     vendor = "postgresql"
-    without_read = ("one_statement:apply_unread", "claim_and_run:claim_and_run")
+    without_read = (
+        "backends.postgresql.one_statement:apply_unread",
+        "backends.postgresql.claim_and_run:claim_and_run",
+    )
     arrays = True
     one_statement = True
     partitions = True

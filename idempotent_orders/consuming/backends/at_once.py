@@ -404,8 +404,8 @@ def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) ->
 
 def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
     """MariaDB's and SQLite's counterpart of PostgreSQL's one statement
-    (:func:`~idempotent_orders.consuming.one_statement.apply_unread`): the message's writes as
-    one transaction of their own, with the tests
+    (:func:`~idempotent_orders.consuming.backends.postgresql.one_statement.apply_unread`):
+    the message's writes as one transaction of their own, with the tests
     :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
     :class:`~idempotent_orders.consuming.rules.Rule`) in the UPDATE's WHERE
     clause instead of a read of the order first: on MariaDB one text, one round trip; on

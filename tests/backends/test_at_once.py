@@ -18,7 +18,8 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import one_transaction, writing
+from idempotent_orders.consuming import writing
+from idempotent_orders.consuming.backends import at_once
 from idempotent_orders.consuming.backends.mysql import MySQL
 from idempotent_orders.consuming.backends.sqlite import SQLite
 from idempotent_orders.consuming.single import consume_message
@@ -52,7 +53,7 @@ def fulfil() -> Iterator[None]:
 @pytest.fixture
 def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """MariaDB's road without a read first declines: the order is read, then written."""
-    monkeypatch.setattr(one_transaction, "apply_unread_at_once", lambda *args: None)
+    monkeypatch.setattr(at_once, "apply_unread_at_once", lambda *args: None)
 
 
 def _statements(queries: CaptureQueriesContext) -> list[str]:
@@ -266,7 +267,7 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     other = make_order()
     with CaptureQueriesContext(connection) as queries, transaction.atomic():
-        assert not one_transaction.can_claim_and_apply_at_once()
+        assert not at_once.can_claim_and_apply_at_once()
         assert consume_message(payment(other), consumer="payments") is Outcome.APPLIED
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     assert Order.objects.get(pk=other.pk).status == OrderStatus.PAID
@@ -330,10 +331,10 @@ def test_the_decision_is_tested_in_the_update_and_a_refused_order_is_left_alone(
 
 def test_a_connection_out_of_autocommit_is_never_sent_a_transaction_of_its_own() -> None:
     # A transaction may be open (AUTOCOMMIT off): START TRANSACTION would commit it.
-    assert one_transaction.can_claim_and_apply_at_once()
+    assert at_once.can_claim_and_apply_at_once()
     transaction.set_autocommit(False)
     try:
-        assert not one_transaction.can_claim_and_apply_at_once()
+        assert not at_once.can_claim_and_apply_at_once()
     finally:
         transaction.rollback()
         transaction.set_autocommit(True)
@@ -348,6 +349,6 @@ def test_sqlite_tests_a_decimal_only_where_a_double_tells_its_values_apart() -> 
     narrow = DecimalField(max_digits=15, decimal_places=2)
     amount = Decimal("12345678901234567.01")
     sqlite = SQLite.exact_decimal_digits
-    assert one_transaction._test_value(wide, amount, sqlite) is None
-    assert one_transaction._test_value(wide, amount, MySQL.exact_decimal_digits) == amount
-    assert one_transaction._test_value(narrow, Decimal("12.5"), sqlite) == Decimal("12.50")
+    assert at_once._test_value(wide, amount, sqlite) is None
+    assert at_once._test_value(wide, amount, MySQL.exact_decimal_digits) == amount
+    assert at_once._test_value(narrow, Decimal("12.5"), sqlite) == Decimal("12.50")

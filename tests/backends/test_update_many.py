@@ -8,7 +8,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from idempotent_orders.consuming.update_many import update_many
+from idempotent_orders.consuming.backends.update_many import update_many
 from idempotent_orders.models import Order, OrderStatus
 
 pytestmark = [pytest.mark.django_db, pytest.mark.backends("sqlite", "mysql")]
