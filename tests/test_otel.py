@@ -369,3 +369,30 @@ print(otel.ENABLED, wrapped, row.traceparent == tp,
     assert done.returncode == 0, done.stderr
     last = done.stdout.strip().splitlines()[-1]
     assert last == "False [False, False, False, False] True applied duplicate"
+
+
+@pytest.mark.django_db
+def test_with_the_api_alone_a_message_makes_no_span(
+    make_order: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No provider here and none set globally (the API's proxy): nothing records a span,
+    # so none is started: a consumed message costs what it costs without OpenTelemetry.
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    assert not otel.recording()
+    started: list[str] = []
+    real = otel._span
+
+    def counting(name: str, *args: Any, **kwargs: Any) -> Any:
+        started.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(otel, "_span", counting)
+    order = make_order()
+    message = payment(order)
+    outcomes = [consume_message(message, consumer="payments") for _ in range(2)]
+    assert [o.value for o in outcomes] == ["applied", "duplicate"]
+    assert started == []
+    monkeypatch.setattr(otel, "provider", TracerProvider())
+    assert otel.recording()
+    consume_message(payment(order, message_id="other"), consumer="payments")
+    assert started == ["process payments"]
