@@ -11,7 +11,8 @@ of the repository sees it too:
 - ``<!-- gen:commands -->``: the app's management commands with their help text;
 - ``<!-- gen:code path/to/file.py#name -->``: a python block with the region of that file
   between ``# --8<-- [start:name]`` and ``# --8<-- [end:name]`` (dedented), or the whole
-  file without ``#name``: the code a page shows is the code a test runs.
+  file without ``#name``: the code a page shows is the code a test runs. (Put such a part
+  between ``<!-- fmt: off -->`` and ``<!-- fmt: on -->``: it is formatted as its file is.)
 
 An unknown marker fails the build. ``python docs/gen/hooks.py`` (``make docs-gen``)
 writes every part into its page; ``--check`` only lists the stale pages (and
@@ -114,7 +115,7 @@ def region(arg: str) -> str:
         raise ValueError(f"gen:code names no file of the repository: {path}")
     lines = source.read_text().splitlines(keepends=True)
     if not name:
-        return "".join(line for line in lines if not REGION.match(line))
+        return "".join(line for line in lines if not REGION.match(line)).strip("\n") + "\n"
     found: list[str] = []
     inside = False
     for line in lines:
@@ -124,7 +125,7 @@ def region(arg: str) -> str:
                 inside = True
                 continue
             if inside:
-                return textwrap.dedent("".join(found))
+                return textwrap.dedent("".join(found)).strip("\n") + "\n"
         elif inside and not marker:
             found.append(line)
     raise ValueError(f"gen:code: no region {name!r} (start and end) in {path}")

@@ -145,6 +145,7 @@ class FlowOrder(Order):
     @transition(field="flow", source="paid", target="shipped", conditions=[has_payment])
     def ship(self, tracking_number: str, carrier: str = "") -> None:
         self.tracking_number = tracking_number
+
     # --8<-- [end:partial-payment]
 
     @transition(field="flow", source="+", target="cancelled")

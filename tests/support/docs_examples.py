@@ -17,6 +17,7 @@ a name two blocks carry.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ GENERATED = re.compile(
     r"^<!-- gen:code (?P<arg>\S+) -->\n(?P<body>.*?)^<!-- /gen:code -->$", re.MULTILINE | re.DOTALL
 )
 EXAMPLE = re.compile(r"<!-- example: (?P<name>[a-z0-9-]+) -->\n$")
+_runs = itertools.count(1)
 FRAGMENT = re.compile(r"<!-- fragment: (?P<why>[^>]+) -->\n$")
 
 
@@ -90,7 +92,8 @@ def run(name: str, namespace: dict[str, Any] | None = None) -> dict[str, Any]:
     """Execute the example as written; ``namespace`` holds what the page's earlier code or
     the reader's project defines (a model, a user). Returns the namespace afterwards."""
     block = example(name)
-    scope: dict[str, Any] = {"__name__": f"docs_example_{name.replace('-', '_')}"}
+    # A module name of its own each time: the tasks an example defines are named for it.
+    scope: dict[str, Any] = {"__name__": f"docs_example_{name.replace('-', '_')}_{next(_runs)}"}
     scope.update(namespace or {})
     exec(compile(block.code, block.where, "exec"), scope)
     return scope
