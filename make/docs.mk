@@ -11,7 +11,7 @@ docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # `make docs-gen`: write the generated parts (settings and checks tables, state graphs,
-# commands) into the pages themselves, where a reader of the repository sees them;
+# commands, code regions of tested files) into the pages themselves, where a reader of the repository sees them;
 # tests/test_docs.py fails while a page's parts are stale.
 .PHONY: docs-gen
 docs-gen: venv

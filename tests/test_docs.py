@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import sys
@@ -13,6 +14,7 @@ import pytest
 from idempotent_orders.checks import setting_type
 from idempotent_orders.conf import DEFAULTS
 from idempotent_orders.webhooks.config import KEYS as WEBHOOK_KEYS
+from tests.support import docs_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -214,20 +216,70 @@ def test_a_stale_written_part_is_found_and_rewritten() -> None:
     assert built.endswith("|\nafter\n")
 
 
-PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+#: The test modules that run the pages' examples (``run("name", ...)`` and the like).
+EXAMPLE_RUNNERS = [
+    ROOT / "tests" / "test_docs_examples.py",
+    *ROOT.glob("tests/*/test_docs_examples.py"),
+]
 
 
-@pytest.mark.parametrize(
-    "path", [*pages(), ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT))
-)
-def test_every_python_example_compiles(path: Path) -> None:
-    """Each python block of a page is Python as written (the partial payment one also runs:
-    tests/swapped/test_docs_examples.py)."""
-    for number, block in enumerate(PYTHON_BLOCK.findall(path.read_text()), 1):
+def examples_run() -> set[str]:
+    """The strings of the runner modules: the names they run (``run("name", ...)``, a
+    parametrized list of names)."""
+    return {
+        node.value
+        for path in EXAMPLE_RUNNERS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+
+
+@pytest.mark.parametrize("path", docs_examples.pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_example_runs_or_is_the_text_of_code_that_runs(path: Path) -> None:
+    """Each python block is run by a test, is a region of a tested file, or is marked as a
+    fragment (tests/support/docs_examples.py); each compiles as written."""
+    ran = examples_run()
+    for block in docs_examples.blocks(path):
         try:
-            compile(block, f"{path.name} block {number}", "exec")
+            compile(block.code, block.where, "exec")
         except SyntaxError as exc:
-            pytest.fail(f"{path.name}, python block {number}: {exc}")
+            pytest.fail(f"{block.where}: {exc}")
+        assert block.kind, (
+            f"{block.where}: a python block neither run (<!-- example: name -->), included "
+            "(<!-- gen:code path#region -->) nor marked <!-- fragment: why -->"
+        )
+        if block.kind == "run":
+            assert block.name in ran, f"{block.where}: no test runs the example {block.name!r}"
+
+
+def test_example_names_are_unique() -> None:
+    names = [b.name for b in docs_examples.all_blocks() if b.kind == "run"]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_fragments_are_few() -> None:
+    fragments = [b.where for b in docs_examples.all_blocks() if b.kind == "fragment"]
+    assert len(fragments) <= 7, fragments
+
+
+def test_a_block_without_a_marker_is_found() -> None:
+    page = ROOT / "build" / "unmarked.md"
+    text = "intro\n\n```python\nx = 1\n```\n\n<!-- fragment: one line -->\n```python\ny\n```\n"
+    found = docs_examples.blocks_of(text, page)
+    assert [(b.kind, b.name) for b in found] == [("", ""), ("fragment", "one line")]
+
+
+def test_a_code_region_is_the_file_text_between_its_markers() -> None:
+    hooks.on_config({})
+    source = hooks.ROOT / "demo_project" / "apps.py"
+    region = hooks.region("demo_project/apps.py#bindings")
+    assert region.startswith('registry.register(\n    "payment.succeeded",')
+    assert "--8<--" not in region
+    assert "registry.register(" in source.read_text()
+    with pytest.raises(ValueError, match="no region 'nonsense'"):
+        hooks.region("demo_project/apps.py#nonsense")
+    with pytest.raises(ValueError, match="names no file"):
+        hooks.region("demo_project/nonsense.py")
 
 
 def test_an_unknown_marker_fails_the_build() -> None:
