@@ -87,8 +87,8 @@ DOC_SHOTS := admin-index-1280 admin-refused-list-1280 admin-order-timeline-1280 
 screenshots: venv
 	rm -rf $(SHOTS)
 	IO_TEST_SCREENSHOTS=$(CURDIR)/$(SHOTS) IO_TEST_DATABASE=postgres $(PY) -m pytest -q -p no:cacheprovider \
-		tests/test_screens_browser.py
-	IO_TEST_SCREENSHOTS=$(CURDIR)/$(SHOTS) $(PY) -m pytest -q -p no:cacheprovider tests/test_demo_liveness.py
+		tests/admin/test_screens_browser.py
+	IO_TEST_SCREENSHOTS=$(CURDIR)/$(SHOTS) $(PY) -m pytest -q -p no:cacheprovider tests/demo/test_demo_liveness.py
 	for name in $(DOC_SHOTS); do cp $(SHOTS)/$$name.png docs/img/$$name.png; done
 
 lint: venv

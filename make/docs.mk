@@ -12,7 +12,7 @@ docs: $(VENV)/.docs-installed
 
 # `make docs-gen`: write the generated parts (settings and checks tables, state graphs,
 # commands, code regions of tested files) into the pages themselves, where a reader of the repository sees them;
-# tests/test_docs.py fails while a page's parts are stale.
+# tests/project/test_docs.py fails while a page's parts are stale.
 .PHONY: docs-gen
 docs-gen: venv
 	$(PY) docs/gen/hooks.py

@@ -16,7 +16,7 @@ of the repository sees it too:
 
 An unknown marker fails the build. ``python docs/gen/hooks.py`` (``make docs-gen``)
 writes every part into its page; ``--check`` only lists the stale pages (and
-tests/test_docs.py fails on one). The MkDocs build fills each part afresh.
+tests/project/test_docs.py fails on one). The MkDocs build fills each part afresh.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The consume road: one message, or a batch, applied to its order exactly once.
 
 One module per step, in the order a message meets them, each importing only
-the ones above it (``tests/test_structure.py`` keeps it so); what differs between
+the ones above it (``tests/project/test_structure.py`` keeps it so); what differs between
 databases is a backend (:mod:`~idempotent_orders.consuming.backends`), chosen once
 per connection. ``docs/architecture.md`` says what each module holds.
 

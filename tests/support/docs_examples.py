@@ -3,15 +3,15 @@
 Every python block of docs/*.md and README.md is one of:
 
 - **run**: the line before its fence is ``<!-- example: NAME -->``, and a test executes it
-  with ``run("NAME", namespace)`` (tests/test_docs_examples.py under the default order
+  with ``run("NAME", namespace)`` (tests/project/test_docs_examples.py under the default order
   model, tests/swapped/test_docs_examples.py under ``shop.Order``), asserting its effect;
 - **included**: it is a generated part ``<!-- gen:code path#region -->`` (docs/gen/hooks.py),
   the text of a region of a tested file, which ``make docs-gen`` writes into the page and
-  tests/test_docs.py holds fresh;
+  tests/project/test_docs.py holds fresh;
 - **fragment**: the line before its fence is ``<!-- fragment: why -->``: one line shown in
   its context, or code that needs what the project does not install. Kept few.
 
-tests/test_docs.py fails on a block that is none of these, on a name no test runs, and on
+tests/project/test_docs.py fails on a block that is none of these, on a name no test runs, and on
 a name two blocks carry.
 """
 

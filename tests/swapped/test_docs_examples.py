@@ -4,7 +4,7 @@
 ``RETURN_VALUE("part_paid", "paid")`` recording a ``Payment`` row; its state field is named
 ``flow``): the page shows its code (``<!-- gen:code tests/shop/models.py#partial-payment -->``).
 Each block marked ``<!-- example: name -->`` is read from its page and executed
-(tests/support/docs_examples.py); tests/test_docs_examples.py runs those of the app's own
+(tests/support/docs_examples.py); tests/project/test_docs_examples.py runs those of the app's own
 order model.
 """
 

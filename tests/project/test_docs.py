@@ -16,7 +16,7 @@ from idempotent_orders.conf import DEFAULTS
 from idempotent_orders.webhooks.config import KEYS as WEBHOOK_KEYS
 from tests.support import docs_examples
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 CHECKS_SOURCES = sorted((ROOT / "idempotent_orders" / "checks").glob("*.py"))
 
@@ -217,10 +217,7 @@ def test_a_stale_written_part_is_found_and_rewritten() -> None:
 
 
 #: The test modules that run the pages' examples (``run("name", ...)`` and the like).
-EXAMPLE_RUNNERS = [
-    ROOT / "tests" / "test_docs_examples.py",
-    *ROOT.glob("tests/*/test_docs_examples.py"),
-]
+EXAMPLE_RUNNERS = sorted(ROOT.glob("tests/*/test_docs_examples.py"))
 
 
 def examples_run() -> set[str]:

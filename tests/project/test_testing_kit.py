@@ -289,7 +289,7 @@ def test_an_email_sent_from_post_transition_is_caught(
     assert f"mail 'Order {first.pk} paid' to ana@example.com ran 2 times" in report
     assert re.search(
         rf"1\. message payments/pay-msg-{first.pk}-\d+, inside a transition, before commit,"
-        r" at tests/test_testing_kit\.py:\d+ in send_receipt; then the worker died at"
+        r" at tests/project/test_testing_kit\.py:\d+ in send_receipt; then the worker died at"
         r" after_order_update",
         report,
     )
@@ -316,7 +316,7 @@ def test_a_gateway_called_in_a_transition_body_is_caught(
     assert f"{GATEWAY} ('pay-{orders[0].pk}', '12.50') ran 2 times" in report
     assert re.search(
         r"1\. message payments/pay-msg-\d+-\d+, inside a transition, before commit, at"
-        r" tests/test_testing_kit\.py:\d+ in captures_in_the_body; then the worker died at"
+        r" tests/project/test_testing_kit\.py:\d+ in captures_in_the_body; then the worker died at"
         r" after_order_update",
         report,
     )
@@ -412,7 +412,7 @@ def test_an_effect_declared_by_dotted_path_is_counted_where_it_was_imported() ->
     ):
         capture_twice()
     assert capture.__module__ == "tests.support.gateway"
-    assert [c.where.split(":")[0] for c in seen.calls] == ["tests/test_testing_kit.py"] * 2
+    assert [c.where.split(":")[0] for c in seen.calls] == ["tests/project/test_testing_kit.py"] * 2
     assert captured == [("p", "1")] * 2
     captured.clear()
     with pytest.raises(ValueError, match="cannot find the effect"), watch_effects("no.such.thing"):

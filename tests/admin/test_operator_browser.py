@@ -14,6 +14,7 @@ from django.contrib.auth import get_user_model
 from demo_project import warehouse
 from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
 from idempotent_orders.models import IdempotencyKey, Order, OrderStatus, ProcessedMessage
+from tests.admin.test_admin_timeline import journey
 from tests.support.browser import (
     CHROMIUM,
     LAUNCH_ARGS,
@@ -21,7 +22,6 @@ from tests.support.browser import (
     require_chromium,
     serve_static,
 )
-from tests.test_admin_timeline import journey
 
 pytestmark = [
     pytest.mark.backends("postgresql", "mysql"),

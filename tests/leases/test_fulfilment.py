@@ -163,7 +163,7 @@ class UnknownVerifier(Verifier):
 def test_unknown_verdict_is_a_stall_without_a_call(paid) -> None:
     warehouse.script(paid.pk, "fail")
     assert fulfil(paid.pk) is StepResult.RETRY
-    with settings_with(FULFILMENT_VERIFIER="tests.test_fulfilment.UnknownVerifier"):
+    with settings_with(FULFILMENT_VERIFIER="tests.leases.test_fulfilment.UnknownVerifier"):
         assert reconcile.reconcile().actions == {"retry": 1}
     assert calls(paid) == 1
     assert row(paid).error == "the effect could not be verified"

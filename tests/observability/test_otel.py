@@ -34,7 +34,7 @@ from idempotent_orders.webhooks import ingress
 from idempotent_orders.webhooks.signing import stripe_signature
 from tests.support.messages import payment
 from tests.support.services import ROOT
-from tests.test_webhooks import SECRET, URL, event, provider_settings
+from tests.webhooks.test_webhooks import SECRET, URL, event, provider_settings
 
 #: A producer's context as a message carries it (the W3C specification's example).
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -199,7 +199,7 @@ def test_mysql_isolation() -> None:
 
 def test_the_archived_django_fsm_over_django_fsm_2_is_said_plainly(tmp_path: Any) -> None:
     """A django_fsm without the names the app needs shadowing django-fsm-2's: setup says what
-    and how to mend (the throwaway venv of tests/test_fsm_package.py does it with pip)."""
+    and how to mend (the throwaway venv of tests/project/test_fsm_package.py does it with pip)."""
     fake = tmp_path / "django_fsm"
     fake.mkdir()
     # FSMField and transition, but neither FSMModelMixin nor State.

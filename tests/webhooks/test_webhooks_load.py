@@ -37,7 +37,7 @@ from idempotent_orders.models import (
 )
 from idempotent_orders.webhooks import ingress
 from idempotent_orders.webhooks.signing import stripe_signature
-from tests.test_webhooks import SECRET, URL, provider_settings
+from tests.webhooks.test_webhooks import SECRET, URL, provider_settings
 
 SEED = 20261203
 SENDERS = 3
@@ -338,7 +338,7 @@ def test_a_loaded_run_applies_each_valid_event_once_and_keeps_every_other_with_a
 
     Queued, the stored events are then consumed by three workers at once; inline, the
     endpoint consumed them itself. The refused-request limit is raised: the run is
-    about correctness (tests/test_webhooks.py tests the limit).
+    about correctness (tests/webhooks/test_webhooks.py tests the limit).
     """
     rng = random.Random(SEED)
     plan = _plan(rng, make_order)

@@ -32,7 +32,7 @@ from idempotent_orders.webhooks.signing import (
     verify_standard,
     verify_stripe,
 )
-from tests.test_shop_customer import token_of
+from tests.demo.test_shop_customer import token_of
 
 SECRET = "whsec_test_secret"
 URL = "/webhooks/fakepay/"
@@ -833,7 +833,7 @@ def test_a_standard_webhooks_secret_must_be_base64() -> None:
 def test_two_events_under_one_id_at_once_one_stands_the_other_is_flagged(
     make_order: Callable[..., Any],
 ) -> None:
-    from tests.test_timers import _run_together
+    from tests.webhooks.test_timers import _run_together
 
     orders = [make_order(), make_order()]
     bodies = [

@@ -43,11 +43,11 @@ def receiver() -> Iterator[list[tuple[str, str | None]]]:
         calls.append((instance.status, message.message_id if message else None))
 
     model = get_order_model()
-    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.test_roads")
+    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.consume.test_roads")
     try:
         yield calls
     finally:
-        post_save.disconnect(sender=model, dispatch_uid="tests.test_roads")
+        post_save.disconnect(sender=model, dispatch_uid="tests.consume.test_roads")
 
 
 def test_nothing_of_the_project_takes_the_raw_road() -> None:
@@ -61,7 +61,7 @@ def test_a_post_save_receiver_takes_the_save_road(make_order: Any, receiver: lis
     model = get_order_model()
     name, why = road(model, "pay")
     assert name == "save"
-    assert "post_save receiver tests.test_roads" in why
+    assert "post_save receiver tests.consume.test_roads" in why
     assert keeps_parked_flag(model)  # receivers never see the flag's queryset UPDATE
     order = make_order()
     receiver.clear()  # the create
@@ -82,9 +82,11 @@ def test_the_road_follows_the_receivers(make_order: Any) -> None:
     def saved(sender: Any, instance: Any, **kwargs: Any) -> None:
         calls.append(instance.status)
 
-    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.test_roads.follow")
+    post_save.connect(
+        saved, sender=model, weak=False, dispatch_uid="tests.consume.test_roads.follow"
+    )
     assert road(model, "pay")[0] == "save"
-    post_save.disconnect(sender=model, dispatch_uid="tests.test_roads.follow")
+    post_save.disconnect(sender=model, dispatch_uid="tests.consume.test_roads.follow")
     assert road(model, "pay")[0] == "raw"
     order = make_order()
     calls.clear()
@@ -99,7 +101,7 @@ def test_explain_names_each_type_and_its_road(receiver: list[Any]) -> None:
     call_command("idempotent_orders_explain", stdout=out)
     text = out.getvalue()
     assert "payment.succeeded -> pay: save road" in text
-    assert "post_save receiver tests.test_roads" in text
+    assert "post_save receiver tests.consume.test_roads" in text
 
 
 def test_registering_a_money_type_again_keeps_it_money() -> None:
@@ -197,12 +199,14 @@ def test_the_statements_each_road_sends(make_order: Any) -> None:
     def saved(sender: Any, **kwargs: Any) -> None:
         pass
 
-    post_save.connect(saved, sender=model, weak=False, dispatch_uid="tests.test_roads.count")
+    post_save.connect(
+        saved, sender=model, weak=False, dispatch_uid="tests.consume.test_roads.count"
+    )
     try:
         with CaptureQueriesContext(connection) as save_road:
             assert consume_message(payment(saved_order), consumer="payments") is Outcome.APPLIED
     finally:
-        post_save.disconnect(sender=model, dispatch_uid="tests.test_roads.count")
+        post_save.disconnect(sender=model, dispatch_uid="tests.consume.test_roads.count")
     texts = [q["sql"] for q in save_road.captured_queries]
     assert texts[0].startswith("SELECT"), texts
     assert f'FROM "{table}"' in texts[0]

@@ -127,7 +127,7 @@ def test_consumer_name_defaults_to_the_dotted_path_and_is_bounded() -> None:
     def f(m: dict[str, Any]) -> None: ...
 
     f.__qualname__ = "f"
-    assert idempotent(f, key="k").consumer == "tests.test_idempotent.f"  # type: ignore[attr-defined]
+    assert idempotent(f, key="k").consumer == "tests.http.test_idempotent.f"  # type: ignore[attr-defined]
     f.__qualname__ = "x" * 64
     with pytest.raises(ValueError, match="longer than 64"):
         idempotent(f, key="k")

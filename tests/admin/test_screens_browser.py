@@ -15,6 +15,7 @@ from demo_project import warehouse
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.fulfilment import fulfil, fulfilment_message_id
 from idempotent_orders.models import Order, ProcessedMessage
+from tests.admin.test_operator_browser import login, operator
 from tests.support.browser import (
     CHROMIUM,
     LAUNCH_ARGS,
@@ -23,7 +24,6 @@ from tests.support.browser import (
     serve_static,
 )
 from tests.support.messages import payment
-from tests.test_operator_browser import login, operator
 
 pytestmark = [
     pytest.mark.backends("postgresql", "mysql"),
@@ -170,7 +170,7 @@ def test_the_customer_finds_their_orders_and_is_offered_one_payment(
             placed = row.locator("td.when").text_content() or ""
             shot(page, "shop-your-orders", width)
             # Paid meanwhile: the order page offers no second payment.
-            from tests.test_operator_browser import outside_the_loop
+            from tests.admin.test_operator_browser import outside_the_loop
 
             outside_the_loop(
                 lambda: consume_message(

@@ -18,7 +18,7 @@ from idempotent_orders.idempotent import idempotent
 from idempotent_orders.models import Outcome, ProcessedMessage
 from tests.support.services import unavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 try:
     from django.tasks import Task, task
@@ -88,7 +88,9 @@ def test_a_task_runs_once_per_message(where: str) -> None:
 
 def test_above_the_task_keeps_its_options() -> None:
     assert idempotent_above_task.priority == 5
-    assert idempotent_above_task.module_path == "tests.test_contrib_tasks.idempotent_above_task"
+    assert (
+        idempotent_above_task.module_path == "tests.http.test_contrib_tasks.idempotent_above_task"
+    )
 
 
 @pytest.mark.django_db(transaction=True)
