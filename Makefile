@@ -15,7 +15,7 @@ EXTRAS := postgres,drf,prometheus$(if $(HAVE_MARIADB_HEADERS),$(comma)mysql)
 # Development tools come from pyproject's [dependency-groups] (pip >= 25.1).
 GROUPS := --group dev
 
-.PHONY: help venv demo demo-web test lint format clean
+.PHONY: help venv demo demo-web test lint format clean screenshots
 
 help:
 	@echo "make venv        build .venv (the project, its extras and the dev group) from pyproject.toml"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench       the benchmark table (its own .venv-bench and .venv-bench-peer; BENCH_ARGS=sections)"
 	@echo "make bench-long  the benchmark's memory figure at 1,000,000 messages (BENCH_LONG_MESSAGES)"
 	@echo "make bench-dedup the dedup layers' benchmark (Bloom filter vs bit array)"
+	@echo "make screenshots the browser tests' pictures (PostgreSQL), copied into docs/img/ for docs/operations.md"
 	@echo "make clean       remove .demo and the tools' caches"
 
 $(VENV)/.installed: pyproject.toml
@@ -76,6 +77,19 @@ test: venv
 	@$(MAKE) --no-print-directory $(VENV_FSM28)/.installed
 	$(PY) tests/support/matrix.py --venv $(VENV) $(if $(PYTHON_DJ6),--venv-dj6 $(VENV_DJ6)) \
 		--venv-fsm28 $(VENV_FSM28) $(MATRIX_ARGS)
+
+# The pictures of docs/operations.md: the browser tests write them outside the checkout
+# (build/screenshots/), then the ones the page shows are copied into docs/img/.
+SHOTS := build/screenshots
+DOC_SHOTS := admin-index-1280 admin-refused-list-1280 admin-order-timeline-1280 \
+	shop-your-orders-1280 shop-order-paid-1280 admin-dead-worker-1280
+
+screenshots: venv
+	rm -rf $(SHOTS)
+	IO_TEST_SCREENSHOTS=$(CURDIR)/$(SHOTS) IO_TEST_DATABASE=postgres $(PY) -m pytest -q -p no:cacheprovider \
+		tests/admin/test_screens_browser.py
+	IO_TEST_SCREENSHOTS=$(CURDIR)/$(SHOTS) $(PY) -m pytest -q -p no:cacheprovider tests/demo/test_demo_liveness.py
+	for name in $(DOC_SHOTS); do cp $(SHOTS)/$$name.png docs/img/$$name.png; done
 
 lint: venv
 	$(VENV)/bin/ruff check .

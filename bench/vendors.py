@@ -127,7 +127,8 @@ def child(vendor: str) -> None:
 
     from bench.common import make_orders, payment, rate
     from bench.consumer import RUN_TAG, default_configuration, differences, in_batches, one_by_one
-    from idempotent_orders.consuming import one_transaction, writing
+    from idempotent_orders.consuming import writing
+    from idempotent_orders.consuming.backends import at_once
     from idempotent_orders.outbox import flush_publisher
 
     orm_road = os.environ.get("BENCH_VENDORS_ORM_ROAD") == "1"
@@ -159,7 +160,7 @@ def child(vendor: str) -> None:
                             writing, "can_claim_and_apply_at_once", return_value=False
                         ),
                         mock.patch.object(
-                            one_transaction, "can_claim_and_apply_at_once", return_value=False
+                            at_once, "can_claim_and_apply_at_once", return_value=False
                         ),
                     ):
                         consumed("orm", config, f"o{run_no}-")
@@ -193,7 +194,8 @@ def profile(vendor: str, cprofile: bool) -> None:
 
     from bench.common import make_orders, payment
     from bench.consumer import RUN_TAG, default_configuration, one_by_one
-    from idempotent_orders.consuming import one_transaction, writing
+    from idempotent_orders.consuming import writing
+    from idempotent_orders.consuming.backends import at_once
     from idempotent_orders.outbox import flush_publisher
 
     config = default_configuration()
@@ -217,7 +219,7 @@ def profile(vendor: str, cprofile: bool) -> None:
         raw.set_trace_callback(lambda sql: sent.append(sql[:24]))
     previous = (
         mock.patch.object(writing, "can_claim_and_apply_at_once", return_value=False),
-        mock.patch.object(one_transaction, "can_claim_and_apply_at_once", return_value=False),
+        mock.patch.object(at_once, "can_claim_and_apply_at_once", return_value=False),
     )
     with override_settings(IDEMPOTENT_ORDERS=config):
         one_by_one([payment(o, f"{RUN_TAG}w-") for o in make_orders(20)])  # warm up

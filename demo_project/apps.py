@@ -17,6 +17,7 @@ class DemoProjectConfig(AppConfig):
         # The recipe for a project's own order model: bind each message type to
         # one of the model's transitions (the built-in validators check only the
         # fields the model has). "refund" and "cancel" keep the built-in names.
+        # --8<-- [start:bindings]
         registry.register(
             "payment.succeeded",
             transition="mark_paid",
@@ -30,3 +31,4 @@ class DemoProjectConfig(AppConfig):
             "shipment.delivered", transition="deliver", validate=registry.validate_delivery
         )
         registry.register("warehouse.packed", transition="pack", consumers={"shipping"})
+        # --8<-- [end:bindings]

@@ -110,6 +110,8 @@ WSGI_APPLICATION = "demo_project.wsgi.application"
 STATIC_URL = "static/"
 USE_TZ = True
 TIME_ZONE = "UTC"
+# One time format on the admin's and the shop's pages: "2026-11-28 18:49:13".
+FORMAT_MODULE_PATH = ["demo_project.formats"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # The shop's own order model (state field `state`, its own states and a `pack`

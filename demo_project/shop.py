@@ -82,7 +82,7 @@ TOKEN_PROBLEMS = {
     403: "This form had expired or was not ours (its one-time token was unknown or too old). "
     "Nothing was ordered; please check your basket and place your order again.",
     409: "Your earlier click is still being placed. Wait a moment, then look at your orders "
-    "before trying again.",
+    "(“Your orders”, at the top of the page) before trying again.",
     422: "This form was already used for a different basket. Nothing new was ordered; "
     "please check your basket and place your order again.",
 }
@@ -157,6 +157,21 @@ def _my_order(request: HttpRequest, pk: int) -> Any:
     if not mine:
         raise Http404("No such order")
     return order
+
+
+def my_orders(request: HttpRequest) -> HttpResponse:
+    """The visitor's orders, newest first: those this session placed, and a signed-in
+    customer's own."""
+    from django.db.models import Q
+
+    model = get_order_model()
+    mine = Q(pk__in=request.session.get(_SESSION_ORDERS, []))
+    user = request.user
+    if user.is_authenticated and any(f.name == "customer" for f in model._meta.fields):
+        mine |= Q(customer=user)
+    orders = model._default_manager.filter(mine).order_by("-pk")[:50]
+    rows = [(order, order_status(order)) for order in orders]
+    return render(request, "shop/orders.html", {"rows": rows})
 
 
 def order_status(order: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ urlpatterns = [
     path("api/", include("idempotent_orders.http.urls")),
     path("shop/", shop.shop, name="shop"),
     path("shop/checkout/", shop.checkout, name="shop-checkout"),
+    path("shop/orders/", shop.my_orders, name="shop-orders"),
     path("shop/orders/<int:pk>/", shop.order_page, name="shop-order"),
     path("shop/orders/<int:pk>/status.json", shop.order_status_json, name="shop-order-status"),
     path("shop/orders/<int:pk>/pay/", payments.pay_page, name="shop-pay"),

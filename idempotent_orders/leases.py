@@ -221,7 +221,14 @@ def takeover(
     if not force:
         rows = rows.filter(lease_expires_at__lt=now)
     expires = now + _ttl(ttl)
-    if rows.update(attempts=F("attempts") + 1, lease_expires_at=expires, heartbeat_at=now) != 1:
+    # The reason of the attempt before is its own (kept in its LeaseAttempt): this one
+    # starts without one, so a lease that runs out with no word reads as a stall.
+    if (
+        rows.update(
+            attempts=F("attempts") + 1, lease_expires_at=expires, heartbeat_at=now, error=""
+        )
+        != 1
+    ):
         return None
     row.attempts += 1
     row.lease_expires_at = expires
@@ -406,8 +413,46 @@ def register_step(step: LeasedStep) -> LeasedStep:
     return step
 
 
+def step_consumers() -> list[str]:
+    """The consumers a leased step is registered for (``fulfilment``, ...)."""
+    return sorted(_steps)
+
+
 def get_step(consumer: str) -> LeasedStep | None:
     return _steps.get(consumer)
+
+
+#: A stalled attempt's answer (its lease ran out with no word from whoever held it).
+STALLED = "its lease ran out with no word from whoever held it"
+
+
+def _journal(lease: Lease, result: str, via: str, answer: str = "") -> None:
+    """Keep this attempt and its answer (:class:`~idempotent_orders.models.LeaseAttempt`);
+    a resumed lease first records the attempt before it as stalled when it left no word."""
+    from idempotent_orders.models import LeaseAttempt
+
+    try:
+        rows = LeaseAttempt.objects.filter(consumer=lease.consumer, message_id=lease.message_id)
+        if lease.resumed and lease.attempt > 1 and not rows.filter(attempt=lease.attempt - 1):
+            LeaseAttempt.objects.create(
+                consumer=lease.consumer,
+                message_id=lease.message_id,
+                order_id=lease.order_id,
+                attempt=lease.attempt - 1,
+                result="stalled",
+                answer=STALLED,
+            )
+        LeaseAttempt.objects.create(
+            consumer=lease.consumer,
+            message_id=lease.message_id,
+            order_id=lease.order_id,
+            attempt=lease.attempt,
+            via=via[:16],
+            result=result,
+            answer=answer[:2000],
+        )
+    except Exception:  # the record of an attempt must never fail the attempt
+        logger.warning("could not record attempt %d", lease.attempt, extra=lease.log_extra())
 
 
 def _announce(lease: Lease, result: StepResult, via: str) -> None:
@@ -439,10 +484,12 @@ def run_step(step: LeasedStep, lease: Lease, *, via: str = "worker") -> StepResu
             found = Verification.UNKNOWN
         if found is Verification.UNKNOWN:
             release(lease, error="the effect could not be verified")
+            _journal(lease, "unverified", via, "the effect could not be verified")
             _announce(lease, StepResult.RETRY, via)
             return StepResult.RETRY
         if found is Verification.DONE:
             result = step.finish(lease)
+            _journal(lease, result.value, via, "verified: the effect had happened")
             _announce(lease, result, via)
             return result
     try:
@@ -453,12 +500,15 @@ def run_step(step: LeasedStep, lease: Lease, *, via: str = "worker") -> StepResu
             "%s failed for %s: %r", step.consumer, lease.message_id, exc, extra=lease.log_extra()
         )
         release(lease, error=f"{type(exc).__name__}: {exc}"[:2000])
+        _journal(lease, "refused", via, f"{type(exc).__name__}: {exc}")
         _announce(lease, StepResult.RETRY, via)
         return StepResult.RETRY
     if lost.is_set():
         # Someone took the row over while we worked; they verify and finish it.
+        _journal(lease, "skipped", via, "taken over while it worked")
         _announce(lease, StepResult.SKIPPED, via)
         return StepResult.SKIPPED
     result = step.finish(lease)
+    _journal(lease, result.value, via)
     _announce(lease, result, via)
     return result

@@ -352,6 +352,52 @@ class AuditEntry(models.Model):
         return f"{self.username} {self.action} {self.target} {self.object_id}: {self.result}"
 
 
+class LeaseAttempt(models.Model):
+    """One attempt of a leased step (the warehouse call) and its answer, kept after the fix.
+
+    The inbox row keeps only the last attempt's reason; these rows keep each one
+    (refused, unverified, stalled, completed), so an order's timeline still shows
+    the warehouse's four refusals once a retry went through. Written by
+    :func:`idempotent_orders.leases.run_step`; purged after ``DEDUP_RETENTION``, as
+    the inbox rows.
+    """
+
+    consumer = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=255)
+    #: The order (no database constraint: the record outlives neither its row nor the order).
+    order_id = models.BigIntegerField(null=True, blank=True)
+    #: The row's ``attempts`` when it ran (the lease's claim generation).
+    attempt = models.PositiveIntegerField()
+    #: Who ran it: ``worker``, ``reconciler``, ``admin``.
+    via = models.CharField(max_length=16, blank=True, default="")
+    #: ``completed``, ``refused``, ``unverified``, ``stalled``, ``failed``, ``skipped``.
+    result = models.CharField(max_length=16)
+    #: The answer in words (the exception the other system raised, why it stopped).
+    answer = models.TextField(blank=True, default="")
+    at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        indexes = [models.Index(fields=["consumer", "message_id"], name="io_attempt_message")]
+
+    def __str__(self) -> str:
+        return f"{self.consumer}:{self.message_id} attempt {self.attempt}: {self.result}"
+
+
+class Heartbeat(models.Model):
+    """When a Celery worker process or the reconciler was last heard from (one row each).
+
+    In the database, so every process reads what every other wrote, whatever the
+    caches are (:mod:`idempotent_orders.liveness` writes and reads it).
+    """
+
+    #: ``worker:<hostname>`` or ``reconciler``.
+    name = models.CharField(max_length=191, primary_key=True)
+    beat_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.name} heard from at {self.beat_at}"
+
+
 class KeyState(models.TextChoices):
     """Life of an :class:`IdempotencyKey`; the values are part of the public contract."""
 

@@ -53,6 +53,7 @@ __all__ = [
     "ENABLED",
     "SYSTEM",
     "attached",
+    "recording",
     "sending",
     "traced_batch",
     "traced_consume",
@@ -81,6 +82,18 @@ if ENABLED:
     _PROPAGATOR = TraceContextTextMapPropagator()
     _CONSUMER = SpanKind.CONSUMER
     _PRODUCER = SpanKind.PRODUCER
+    #: The API's own providers: with nothing behind them, a span records nothing.
+    _API_ONLY = (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider)
+
+
+def recording() -> bool:
+    """Whether a span goes anywhere: a provider set here (:data:`provider`), or one an
+    SDK set globally. With the API alone (no SDK configured) the app makes no span at
+    all, so a message costs what it costs without OpenTelemetry."""
+    return ENABLED and (
+        provider is not None or not isinstance(_trace.get_tracer_provider(), _API_ONLY)
+    )
+
 
 _tracers: dict[int, Any] = {}
 
@@ -233,7 +246,7 @@ def traced_consume(function: _F) -> _F:
 
     @functools.wraps(function)
     def consume_message(message: Any, *, consumer: str) -> Any:
-        if _key(message) in _covered.get():
+        if not recording() or _key(message) in _covered.get():
             return function(message, consumer=consumer)
         attributes = _attributes("process", consumer, attempt=_attempt(), **_of_message(message))
         with _span(f"process {consumer}", _CONSUMER, attributes) as span:
@@ -256,6 +269,8 @@ def traced_batch(function: _F) -> _F:
 
     @functools.wraps(function)
     def consume_batch(messages: Sequence[Any], *, consumer: str) -> Any:
+        if not recording():
+            return function(messages, consumer=consumer)
         parent, links = _parent()
         tracer = _tracer()
         attempt = _attempt()
@@ -301,6 +316,8 @@ def traced_fire(function: _F) -> _F:
 
     @functools.wraps(function)
     def fire(timer: Any) -> Any:
+        if not recording():
+            return function(timer)
         attributes = _attributes(
             "process",
             "timers",
@@ -330,6 +347,8 @@ def traced_receive(function: _F) -> _F:
 
     @functools.wraps(function)
     def receive(*args: Any, **kwargs: Any) -> Any:
+        if not recording():
+            return function(*args, **kwargs)
         name = str(args[0] if args else kwargs["name"])
         headers = args[2] if len(args) > 2 else kwargs.get("headers", {})
         carried = str(headers.get("traceparent", "") or "").strip().lower()
@@ -398,7 +417,7 @@ def sending(
     ``traceparent`` is the one the row would store without a span; with ``explicit``
     (the caller passed it) the span is its child whatever else is current.
     """
-    if not ENABLED:
+    if not recording():
         yield Sending(traceparent)
         return
     attributes = _attributes("send", task_name, message_id=message_id)

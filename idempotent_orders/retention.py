@@ -26,6 +26,7 @@ from idempotent_orders.models import (
     InboxStatus,
     KeyQuota,
     KeyState,
+    LeaseAttempt,
     Outcome,
     ParkedMessage,
     ProcessedMessage,
@@ -190,6 +191,8 @@ def purge(*, now: datetime | None = None, batch_size: int | None = None) -> Purg
             )
     # On a partitioned inbox this finds only the kept rows that have since finished.
     report.inbox += _delete_in_batches(ProcessedMessage, condition, size)
+    # The leased steps' attempts: kept as long as the inbox rows they belong to.
+    _delete_in_batches(LeaseAttempt, Q(at__lt=inbox_cutoff), size)
     # Expired keys and tokens; a claim whose lease is still live stays (as in
     # http.keys.purge_expired, which deletes without batching).
     report.keys = _delete_in_batches(

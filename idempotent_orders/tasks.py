@@ -137,6 +137,8 @@ def fulfilment_message(order_id: int) -> dict[str, Any]:
 
 
 _TASKS = {"payments": consume_payment, "shipping": consume_shipping}
+#: The consumers of the app's own Celery tasks (the admin's consumer filter lists them).
+CONSUMERS = tuple(_TASKS)
 
 
 def publish(message: dict[str, Any], *, consumer: str, **options: Any) -> None:

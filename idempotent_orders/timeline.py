@@ -6,6 +6,8 @@
   reason, and for an applied one the order's transition it ran; failed and dead
   rows with the exception they keep; a leased step's row (the fulfilment call)
   with its lease, attempts and last heartbeat;
+- the **attempts** of its leased steps (``LeaseAttempt``): each call and its answer
+  (refused, unverified, stalled, completed), kept after the step finished;
 - its **parked messages**, with the reason they wait *now*: decided again
   against the order as it is (:func:`idempotent_orders.consuming.decision.decide`, pure),
   not the text stored when the message was parked;
@@ -37,6 +39,7 @@ from idempotent_orders.exceptions import InvalidMessage
 from idempotent_orders.models import (
     AuditEntry,
     InboxStatus,
+    LeaseAttempt,
     OutboxMessage,
     OutboxStatus,
     Outcome,
@@ -132,14 +135,19 @@ def _inbox_event(row: ProcessedMessage, now: datetime) -> Event:
         if row.lease_expires_at is None:
             text = f"waits for its next delivery after a failed run: {row.error or 'no error'}"
             attention = True
+        elif row.lease_expires_at < now and row.error:
+            outcome = "refused"
+            text = (
+                f"attempt {row.attempts} was answered: {row.error}; the reconciler tries "
+                "again (no worker stalled)"
+            )
+            attention = True
         elif row.lease_expires_at < now:
             outcome = "stuck"
             text = (
-                f"lease expired at {at(row.lease_expires_at)} (attempt {row.attempts}, "
-                f"last heartbeat {at(row.heartbeat_at) or 'none'})"
+                f"lease ran out at {at(row.lease_expires_at)} with no word from its worker "
+                f"(attempt {row.attempts}, last heartbeat {at(row.heartbeat_at) or 'none'})"
             )
-            if row.error:
-                text += f"; last error: {row.error}"
             attention = True
         else:
             text = (
@@ -176,6 +184,17 @@ def _inbox_event(row: ProcessedMessage, now: datetime) -> Event:
         link=_change_url(row),
         attention=attention,
         fix=_row_fix(row, now),
+    )
+
+
+def _attempt_event(attempt: LeaseAttempt) -> Event:
+    return Event(
+        at=attempt.at,
+        kind="attempt",
+        title=f"{attempt.consumer} {attempt.message_id} attempt {attempt.attempt}",
+        outcome=attempt.result,
+        text=attempt.answer or attempt.result,
+        who=attempt.via,
     )
 
 
@@ -279,6 +298,12 @@ def timeline(order: Any, *, outbox: Any = None) -> list[Event]:
     now = timezone.now()
     inbox = list(ProcessedMessage.objects.filter(order_id=order.pk).order_by("created_at", "id"))
     events = [_inbox_event(row, now) for row in inbox]
+    leased = [(row.consumer, row.message_id) for row in inbox if row.fencing_token is not None]
+    if leased:
+        attempts = LeaseAttempt.objects.filter(
+            Q.create([Q(consumer=c, message_id=m) for c, m in leased], connector=Q.OR)
+        ).order_by("at", "id")
+        events += [_attempt_event(a) for a in attempts]
     events += [
         _parked_event(p, order, now)
         for p in ParkedMessage.objects.filter(order_id=order.pk).order_by("parked_at", "id")
@@ -300,5 +325,13 @@ def timeline(order: Any, *, outbox: Any = None) -> list[Event]:
         events.append(
             Event(at=created, kind="order", title=f"order {order.pk} created", outcome="", text="")
         )
-    first = {"order": 0, "message": 1, "lease": 1, "parked": 2, "outbox": 3, "operator": 4}
+    first = {
+        "order": 0,
+        "message": 1,
+        "lease": 1,
+        "attempt": 2,
+        "parked": 3,
+        "outbox": 4,
+        "operator": 5,
+    }
     return sorted(events, key=lambda e: (e.at, first.get(e.kind, 9)))

@@ -11,8 +11,8 @@ docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # `make docs-gen`: write the generated parts (settings and checks tables, state graphs,
-# commands) into the pages themselves, where a reader of the repository sees them;
-# tests/test_docs.py fails while a page's parts are stale.
+# commands, code regions of tested files) into the pages themselves, where a reader of the repository sees them;
+# tests/project/test_docs.py fails while a page's parts are stale.
 .PHONY: docs-gen
 docs-gen: venv
 	$(PY) docs/gen/hooks.py

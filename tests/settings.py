@@ -20,6 +20,8 @@ DEBUG = False
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
 TIME_ZONE = "UTC"
+# The demo's one time format (the admin's dates as its timeline's), as the demo sets it.
+FORMAT_MODULE_PATH = ["demo_project.formats"]
 
 BACKEND = os.environ.get("IO_TEST_DATABASE", "sqlite")
 #: Name of the database the tests run in; parallel runs pick different names.
@@ -99,7 +101,7 @@ INSTALLED_APPS = [
     "demo_project",
 ]
 # Django's task framework: the immediate backend by default, and a database
-# backend whose `db_worker` runs as a real process in tests/test_contrib_tasks.py.
+# backend whose `db_worker` runs as a real process in tests/http/test_contrib_tasks.py.
 try:
     import django_tasks_db  # noqa: F401
 except ImportError:
@@ -153,7 +155,7 @@ IDEMPOTENT_ORDERS: dict[str, Any] = {
     # The test client's address (the access-control tests override it).
     "METRICS_ALLOW_IPS": ["127.0.0.1"],
     # A test reads at once what it just wrote: the first lookup loads the window before
-    # answering (tests/test_dedup.py tests the background load on its own).
+    # answering (tests/dedup/test_dedup.py tests the background load on its own).
     "DEDUP_BLOOM_WARM_UP_IN_BACKGROUND": False,
 }
 if "dedup" in CACHES:

@@ -8,11 +8,15 @@ of the repository sees it too:
 - ``<!-- gen:checks -->``: the system check table, from ``idempotent_orders/checks/``;
 - ``<!-- gen:graph app_label.Model -->``: the model's state graph as Mermaid, by the
   ``idempotent_orders_graph`` management command's own function;
-- ``<!-- gen:commands -->``: the app's management commands with their help text.
+- ``<!-- gen:commands -->``: the app's management commands with their help text;
+- ``<!-- gen:code path/to/file.py#name -->``: a python block with the region of that file
+  between ``# --8<-- [start:name]`` and ``# --8<-- [end:name]`` (dedented), or the whole
+  file without ``#name``: the code a page shows is the code a test runs. (Put such a part
+  between ``<!-- fmt: off -->`` and ``<!-- fmt: on -->``: it is formatted as its file is.)
 
 An unknown marker fails the build. ``python docs/gen/hooks.py`` (``make docs-gen``)
 writes every part into its page; ``--check`` only lists the stale pages (and
-tests/test_docs.py fails on one). The MkDocs build fills each part afresh.
+tests/project/test_docs.py fails on one). The MkDocs build fills each part afresh.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -98,6 +103,40 @@ def _commands() -> str:
     return "\n".join(rows) + "\n"
 
 
+#: The lines around a region of a source file that a page shows (pymdownx.snippets' spelling).
+REGION = re.compile(r"^[ \t]*# --8<-- \[(?P<end>start|end):(?P<name>[a-z0-9_-]+)\][ \t]*$")
+
+
+def region(arg: str) -> str:
+    """The text of ``path#name`` (a region) or ``path`` (the whole file), dedented."""
+    path, _, name = arg.partition("#")
+    source = ROOT / path
+    if not source.is_file():
+        raise ValueError(f"gen:code names no file of the repository: {path}")
+    lines = source.read_text().splitlines(keepends=True)
+    if not name:
+        return "".join(line for line in lines if not REGION.match(line)).strip("\n") + "\n"
+    found: list[str] = []
+    inside = False
+    for line in lines:
+        marker = REGION.match(line)
+        if marker and marker["name"] == name:
+            if marker["end"] == "start":
+                inside = True
+                continue
+            if inside:
+                return textwrap.dedent("".join(found)).strip("\n") + "\n"
+        elif inside and not marker:
+            found.append(line)
+    raise ValueError(f"gen:code: no region {name!r} (start and end) in {path}")
+
+
+def _code(arg: str | None) -> str:
+    if arg is None:
+        raise ValueError("gen:code names no file")
+    return "```python\n" + region(arg) + "```\n"
+
+
 def _replace(match: re.Match[str]) -> str:
     reference = _reference()
     kind, arg = match["kind"], match["arg"]
@@ -109,6 +148,8 @@ def _replace(match: re.Match[str]) -> str:
         return _graph(arg)
     if kind == "commands" and arg is None:
         return _commands()
+    if kind == "code":
+        return _code(arg)
     raise ValueError(f"unknown generated part: {match.group(0)}")
 
 

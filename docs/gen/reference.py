@@ -5,7 +5,7 @@ system check E003 holds a configured value to.
 
 Both are read with ``ast``/``tokenize`` rather than imported, so the
 descriptions are the comments and message texts as written in the code.
-Used by the MkDocs hook (``docs/gen/hooks.py``) and by ``tests/test_docs.py``.
+Used by the MkDocs hook (``docs/gen/hooks.py``) and by ``tests/project/test_docs.py``.
 """
 
 from __future__ import annotations

@@ -44,9 +44,16 @@ def _names(obj: Model) -> tuple[str, str]:
 def audit(
     request: HttpRequest, action: str, obj: Model, result: str, detail: str = ""
 ) -> AuditEntry:
-    """Record one operator action on ``obj``, naming its order and message (searchable)."""
+    """Record one operator action on ``obj``, naming its order and message (searchable),
+    and beside it Django's own ``LogEntry``, so the admin's "Recent actions" lists it."""
+    from django.contrib.admin.models import CHANGE, LogEntry
+
     user = request.user if request.user.is_authenticated else None
     order_pk, message_id = _names(obj)
+    if user is not None:
+        LogEntry.objects.log_actions(
+            user.pk, [obj], CHANGE, f"{action}: {result}. {detail}"[:2000], single_object=True
+        )
     return AuditEntry.objects.create(
         user=user,
         username=user.get_username() if user is not None else "",
@@ -94,16 +101,28 @@ def order_link(obj: ProcessedMessage | ParkedMessage) -> str:
     return format_html('<a href="{}">{}</a>', link, obj.order_id)
 
 
+def known_consumers() -> list[str]:
+    """Every consumer the code writes inbox rows for, read from the code (not a ``SELECT
+    DISTINCT`` over the table): the app's Celery consumers, the ones the registered message
+    types name, the leased steps' and the webhook providers'."""
+    from idempotent_orders import leases
+    from idempotent_orders.tasks import CONSUMERS
+    from idempotent_orders.webhooks.config import providers
+
+    names = set(CONSUMERS) | {c for h in registered() for c in h.consumers}
+    names |= set(leases.step_consumers()) | {p.consumer for p in providers()}
+    return sorted(names)
+
+
 class ConsumerFilter(admin.SimpleListFilter):
-    """The consumers the registered message types name (``register(consumers=...)``);
-    hidden when none does. Any consumer is still one ``?consumer=<name>`` away."""
+    """Every consumer the code writes rows for (:func:`known_consumers`). Any other
+    consumer is still one ``?consumer=<name>`` away."""
 
     title = "consumer"
     parameter_name = "consumer"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = sorted({c for h in registered() for c in h.consumers})
-        return [(name, name) for name in names]
+        return [(name, name) for name in known_consumers()]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()

@@ -58,7 +58,8 @@ class AttentionFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         return [
-            ("stuck", "stuck in processing (lease expired)"),
+            ("stuck", "stuck: a lease ran out with no word"),
+            ("refused", "refused by the other system, to be tried again"),
             ("processing", "processing"),
             ("rejected", "rejected"),
             ("rejected_today", "rejected today"),
@@ -70,9 +71,9 @@ class AttentionFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         if value == "stuck":
-            return queryset.filter(
-                status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now()
-            )
+            return stuck(queryset)
+        if value == "refused":
+            return refused(queryset)
         if value == "rejected_today":
             return queryset.filter(status=InboxStatus.REJECTED, created_at__gte=_start_of_today())
         if value == "refund":
@@ -80,6 +81,22 @@ class AttentionFilter(admin.SimpleListFilter):
         if value in {"processing", "rejected", "failed", "dead"}:
             return queryset.filter(status=value)
         return queryset
+
+
+def stuck(inbox: QuerySet[Any] | None = None) -> QuerySet[Any]:
+    """Leased work whose lease ran out with no word from whoever held it (a stall: a worker
+    died or hangs). The dashboard's count and its list share this rule."""
+    rows = ProcessedMessage.objects.all() if inbox is None else inbox
+    return rows.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now(), error="")
+
+
+def refused(inbox: QuerySet[Any] | None = None) -> QuerySet[Any]:
+    """Leased work the other system refused or failed (the step released its lease with the
+    answer): no worker stalled; the reconciler tries again, then gives it up to an operator."""
+    rows = ProcessedMessage.objects.all() if inbox is None else inbox
+    return rows.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=timezone.now()).exclude(
+        error=""
+    )
 
 
 def _start_of_today() -> datetime:
@@ -143,39 +160,52 @@ def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(cut) + (f" and {more} more" if more > 0 else "")
 
 
+def _seconds(seconds: float) -> str:
+    """A threshold in words: "60 seconds" is "1 minute"."""
+    return _minutes(int(seconds))
+
+
+def _ago(seconds: float) -> str:
+    """A short age in words: "12 seconds", "3 minutes"."""
+    if seconds < 120:
+        return f"{int(seconds)} seconds"
+    return timesince(timezone.now() - timedelta(seconds=seconds))
+
+
 def _liveness_lines(stuck_url: str) -> list[Attention]:
-    """Workers gone quiet and the reconciler's last pass, from their heartbeats."""
-    if not liveness.shared():
-        # Another process's beats cannot reach this one: say so, claim nothing.
-        local = "LOCK_CACHE is local to each process: no heartbeat can be seen here"
-        return [
-            Attention("workers_gone", "Workers not heard from", 0, stuck_url, local),
-            Attention("reconciler", "Reconciler last pass", 0, stuck_url, local),
-        ]
+    """Workers gone quiet and the reconciler's last pass, from their heartbeats (rows in
+    the database: what every process wrote, whatever the caches are)."""
     workers = liveness.ages("worker:")
     gone = sorted(
         name.removeprefix("worker:") for name, age in workers.items() if age > liveness.SILENT_AFTER
     )
     alive = len(workers) - len(gone)
     reconciler = liveness.ages("reconciler").get("reconciler")
-    late = reconciler is None or reconciler > 5 * 60
+    silent = liveness.reconciler_silent_after()
+    late = reconciler is None or reconciler > silent
+    if workers:
+        heard = (f"gone: {_some(gone)}; " if gone else "") + (
+            f"{alive} heard from in the last minute"
+        )
+    else:
+        heard = "no worker heard from in the last hour (is a Celery worker running?)"
     return [
         Attention(
             "workers_gone",
-            f"Workers not heard from for {liveness.SILENT_AFTER} s",
+            f"Workers not heard from for {_seconds(liveness.SILENT_AFTER)}",
             len(gone),
             stuck_url,
-            (f"gone: {_some(gone)}; " if gone else "") + f"{alive} heard from in the last minute",
+            heard,
             short="",
         ),
         Attention(
             "reconciler",
-            "Reconciler not run in the last 5 minutes",
+            f"Reconciler not run for {_seconds(silent)}",
             int(late),
             stuck_url,
             "never heard from (is Celery beat running?)"
             if reconciler is None
-            else f"last pass {int(reconciler)} s ago",
+            else f"last pass {_ago(reconciler)} ago",
             short="",
         ),
     ]
@@ -205,10 +235,18 @@ def attention(user: Any) -> list[Attention]:
         lines += [
             Attention(
                 "stuck",
-                "Stuck in processing (lease expired)",
-                inbox.filter(status=InboxStatus.PROCESSING, lease_expires_at__lt=now).count(),
+                "Stuck: a lease ran out with no word",
+                stuck(inbox).count(),
                 changelist(ProcessedMessage, "?attention=stuck"),
                 short="stuck",
+            ),
+            Attention(
+                "refused",
+                "Refused by the other system (tried again)",
+                refused(inbox).count(),
+                changelist(ProcessedMessage, "?attention=refused"),
+                "the reconciler tries again; Retry… to try now",
+                short="refused",
             ),
             Attention(
                 "failed",

@@ -241,20 +241,22 @@ def _fix(obj: ProcessedMessage) -> str:
 
 @admin.register(ProcessedMessage)
 class ProcessedMessageAdmin(KeySearchMixin, ReadOnlyEvidenceAdmin):
+    # What an operator acts on first (the reason and its fix), then the details: on a
+    # laptop with the admin's sidebar and the filters, the first columns are what shows.
     list_display = [
         "message_id",
+        order_link,
+        "status",
+        _fix,
+        _reason,
         "consumer",
         "message_type",
         "outcome",
-        "status",
-        order_link,
         "seq",
         timestamp("created_at", "created at"),
         "attempts",
         timestamp("lease_expires_at", "lease expires at"),
         timestamp("dead_at", "dead at"),
-        _reason,
-        _fix,
     ]
     list_filter = [AttentionFilter, ConsumerFilter, "outcome", "status", MessageTypeFilter]
     search_fields = ["message_id__exact", "order__pk__exact"]

@@ -16,7 +16,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import flatten_fieldsets
 from django.db import transaction
-from django.db.models import F, Model, QuerySet
+from django.db.models import F, Model, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 
 from idempotent_orders import get_order_model
@@ -135,6 +135,17 @@ else:
     _ModelAdmin = object
 
 
+#: The text lookups a search field may end with (an order number is compared exactly).
+_TEXT_LOOKUPS = (
+    "__exact",
+    "__iexact",
+    "__contains",
+    "__icontains",
+    "__startswith",
+    "__istartswith",
+)
+
+
 class OrderAdminMixin(_ModelAdmin):
     """The admin's guarantees for an order model; put it first on your own ``ModelAdmin``.
 
@@ -171,6 +182,23 @@ class OrderAdminMixin(_ModelAdmin):
     #: A project with its own change form template includes
     #: ``admin/idempotent_orders/order/timeline.html`` in it.
     change_form_template = "admin/idempotent_orders/order/change_form.html"
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        """An order number ("12" or "#12") finds that order, and the orders one of the
+        search fields equals exactly: not every key that merely contains the digits."""
+        term = search_term.strip().removeprefix("#")
+        if not (term.isascii() and term.isdigit() and len(term) <= 18):
+            return super().get_search_results(request, queryset, search_term)
+        match = Q(pk=int(term))
+        for name in self.get_search_fields(request):
+            path = name.lstrip("^=@")
+            for lookup in _TEXT_LOOKUPS:
+                path = path.removesuffix(lookup)
+            match |= Q(**{f"{path}__exact": term})
+        return queryset.filter(match), False
+
     #: An order table grows without bound: no unfiltered total beside each page, and a
     #: count that stops at 10,000 rows (an estimate past them on PostgreSQL).
     show_full_result_count = False

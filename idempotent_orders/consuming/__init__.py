@@ -1,7 +1,7 @@
 """The consume road: one message, or a batch, applied to its order exactly once.
 
 One module per step, in the order a message meets them, each importing only
-the ones above it (``tests/test_structure.py`` keeps it so); what differs between
+the ones above it (``tests/project/test_structure.py`` keeps it so); what differs between
 databases is a backend (:mod:`~idempotent_orders.consuming.backends`), chosen once
 per connection. ``docs/architecture.md`` says what each module holds.
 
@@ -19,7 +19,7 @@ LAYERS = (
     "decision",
     "backends",
     "backends.postgresql",
-    "backends.postgresql_arrays",
+    "backends.postgresql.arrays",
     "backends.mysql",
     "backends.sqlite",
     "prepared",
@@ -27,11 +27,12 @@ LAYERS = (
     "payments",
     "failures",
     "savepoints",
-    "one_statement",
-    "one_transaction",
-    "update_many",
+    "unread",
+    "backends.postgresql.one_statement",
+    "backends.at_once",
+    "backends.update_many",
     "writing",
-    "claim_and_run",
+    "backends.postgresql.claim_and_run",
     "single",
     "chunk",
     "batch",

@@ -31,7 +31,8 @@ from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.backends import backend
-from idempotent_orders.consuming.backends.postgresql_arrays import array_literal
+from idempotent_orders.consuming.backends.postgresql.arrays import array_literal
+from idempotent_orders.consuming.backends.update_many import update_many
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
@@ -43,7 +44,6 @@ from idempotent_orders.consuming.sql import (
     insert_inbox_values,
 )
 from idempotent_orders.consuming.sql import _names as _inbox_names
-from idempotent_orders.consuming.update_many import update_many
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
     AbstractOrder,

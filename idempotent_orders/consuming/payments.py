@@ -16,7 +16,7 @@ from typing import Any
 from django.db import connection
 
 from idempotent_orders.consuming.backends import backend
-from idempotent_orders.consuming.backends.postgresql_arrays import array_literal
+from idempotent_orders.consuming.backends.postgresql.arrays import array_literal
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment

@@ -6,7 +6,7 @@ cursor wrapper, see :func:`driver_cursor`) as a prepared statement of the sessio
 of its own work on a short statement. In autocommit its arguments are bound by the
 protocol (:func:`_execute_bound`), not composed into an ``EXECUTE`` text: no statement
 text to build on the client or to parse on the server. The one-statement road
-(:mod:`~idempotent_orders.consuming.one_statement`) runs its statement here, in
+(:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement`) runs its statement here, in
 autocommit or, with a follow-up to write, in the follow-up's transaction.
 """
 

@@ -19,6 +19,10 @@ from django.db.models import F
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends import backend
+from idempotent_orders.consuming.backends.at_once import (
+    can_claim_and_apply_at_once,
+    claim_and_apply_at_once,
+)
 from idempotent_orders.consuming.decision import (
     REFUND,
     Verdict,
@@ -33,10 +37,6 @@ from idempotent_orders.consuming.failures import (
     describe,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
-from idempotent_orders.consuming.one_transaction import (
-    can_claim_and_apply_at_once,
-    claim_and_apply_at_once,
-)
 from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend, spent_by
 from idempotent_orders.consuming.running import (
     FollowUp,
@@ -391,7 +391,7 @@ def apply_at_once(
 ) -> Outcome:
     """MariaDB and SQLite: the claim, the spent payment, the transition's conditional
     UPDATE and the follow-up's outbox row, sent as one transaction of their own
-    (:mod:`~idempotent_orders.consuming.one_transaction`). Raises as :func:`write` does."""
+    (:mod:`~idempotent_orders.consuming.backends.at_once`). Raises as :func:`write` does."""
     model = type(order)
     e, values, conditions = _guarded_write(envelope, order, verdict, unflagged)
     payment = payment_id(envelope)

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of the app's own API (``GET <prefix>/schema/``).
 
-Written by hand, next to the views it describes; ``tests/test_http_schema.py``
+Written by hand, next to the views it describes; ``tests/http/test_http_schema.py``
 holds it to the URLconf (every route described, every described method
 allowed, every other method 405) and to the answers the views give.
 """

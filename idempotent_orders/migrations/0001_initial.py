@@ -255,6 +255,30 @@ class Migration(migrations.Migration):
             ],
         ),
         migrations.CreateModel(
+            name='Heartbeat',
+            fields=[
+                ('name', models.CharField(max_length=191, primary_key=True, serialize=False)),
+                ('beat_at', models.DateTimeField()),
+            ],
+        ),
+        migrations.CreateModel(
+            name='LeaseAttempt',
+            fields=[
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('consumer', models.CharField(max_length=64)),
+                ('message_id', models.CharField(max_length=255)),
+                ('order_id', models.BigIntegerField(blank=True, null=True)),
+                ('attempt', models.PositiveIntegerField()),
+                ('via', models.CharField(blank=True, default='', max_length=16)),
+                ('result', models.CharField(max_length=16)),
+                ('answer', models.TextField(blank=True, default='')),
+                ('at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
+            ],
+            options={
+                'indexes': [models.Index(fields=['consumer', 'message_id'], name='io_attempt_message')],
+            },
+        ),
+        migrations.CreateModel(
             name='SpentPayment',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),

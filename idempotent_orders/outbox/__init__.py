@@ -2,7 +2,7 @@
 
 Everything public is importable from here (``from idempotent_orders.outbox import
 publish_on_commit``). One module per concept, each importing only the ones
-before it (``tests/test_structure.py`` keeps it so):
+before it (``tests/project/test_structure.py`` keeps it so):
 
 1. :mod:`~idempotent_orders.outbox.failures`: a failed publish: the broker
    breaker, the row's backoff, its dead letter.

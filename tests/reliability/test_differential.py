@@ -457,7 +457,7 @@ def test_the_one_transaction_road_ends_where_the_atomic_road_ends(
     stream: Stream, fulfil: bool, transactional_db: None
 ) -> None:
     """MariaDB and SQLite send a decided message's writes as one transaction of their own
-    (``one_transaction``); with that road off, Django's ``atomic`` and the ORM write them.
+    (``backends.at_once``); with that road off, Django's ``atomic`` and the ORM write them.
     One by one, both must leave the same state, follow-ups included."""
     config = {
         **settings.IDEMPOTENT_ORDERS,

@@ -19,7 +19,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idempotent_orders.consuming import batch, one_statement, one_transaction, single, writing
+from idempotent_orders.consuming import batch, single, writing
+from idempotent_orders.consuming.backends import at_once
+from idempotent_orders.consuming.backends.postgresql import one_statement
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.graph import TransitionStatus, classify
 from idempotent_orders.consuming.registry import get_handler
@@ -107,7 +109,7 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
         mock.patch.object(writing, "claim_and_apply", _raise),
         mock.patch.object(one_statement, "apply_unread", _raise),
         mock.patch.object(writing, "claim_and_apply_at_once", _raise),
-        mock.patch.object(one_transaction, "apply_unread_at_once", _raise),
+        mock.patch.object(at_once, "apply_unread_at_once", _raise),
     ),
     # A one-statement claim-and-apply (or MariaDB's and SQLite's one transaction)
     # committed; nothing after it happened.
@@ -120,9 +122,9 @@ CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = 
             writing, "claim_and_apply_at_once", _after_written(writing.claim_and_apply_at_once)
         ),
         mock.patch.object(
-            one_transaction,
+            at_once,
             "apply_unread_at_once",
-            _after_applied(one_transaction.apply_unread_at_once),
+            _after_applied(at_once.apply_unread_at_once),
         ),
     ),
     # Committed, but the fast-path mark (an on_commit hook) never happens.

@@ -3,6 +3,8 @@ and a permission."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.conf import settings
 from django.db import models
 from django_fsm import (
@@ -132,11 +134,10 @@ class FlowOrder(Order):
     class Meta:
         proxy = True
 
+    # --8<-- [start:partial-payment]
     @transition(field="flow", source=["new", "part_paid"], target=RETURN_VALUE("part_paid", "paid"))
     def pay(self, payment_id: str, amount: str) -> str:
         """Records the payment; the order is paid once the payments cover the amount."""
-        from decimal import Decimal
-
         Payment.objects.create(order=self, payment_id=payment_id, amount=Decimal(amount))
         self.paid_total += Decimal(amount)
         return "paid" if self.paid_total >= self.amount else "part_paid"
@@ -144,6 +145,8 @@ class FlowOrder(Order):
     @transition(field="flow", source="paid", target="shipped", conditions=[has_payment])
     def ship(self, tracking_number: str, carrier: str = "") -> None:
         self.tracking_number = tracking_number
+
+    # --8<-- [end:partial-payment]
 
     @transition(field="flow", source="+", target="cancelled")
     def cancel(self, reason: str = "") -> None:

@@ -35,7 +35,7 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # admin, checks, migrations and views, all of which run in-process on every database.
 # What starts real Celery worker processes (marker ``workers``), whose behaviour does
 # not depend on Django's version, runs in full on the Django 5.2 legs of every database;
-# on Django 6 only tests/test_workers.py (marker ``workers_on_every_django``: the worker's
+# on Django 6 only tests/system/test_workers.py (marker ``workers_on_every_django``: the worker's
 # Django integration, on both brokers) runs, on PostgreSQL. The long runs (marker
 # ``heavy``: the chaos runs, a killed primary, a retry held by the broker) run on Django
 # 5.2's PostgreSQL leg. The browser tests (marker ``browser``: Django's admin pages in
@@ -72,18 +72,19 @@ ESTIMATE = {
 # the consume road's every way through (the claim and the save() road included), batches,
 # failures, and the admin's operator transitions; under a minute.
 FSM28_TESTS = (
-    "tests/test_fsm_package.py",
-    "tests/test_checks.py",
-    "tests/test_graph_command.py",
-    "tests/test_transitions.py",
-    "tests/test_consume.py",
-    "tests/test_roads.py",
-    "tests/test_every_path.py",
-    "tests/test_claim_and_apply.py",
-    "tests/test_batch.py",
-    "tests/test_failures.py",
-    "tests/test_migrations.py",
-    "tests/test_admin.py",
+    "tests/project/test_fsm_package.py",
+    "tests/project/test_checks.py",
+    "tests/consume/test_graph_command.py",
+    "tests/consume/test_transitions.py",
+    "tests/consume/test_consume.py",
+    "tests/consume/test_roads.py",
+    "tests/consume/test_every_path.py",
+    "tests/backends/test_postgresql_one_statement.py",
+    "tests/backends/test_contract.py",
+    "tests/consume/test_batch.py",
+    "tests/consume/test_failures.py",
+    "tests/project/test_migrations.py",
+    "tests/admin/test_admin.py",
 )
 FSM28_SELECTION = "not workers and not heavy and not browser"
 FSM28_DATABASE = "postgres"

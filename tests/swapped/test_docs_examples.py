@@ -1,34 +1,34 @@
-"""The own-model page's partial payment, run as the page writes it.
+"""The pages' examples for a project's own order model, run as written on ``shop.Order``.
 
-``shop.FlowOrder`` is the page's model (``pay`` with ``RETURN_VALUE("part_paid", "paid")``
-recording a ``Payment`` row; its state field is named ``flow``). The registration is the
-page's own code block, read from docs/own-order-model.md and executed.
+``shop.FlowOrder`` is the own-model page's partial payment model (``pay`` with
+``RETURN_VALUE("part_paid", "paid")`` recording a ``Payment`` row; its state field is named
+``flow``): the page shows its code (``<!-- gen:code tests/shop/models.py#partial-payment -->``).
+Each block marked ``<!-- example: name -->`` is read from its page and executed
+(tests/support/docs_examples.py); tests/project/test_docs_examples.py runs those of the app's own
+order model.
 """
 
 from __future__ import annotations
 
-import re
+import sys
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.contrib.admin import sites
 from django.test import override_settings
 
 from idempotent_orders.consuming import registry
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome, ProcessedMessage
-from tests.shop.models import FlowOrder, Payment
-from tests.support.services import ROOT
-
-PAGE = ROOT / "docs" / "own-order-model.md"
-BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-
-
-def page_block(containing: str) -> str:
-    [block] = [b for b in BLOCK.findall(PAGE.read_text()) if containing in b]
-    return block
+from tests import shop
+from tests.shop import models as shop_models
+from tests.shop.models import FlowOrder, Order, Payment
+from tests.support.docs_examples import run
+from tests.support.messages import payment as payment_of
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_the_partial_payment_example_works_as_written(saved_registry: None) -> N
         row = ProcessedMessage.objects.get(message_id=refused["message_id"])
         assert "payload.amount 4.00 does not match the order amount 10.00" in row.error
 
-        exec(page_block("def validate_part_payment"), {})
+        run("partial-payment-validator")
         handler = registry.get_handler("payment.succeeded")
         assert handler is not None
         assert handler.validate.__name__ == "validate_part_payment"
@@ -109,3 +109,32 @@ def test_arguments_pass_what_the_payload_does_not_carry(saved_registry: None) ->
     assert list(Payment.objects.filter(order_id=order.pk).values_list("payment_id", flat=True)) == [
         "provider-c9"
     ]
+
+
+@pytest.mark.django_db
+def test_the_own_model_settings_and_binding(saved_registry: None, make_order: Any) -> None:
+    scope = run("own-model-settings")
+    assert scope["IDEMPOTENT_ORDERS_ORDER_MODEL"] == settings.IDEMPOTENT_ORDERS_ORDER_MODEL
+    fulfilment = scope["IDEMPOTENT_ORDERS"]["FULFILMENT_TRANSITION"]
+    assert fulfilment == settings.IDEMPOTENT_ORDERS["FULFILMENT_TRANSITION"] == "pick"
+    handler = registry.get_handler("payment.succeeded")
+    assert handler is not None
+    assert (handler.transition, handler.validate) == ("settle", registry.validate_payment)
+    order = make_order()
+    assert consume_message(payment_of(order), consumer="payments") is Outcome.APPLIED
+    order.refresh_from_db()
+    assert order.phase == "settled"
+
+
+@pytest.mark.django_db
+def test_the_own_model_admin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """operations.md's admin for an own model, on a site of its own (``shop`` is tests.shop)."""
+    monkeypatch.setitem(sys.modules, "shop", shop)
+    monkeypatch.setitem(sys.modules, "shop.models", shop_models)
+    site = sites.AdminSite(name="docs")
+    monkeypatch.setattr(sites, "site", site)
+    scope = run("own-model-admin")
+    model_admin = site._registry[Order]
+    assert isinstance(model_admin, scope["OrderAdmin"])
+    assert model_admin.check() == []
+    assert list(model_admin.operator_transitions) == ["void"]

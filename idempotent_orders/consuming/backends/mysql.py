@@ -14,7 +14,7 @@ _LOST_ERRORS = {2006, 2013}
 
 class MySQL(Backend):
     vendor = "mysql"
-    without_read = ("one_transaction:apply_unread_at_once",)
+    without_read = ("backends.at_once:apply_unread_at_once",)
     locks_orders_first = True
     at_once = True
     at_once_in_one_text = True

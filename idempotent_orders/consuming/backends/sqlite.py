@@ -9,7 +9,7 @@ __all__ = ["SQLite"]
 
 class SQLite(Backend):
     vendor = "sqlite"
-    without_read = ("one_transaction:apply_unread_at_once",)
+    without_read = ("backends.at_once:apply_unread_at_once",)
     at_once = True
     #: A decimal column is compared as a double: up to 15 digits, two values of one scale
     #: are two doubles.

@@ -1,0 +1,542 @@
+"""MariaDB's and SQLite's road for a decided message: its writes as one transaction of its own.
+
+Once :func:`~idempotent_orders.consuming.decision.decide` said "apply" and nothing of the
+project's runs in the transaction (no body, no fsm-2 receiver; a follow-up only as the
+outbox row it hands over, see :class:`~idempotent_orders.consuming.running.FollowUpRow`),
+what the transaction writes is known before it starts: the inbox row, the spent
+payment, the conditional UPDATE of the order (``WHERE pk AND state AND version``, as
+:func:`~idempotent_orders.consuming.running.commit` writes it) and the follow-up's
+outbox row. :func:`claim_and_apply_at_once` sends them together:
+
+- MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
+  unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
+  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``: one round trip
+  where Django's ``atomic`` and the ORM take eight. The server stops at the first
+  statement that fails, so a duplicate (the inbox's unique index), a spent payment
+  (its unique index) or an order that moved (the guard fails when the UPDATE matched
+  no row) never reaches ``COMMIT``; the transaction is rolled back and the caller
+  decides again, as after the usual road's conditional UPDATE.
+- SQLite: the same statements one after another on the driver's cursor between
+  ``BEGIN`` (with the database's own ``transaction_mode``) and ``COMMIT``, with no ORM
+  or savepoint in between.
+
+Taken only outside a caller's transaction (``START TRANSACTION`` would commit it), so
+the after-commit work (the publish of the outbox row, the fast-path mark) runs once
+this returns, as after PostgreSQL's one statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    OperationalError,
+    connection,
+    connections,
+)
+from django.db.models import CharField, DecimalField, Field, Model, TextField
+from django.utils import timezone
+
+from idempotent_orders.consuming.backends import backend
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.failures import is_retryable
+from idempotent_orders.consuming.graph import state_field
+from idempotent_orders.consuming.rules import Test
+from idempotent_orders.consuming.running import (
+    guarded_update_sql,
+    written_values,
+)
+from idempotent_orders.consuming.sql import (
+    FOLLOW_UP_FIELDS,
+    inbox_template,
+)
+from idempotent_orders.consuming.unread import plan, written
+from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
+from idempotent_orders.signals import order_transitioned
+
+__all__ = [
+    "AtOnce",
+    "apply_unread_at_once",
+    "can_claim_and_apply_at_once",
+    "claim_and_apply_at_once",
+]
+
+#: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
+#: returning two rows.
+_DUPLICATE_KEY = 1062
+_GUARD_FAILED = 1242
+#: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
+_MULTI_STATEMENTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class AtOnce:
+    """What :func:`claim_and_apply_at_once` did. Only ``applied`` committed anything."""
+
+    #: False: the inbox holds the message already (nothing written).
+    claimed: bool = True
+    #: False: the payment id was spent already (rolled back).
+    paid: bool = True
+    #: False: the guarded UPDATE matched no row, the order changed since it was read
+    #: (rolled back).
+    updated: bool = True
+    #: The follow-up's outbox row id; None when its message id was in the outbox already.
+    queued_id: int | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.claimed and self.paid and self.updated
+
+
+def can_claim_and_apply_at_once() -> bool:
+    """Whether :func:`claim_and_apply_at_once` may run now: SQLite, or MariaDB/MySQL with
+    multi statements on, outside any transaction (in autocommit: with ``AUTOCOMMIT``
+    off a transaction may be open, and ``START TRANSACTION`` would commit it)."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.in_atomic_block or not conn.get_autocommit():
+        return False
+    chosen = backend(conn)
+    if not chosen.at_once_in_one_text:
+        return chosen.at_once
+    conn.ensure_connection()
+    return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
+
+
+@dataclass(frozen=True)
+class _Texts:
+    """The statements of one kind of message, with ``%s`` placeholders."""
+
+    inbox: str
+    spent: str
+    update: str
+    queue: str
+    #: The outbox columns filled per message (the others are the model's defaults).
+    queued: tuple[Field[Any, Any], ...]
+    queued_defaults: tuple[Any, ...]
+    value_fields: tuple[Field[Any, Any], ...]
+    condition_fields: tuple[Field[Any, Any], ...]
+
+
+_texts: dict[tuple[Any, ...], _Texts] = {}
+
+
+def _compile(
+    model: type[Model],
+    state_column: str,
+    sources: int,
+    values: Sequence[str],
+    conditions: Sequence[str],
+) -> _Texts:
+    qn = connection.ops.quote_name
+    mysql = backend().at_once_in_one_text
+    template = inbox_template()
+    inbox = template.head + ", ".join(["%s"] * len(template.fields)) + ")"
+    smeta = SpentPayment._meta
+    spent_columns = ", ".join(
+        qn(str(smeta.get_field(name).column))  # type: ignore[union-attr]
+        for name in ("payment_id", "order", "consumer", "message_id")
+    )
+    spent = f"INSERT INTO {qn(smeta.db_table)} ({spent_columns}) VALUES (%s, %s, %s, %s)"
+    meta = model._meta
+    value_fields: list[Field[Any, Any]] = []
+    condition_fields: list[Field[Any, Any]] = []
+    for names, found in ((values, value_fields), (conditions, condition_fields)):
+        for name in names:
+            field = meta.get_field(name)
+            assert isinstance(field, Field)
+            found.append(field)
+    update = guarded_update_sql(
+        connection, meta, state_column, value_fields, condition_fields, sources
+    )
+    ometa = OutboxMessage._meta
+    sample = OutboxMessage()
+    written = [f for f in ometa.concrete_fields if not f.primary_key and not f.has_db_default()]
+    queued = tuple(f for f in written if f.name in FOLLOW_UP_FIELDS)
+    defaults = tuple(
+        f.get_db_prep_save(f.pre_save(sample, True), connection)
+        for f in written
+        if f.name not in FOLLOW_UP_FIELDS
+    )
+    columns = ", ".join(
+        qn(str(f.column))
+        for f in (*queued, *(f for f in written if f.name not in FOLLOW_UP_FIELDS))
+    )
+    placeholders = ", ".join(["%s"] * len(written))
+    table = qn(ometa.db_table)
+    if mysql:
+        # The lengths were checked (``handed_over``): a repeated message id is all
+        # IGNORE lets through, and then the row that holds it is the message.
+        queue = f"INSERT IGNORE INTO {table} ({columns}) VALUES ({placeholders})"
+    else:
+        unique = qn(str(ometa.get_field("message_id").column))
+        pk = qn(str(ometa.pk.column if ometa.pk else "id"))
+        queue = (
+            f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
+            f" ON CONFLICT ({unique}) DO NOTHING RETURNING {pk}"
+        )
+    return _Texts(
+        inbox,
+        spent,
+        update,
+        queue,
+        queued,
+        defaults,
+        tuple(value_fields),
+        tuple(condition_fields),
+    )
+
+
+#: Fails (more than one row in a scalar subquery) unless the UPDATE before it matched
+#: one row: the statements after it, ``COMMIT`` included, never run.
+_GUARD = (
+    "SELECT (SELECT 1 FROM (SELECT 1 AS one UNION ALL SELECT 2) AS io_guard"
+    " WHERE ROW_COUNT() <> 1 AND one > 0)"
+)
+
+
+def claim_and_apply_at_once(
+    *,
+    inbox: Mapping[str, Any],
+    now: Any,
+    order: Model,
+    state_column: str,
+    sources: Sequence[Any],
+    target: Any,
+    version: int,
+    values: Mapping[str, Any],
+    conditions: Mapping[str, Any],
+    payment: str | None,
+    follow_up: Mapping[str, Any] | None,
+) -> AtOnce:
+    """Claim the message, spend its payment, apply the transition and queue the follow-up
+    in one transaction of its own; committed only when all of it applied.
+
+    ``inbox``: the inbox row's per-message columns (as
+    :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` takes them).
+    ``UPDATE <order> SET <state>=:target, version=version+1, <values> WHERE pk=:pk AND
+    <state> IN :sources AND version=:version AND <conditions>``. ``payment``: the
+    payment id recorded as spent (None: the message spends none). ``follow_up``: the
+    outbox row's :data:`~idempotent_orders.consuming.sql.FOLLOW_UP_FIELDS`, or None.
+    Call only where :func:`can_claim_and_apply_at_once` holds.
+    """
+    # The wrapper itself, not the ``connection`` proxy: each attribute read through
+    # the proxy costs a context-local lookup.
+    conn = connections[DEFAULT_DB_ALIAS]
+    model = type(order)
+    key = (conn.alias, model, state_column, len(sources), tuple(values), tuple(conditions))
+    texts = _texts.get(key)
+    if texts is None:
+        texts = _texts[key] = _compile(
+            model, state_column, len(sources), list(values), list(conditions)
+        )
+    prep = conn
+    meta = model._meta
+    assert meta.pk is not None
+    order_args: list[Any] = [target]
+    order_args += [
+        f.get_db_prep_save(v, prep)
+        for f, v in zip(texts.value_fields, values.values(), strict=True)
+    ]
+    order_args += [meta.pk.get_db_prep_value(order.pk, prep), *sources, version]
+    order_args += [
+        f.get_db_prep_save(v, prep)
+        for f, v in zip(texts.condition_fields, conditions.values(), strict=True)
+    ]
+    statements: list[tuple[str, str, Sequence[Any]]] = [
+        ("inbox", texts.inbox, inbox_template().params(inbox, now))
+    ]
+    if payment is not None:
+        spent = [payment, order.pk, inbox["consumer"], inbox["message_id"]]
+        statements.append(("spent", texts.spent, spent))
+    statements.append(("update", texts.update, order_args))
+    if follow_up is not None:
+        queued = [f.get_db_prep_save(follow_up[f.name], prep) for f in texts.queued]
+        statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
+    if backend(conn).at_once_in_one_text:
+        return _mysql(statements)
+    return _sqlite(statements)
+
+
+def _sqlite(
+    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
+) -> AtOnce:
+    conn = connections[DEFAULT_DB_ALIAS]
+    mode = getattr(conn, "transaction_mode", None)
+    queued_id: int | None = None
+    conn.ensure_connection()
+    # Straight to the driver unless something must see the queries (query logging, an
+    # execute wrapper): Django's cursor wrapper costs more than a statement here.
+    watched = conn.queries_logged or conn.execute_wrappers
+    if not watched:
+        conn.validate_thread_sharing()
+    with (
+        conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor,
+        conn.wrap_database_errors,
+    ):
+        cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
+        refused = (IntegrityError, conn.Database.IntegrityError)  # type: ignore[attr-defined]
+        try:
+            for step, sql, args in statements:
+                try:
+                    cursor.execute(sql if watched else _qmark(sql), args)
+                except refused:
+                    if step == "inbox":
+                        return _undone(cursor, AtOnce(claimed=False))
+                    if step == "spent":
+                        return _undone(cursor, AtOnce(paid=False))
+                    raise
+                if step == "update" and cursor.rowcount != 1:
+                    return _undone(cursor, AtOnce(updated=False))
+                if step == "queue":
+                    row = cursor.fetchone()
+                    queued_id = None if row is None else row[0]
+                elif step == "read" and read is not None:
+                    read.append(cursor.fetchone())
+            cursor.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                cursor.execute("ROLLBACK")
+            raise
+    return AtOnce(queued_id=queued_id)
+
+
+_qmarks: dict[str, str] = {}
+
+
+def _qmark(sql: str) -> str:
+    """``sql`` with sqlite3's own placeholders (the texts here hold no other ``%``)."""
+    found = _qmarks.get(sql)
+    if found is None:
+        found = _qmarks[sql] = sql.replace("%s", "?")
+    return found
+
+
+def _undone(cursor: Any, result: AtOnce) -> AtOnce:
+    cursor.execute("ROLLBACK")
+    return result
+
+
+def _mysql(
+    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
+) -> AtOnce:
+    conn = connections[DEFAULT_DB_ALIAS]
+    texts = ["START TRANSACTION"]
+    args: list[Any] = []
+    steps = ["begin"]
+    for step, sql, values in statements:
+        texts.append(sql)
+        args.extend(values)
+        steps.append(step)
+        if step == "update":
+            texts.append(_GUARD)
+            steps.append("guard")
+    texts.append("COMMIT")
+    steps.append("commit")
+    queued_id: int | None = None
+    at = 0
+    # The driver's cursor unless something must see the query, as on SQLite (Django's
+    # wrapper translates errors of its execute only: START TRANSACTION's, none of ours).
+    conn.ensure_connection()
+    watched = conn.queries_logged or conn.execute_wrappers
+    if not watched:
+        conn.validate_thread_sharing()
+    with conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor:
+        try:
+            with conn.wrap_database_errors:
+                cursor.execute("; ".join(texts), args)
+                while True:
+                    if steps[at] == "queue":
+                        # The INSERT IGNORE's own result: one row inserted, and its id
+                        # (0 rows: the message id was in the outbox already).
+                        queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+                    elif steps[at] == "read" and read is not None:
+                        read.append(cursor.fetchone())
+                    if not cursor.nextset():
+                        break
+                    at += 1
+        except BaseException as exc:
+            # A statement failed: the ones after it (COMMIT among them) did not run.
+            with contextlib.suppress(Exception):
+                cursor.execute("ROLLBACK")
+            code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
+            step = steps[at + 1] if at + 1 < len(steps) else ""
+            if code == _DUPLICATE_KEY and step == "inbox":
+                return AtOnce(claimed=False)
+            if code == _DUPLICATE_KEY and step == "spent":
+                return AtOnce(paid=False)
+            if code == _GUARD_FAILED and step == "guard":
+                return AtOnce(updated=False)
+            raise  # a lost connection among them: the caller reads back what committed
+    return AtOnce(queued_id=queued_id)
+
+
+# -- MariaDB and SQLite: the decision's tests in the UPDATE, no read first -------------------
+
+
+def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) -> Any:
+    """``value`` as the test sends it; None when the test could not be exact.
+
+    A decimal goes as a literal of the column's own scale: one that the column cannot
+    hold exactly (more digits) never equals it, and the usual road says why; a literal
+    of more digits than the server keeps would be compared as a float. SQLite keeps a
+    decimal column as a double: a column of more than 15 digits is not tested there.
+    """
+    if not isinstance(field, DecimalField):
+        return value
+    if exact_digits is not None and (field.max_digits or 99) > exact_digits:
+        return None
+    try:
+        exact = value.quantize(Decimal(1).scaleb(-(field.decimal_places or 0)))
+    except InvalidOperation:  # more digits than a decimal context keeps: never the column's
+        return None
+    if exact != value or len(exact.as_tuple().digits) > (field.max_digits or 65):
+        return None
+    return exact
+
+
+def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+    """MariaDB's and SQLite's counterpart of PostgreSQL's one statement
+    (:func:`~idempotent_orders.consuming.backends.postgresql.one_statement.apply_unread`):
+    the message's writes as one transaction of their own, with the tests
+    :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
+    :class:`~idempotent_orders.consuming.rules.Rule`) in the UPDATE's WHERE
+    clause instead of a read of the order first: on MariaDB one text, one round trip; on
+    SQLite the statements straight to the driver, as :func:`claim_and_apply_at_once`.
+
+    InnoDB checks the WHERE clause on the row version it locks, and SQLite's transaction
+    holds the database's write lock, so the tests hold on the order the UPDATE writes.
+    Text is compared bytewise (``BINARY``; SQLite: ``COLLATE BINARY``), whatever the
+    column's collation, so a test is never looser than the Python validator. Anything
+    else (the tests fail, a duplicate, a spent payment, a value a column refuses) rolls
+    all of it back and returns None: the usual road reads, decides and says why. On
+    APPLIED the inbox row, the transition and its follow-up's outbox row are committed;
+    the caller announces the outcome.
+    """
+    if not can_claim_and_apply_at_once():
+        return None
+    p = plan(envelope, model)
+    if p is None or p.follow_ups is None:
+        return None  # read first; or a follow-up writes its own rows: the usual road
+    conn = connections[DEFAULT_DB_ALIAS]
+    shape, fields, tests, handed = p.shape, p.fields, p.tests, p.handed
+    seq = envelope.seq
+    values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
+    key = (conn.alias, model, tuple(values), tuple((t[0], t[2]) for t in tests), seq is None)
+    update = _updates.get(key)
+    if update is None:
+        update = _updates[key] = _update(conn, model, list(values), tests, seq is not None)
+    args: list[Any] = [shape.target]
+    args += [
+        f.get_db_prep_save(v, conn) for f, v in zip(update.values, values.values(), strict=True)
+    ]
+    assert model._meta.pk is not None
+    args += [model._meta.pk.get_db_prep_value(envelope.order_id, conn), shape.source]
+    if seq is not None:
+        args.append(seq - 1)
+    for field, (_, value, _) in zip(update.tests, tests, strict=True):
+        sent = _test_value(field, value, backend(conn).exact_decimal_digits)
+        if sent is None:
+            return None
+        args.append(field.get_db_prep_save(sent, conn))
+    texts = _texts_for(model)
+    now = timezone.now()
+    inbox = envelope.inbox_fields(consumer)
+    statements: list[tuple[str, str, Sequence[Any]]] = [
+        ("inbox", texts.inbox, inbox_template().params(inbox, now))
+    ]
+    payment = p.payment
+    if payment is not None:
+        spent = [payment, envelope.order_id, consumer, envelope.message_id]
+        statements.append(("spent", texts.spent, spent))
+    statements.append(("update", update.sql, args))
+    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned.
+    announced = order_transitioned.has_listeners(model)
+    if announced:
+        statements.append(("read", p.read.sql, [args[len(values) + 1]]))
+    if handed is not None:
+        queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
+        statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
+    read: list[Any] = []
+    try:
+        one_text = backend(conn).at_once_in_one_text
+        done = _mysql(statements, read) if one_text else _sqlite(statements, read)
+    except (IntegrityError, DataError):
+        return None  # rolled back: the usual road decides, and says why
+    except OperationalError as exc:
+        if not is_retryable(exc):
+            raise
+        # Rolled back whole (the inbox row's foreign-key lock and a concurrent UPDATE of
+        # the order can cross): the usual road reads, decides and writes it again.
+        return None
+    if not done.applied:
+        return None
+    if handed is not None and done.queued_id is not None:
+        handed[1].written(DEFAULT_DB_ALIAS, done.queued_id)
+    if announced:
+        written(model, p, read[0])
+    return Outcome.APPLIED
+
+
+@dataclass(frozen=True)
+class _Update:
+    """:func:`apply_unread_at_once`'s UPDATE of one shape of message, with ``%s`` placeholders:
+    ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``."""
+
+    sql: str
+    values: tuple[Field[Any, Any], ...]
+    tests: tuple[Field[Any, Any], ...]
+
+
+_updates: dict[tuple[Any, ...], _Update] = {}
+
+
+def _update(
+    conn: Any, model: type[Model], values: list[str], tests: list[Test], seq: bool
+) -> _Update:
+    meta = model._meta
+    assert meta.pk is not None
+    qn = conn.ops.quote_name
+    bytewise = backend(conn).bytewise
+    state = qn(str(state_field(model).column))
+    version = qn(str(_field(model, "version").column))
+    sets = [f"{state} = %s", f"{version} = {version} + 1"]
+    value_fields = [_field(model, name) for name in values]
+    sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
+    where = [f"{qn(str(meta.pk.column))} = %s", bytewise(state)]
+    where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
+    if seq:
+        where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
+    test_fields = []
+    for field_name, _, empty in tests:
+        field = _field(model, field_name)
+        column = qn(str(field.column))
+        text = isinstance(field, CharField | TextField)
+        test = bytewise(column) if text else f"{column} = %s"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+        test_fields.append(field)
+    sql = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    return _Update(sql, tuple(value_fields), tuple(test_fields))
+
+
+def _field(model: type[Model], name: str) -> Field[Any, Any]:
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+def _texts_for(model: type[Model]) -> _Texts:
+    """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    key = (conn.alias, model, "apply_unread")
+    texts = _texts.get(key)
+    if texts is None:
+        texts = _texts[key] = _compile(model, str(state_field(model).column), 1, [], [])
+    return texts

@@ -1,0 +1,375 @@
+"""The single path's one-statement case on PostgreSQL: decide "apply" in SQL.
+
+A new message normally costs two round trips: the order read, then the
+claim-and-apply statement conditional on the version read. For the built-in
+message types whose transition has one source and no ``conditions=``,
+:func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
+column tests hold on the order (state, ``has_parked``, ``last_seq``, and the
+validator's comparisons with the order, such as the amount and currency of a
+payment). Those tests go into the claim-and-apply statement's WHERE clause
+instead of a version read beforehand, so the message costs one statement,
+committed on its own (prepared once per database session, see
+:func:`~idempotent_orders.consuming.prepared.fetch_one`):
+
+``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
+moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
+RETURNING the new row)``. A follow-up that hands its outbox row over as data
+(``outbox_row``, see :class:`~idempotent_orders.consuming.running.FollowUpRow`) has it
+written by the same statement (``queued AS (INSERT outbox ... WHERE EXISTS (moved)
+ON CONFLICT (message_id) DO NOTHING)``), so the message stays one statement in
+autocommit; any other follow-up puts the statement in a transaction with it.
+
+PostgreSQL checks the WHERE clause on the row version it locks (a concurrent
+writer's committed change included), so the tests hold on the order the
+update writes, as a read-then-conditional-update would ensure. Every test is
+at least as strict as the Python validator (text compared bytewise, ``COLLATE
+"C"``); anything else (the tests fail, a duplicate, a value the column cannot
+take) writes nothing and the message takes the usual path: read, decide,
+write. A project's own validator never takes this path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
+from django.db.models import (
+    BigIntegerField,
+    CharField,
+    DateTimeField,
+    Field,
+    IntegerField,
+    Model,
+    PositiveBigIntegerField,
+    PositiveIntegerField,
+    TextField,
+)
+from django.utils import timezone
+
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.graph import (
+    state_field,
+)
+from idempotent_orders.consuming.prepared import (
+    PreparedMissing,
+    fetch_one,
+    inbox_preparation,
+    preparation,
+)
+from idempotent_orders.consuming.running import (
+    written_values,
+)
+from idempotent_orders.consuming.sql import (
+    FOLLOW_UP_FIELDS,
+    can_claim_and_apply,
+    inbox_partitioned,
+    inbox_template,
+    queue_follow_up,
+)
+from idempotent_orders.consuming.unread import Plan, Shape, plan, written
+from idempotent_orders.models import Outcome, SpentPayment
+from idempotent_orders.signals import order_transitioned
+
+__all__ = ["apply_unread"]
+
+
+class _Arguments:
+    """The arguments of a statement being written, handed out as ``%(a<n>)s`` placeholders.
+
+    One argument per source of a value and the preparation it gets, so a value
+    the statement uses twice (the time, a payment id both written and tested)
+    is sent once.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._index: dict[tuple[Any, ...], int] = {}
+        #: ``(source, preparation)`` of each argument, in order.
+        self.sources: list[tuple[str, _Prepare]] = []
+
+    def ref(self, source: str, field: Field[Any, Any], prepare: _Prepare) -> str:
+        # Django's own text, integer and time fields prepare a value the same
+        # whatever their options: one argument serves every such column of a type.
+        owner: Any = type(field) if type(field) in _OPTIONLESS else field
+        key = (source, owner, field.db_type(self._conn))
+        n = self._index.get(key)
+        if n is None:
+            n = self._index[key] = len(self.sources)
+            self.sources.append((source, prepare))
+        return f"%(a{n})s"
+
+
+#: Prepares an argument's value for the database: ``(value, connection) -> value``.
+_Prepare = Callable[[Any, Any], Any]
+
+_OPTIONLESS = frozenset(
+    {
+        CharField,
+        TextField,
+        DateTimeField,
+        IntegerField,
+        BigIntegerField,
+        PositiveIntegerField,
+        PositiveBigIntegerField,
+    }
+)
+
+
+def _literal(conn: Any, value: Any) -> str:
+    """``value`` as an SQL literal in a statement text (``%`` doubled for the driver)."""
+    return str(conn.ops.compose_sql("%s", [value])).replace("%", "%%")
+
+
+@dataclass(frozen=True)
+class _Statement:
+    """The claim-and-apply statement of one kind of message, and where its arguments come from.
+
+    The columns no message changes (the inbox row's status and defaults, the
+    transition's source and target) are literals in its text, composed once.
+    """
+
+    sql: str
+    #: ``(source, preparation)`` of each ``%(a<n>)s``: see :func:`_arguments`.
+    sources: tuple[tuple[str, _Prepare], ...]
+
+
+def _compile(
+    conn: Any,
+    model: type[Model],
+    shape: Shape,
+    value_names: list[str],
+    tests: list[tuple[str, bool, bool]],
+    seq: bool,
+    attnames: tuple[str, ...],
+    spends: str = "",
+    queued: tuple[str, ...] = (),
+) -> _Statement:
+    """The statement for a message writing ``value_names`` and testing ``tests``.
+
+    ``tests`` are ``(field name, empty allowed, same value as the written field)``.
+    ``spends`` (the source of the payment id, or ""): the message carries money;
+    its payment id is recorded as spent
+    (:mod:`idempotent_orders.consuming.payments`) in the same statement, and a payment id
+    spent already leaves the order alone (the usual path then says why).
+    ``queued`` (the outbox fields a follow-up handed over, or none): its outbox row is
+    inserted by the statement too, when the UPDATE applied (``ON CONFLICT (message_id)
+    DO NOTHING``); the statement returns the row's id (NULL: not written) third.
+    """
+    template = inbox_template()
+    args = _Arguments(conn)
+    per_message = {"consumer", "message_id", "message_type", "order_id", "seq", "fingerprint"}
+    inserted = []
+    for field, base in zip(template.fields, template.base, strict=True):
+        if field.attname in per_message:
+            inserted.append(args.ref(field.attname, field, inbox_preparation(field)))
+        elif field.attname == "updated_at":
+            inserted.append(args.ref("now", field, preparation(field)))
+        else:  # as in every applied message's row: the template's own value
+            inserted.append(_literal(conn, base))
+    qn = conn.ops.quote_name
+    meta = model._meta
+    table = qn(meta.db_table)
+    state = qn(str(state_field(model).column))
+    pk_field = meta.pk
+    assert pk_field is not None
+    pk = qn(str(pk_field.column))
+    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
+    sets = [f"{state} = {_literal(conn, shape.target)}", f"{version} = {version} + 1"]
+    for name in value_names:
+        written = _field(model, name)
+        source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
+        placeholder = args.ref(source, written, preparation(written))
+        sets.append(f"{qn(str(written.column))} = {placeholder}")
+    where = [
+        f"{pk} = {args.ref('order_id', pk_field, preparation(pk_field))}",
+        f'{state} = {_literal(conn, shape.source)} COLLATE "C"',
+        f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
+    ]
+    if seq:
+        last_seq = _field(model, "last_seq")
+        column = qn(str(last_seq.column))
+        where.append(f"{column} = {args.ref('previous_seq', last_seq, preparation(last_seq))}")
+    for name, empty, shared in tests:
+        tested = _field(model, name)
+        column = qn(str(tested.column))
+        collate = ' COLLATE "C"' if isinstance(tested, CharField | TextField) else ""
+        source = f"set:{name}" if shared else f"test:{name}"
+        test = f"{column} = {args.ref(source, tested, preparation(tested))}{collate}"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+    by_attname = {f.attname: f for f in meta.concrete_fields}
+    # Without anyone to hand the order to, the statement returns none of it.
+    returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames) or "1"
+    spent = ""
+    if spends:
+        smeta = SpentPayment._meta
+        sfields = [smeta.get_field(n) for n in ("payment_id", "order", "consumer", "message_id")]
+        columns = ", ".join(qn(str(f.column)) for f in sfields)  # type: ignore[union-attr]
+        refs = [
+            args.ref(source, f, inbox_preparation(f))  # type: ignore[arg-type]
+            for source, f in zip(
+                (spends, "order_id", "consumer", "message_id"), sfields, strict=True
+            )
+        ]
+        unique = qn(str(sfields[0].column))  # type: ignore[union-attr]
+        spent = (
+            f" spent AS (INSERT INTO {qn(smeta.db_table)} ({columns})"
+            f" SELECT {', '.join(refs)} WHERE EXISTS (SELECT 1 FROM claim)"
+            f" ON CONFLICT ({unique}) DO NOTHING RETURNING 1),"
+        )
+        where.append("EXISTS (SELECT 1 FROM spent)")
+    outbox, queued_id = "", ""
+    if queued:
+        outbox = ", " + queue_follow_up(
+            conn, queued, lambda source, f: args.ref(source, f, preparation(f))
+        )
+        queued_id = " (SELECT id FROM queued),"
+    sql = (
+        f"WITH claim AS ({template.insert(inserted)} RETURNING 1),{spent}"
+        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
+        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim)"
+        f" RETURNING {returning}){outbox}"
+        " SELECT c.n, CASE WHEN c.n = 1 THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END,"
+        f"{queued_id} moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
+    )
+    return _Statement(sql, tuple(args.sources))
+
+
+def _field(model: type[Model], name: str) -> Field[Any, Any]:
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+#: Statements by (database, model, transition, written fields, tests, with seq, announced).
+_statements: dict[tuple[Any, ...], _Statement] = {}
+
+
+def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+    """Apply ``envelope`` in one statement when its verdict is "apply"; None: take the usual path.
+
+    Declines inside a caller's transaction (see
+    :func:`~idempotent_orders.consuming.sql.can_claim_and_apply`).
+    On APPLIED the inbox row and the transition are committed and
+    ``transition_written`` was called (when anyone listens for the order); the caller
+    announces the outcome.
+    """
+    if not can_claim_and_apply():
+        return None  # a caller's transaction: read first
+    p = plan(envelope, model)
+    if p is None:
+        return None
+    shape, name, fields, tests = p.shape, p.name, p.fields, p.tests
+    # The order as written is built only for someone to hand it to: a receiver of
+    # ``order_transitioned``, or a follow-up that writes its own row (then the statement
+    # goes in a transaction with it: the statement, the follow-up and COMMIT).
+    handed = p.handed
+    follow_up = p.follow_ups is None
+    announced = follow_up or order_transitioned.has_listeners(model)
+    # The wrapper itself, not the ``connection`` proxy: each attribute read
+    # through the proxy costs a context-local lookup.
+    conn = connections[DEFAULT_DB_ALIAS]
+    seq = envelope.seq
+    shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
+    payment = p.payment
+    # The spent record's payment id is the one written on the order when it is (one argument).
+    spends = (
+        ""
+        if payment is None
+        else "set:payment_id"
+        if fields.get("payment_id") == payment
+        else "payment_id"
+    )
+    queued = FOLLOW_UP_FIELDS if handed is not None else ()
+    partitioned = inbox_partitioned(conn)
+    key = (
+        DEFAULT_DB_ALIAS,
+        partitioned,
+        model,
+        name,
+        tuple(fields),
+        shapes,
+        seq is None,
+        announced,
+        spends,
+        queued,
+    )
+    statement = _statements.get(key)
+    if statement is None:
+        names = list(
+            written_values(model, {**fields, "last_seq": 0} if seq is not None else fields)
+        )
+        statement = _statements[key] = _compile(
+            conn,
+            model,
+            shape,
+            names,
+            list(shapes),
+            seq is not None,
+            p.read.attnames if announced else (),
+            spends,
+            queued,
+        )
+    now = timezone.now()
+    values: dict[str, Any] = {
+        **envelope.inbox_fields(consumer),
+        "previous_seq": None if seq is None else seq - 1,
+        "now": now,
+        "payment_id": payment,
+    }
+    for field_name, value in fields.items():
+        values[f"set:{field_name}"] = value
+    for field_name, value, _ in tests:
+        values[f"test:{field_name}"] = value
+    if handed is not None:
+        for field_name, value in handed[1].fields.items():
+            values[f"outbox:{field_name}"] = value
+    args = [prepare(values[source], conn) for source, prepare in statement.sources]
+    if not follow_up:
+        return _apply(statement, args, conn, model, p, announced)
+    try:
+        with transaction.atomic(using=DEFAULT_DB_ALIAS):
+            applied = _apply(statement, args, conn, model, p, announced, True)
+            if applied is None:
+                raise _Declined  # nothing written; the transaction may be aborted: undo it
+            return applied
+    except (_Declined, PreparedMissing):
+        return None  # rolled back: the usual path decides
+
+
+class _Declined(Exception):
+    """The statement wrote nothing: leave the transaction that held it."""
+
+
+def _apply(
+    statement: _Statement,
+    args: list[Any],
+    conn: Any,
+    model: type[Model],
+    p: Plan,
+    announced: bool,
+    in_transaction: bool = False,
+) -> Outcome | None:
+    """Run the statement; on APPLIED announce the transition (follow-ups write here).
+
+    ``in_transaction``: in the follow-up's ``atomic`` block, where the statement is
+    prepared too (see :func:`~idempotent_orders.consuming.prepared.fetch_one`).
+    """
+    handed = None if in_transaction else p.handed
+    try:
+        row = fetch_one(statement.sql, args, conn, in_transaction=in_transaction)
+    except DataError:
+        # The deliberate division by zero (the tests failed: nothing was written),
+        # or a value a column cannot take: the usual path decides and says why.
+        return None
+    if row is None or not row[0]:
+        return None  # a duplicate: the usual path reads the order and answers it
+    start = 2
+    if handed is not None:
+        start = 3
+        if row[2] is not None:  # NULL: the message id was in the outbox already
+            handed[1].written(DEFAULT_DB_ALIAS, row[2])
+    if announced:
+        written(model, p, row[start:])
+    return Outcome.APPLIED

@@ -1,0 +1,140 @@
+"""A message applied before its order is read: the plan every backend's road without a read
+shares.
+
+Where nothing of the project's runs (no body, no condition, no fsm-2 receiver, nothing on
+``save()``, a built-in :class:`~idempotent_orders.consuming.rules.Rule` as validator) and
+the transition has one source, :func:`~idempotent_orders.consuming.decision.decide` says
+"apply" exactly when a few column tests hold on the order: the state, ``has_parked``,
+``last_seq`` and the rule's tests. A backend puts them in the WHERE clause of the
+UPDATE it sends with the inbox claim, instead of reading the order first
+(:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement` on PostgreSQL,
+:mod:`~idempotent_orders.consuming.backends.at_once` on MariaDB and SQLite). Anything
+else writes nothing and the message takes the read.
+
+:func:`plan` says whether a message can go so and what it writes and tests;
+:func:`written` tells the project's listeners what a road wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+from django.db.models import CharField, Model, TextField
+
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.graph import (
+    TransitionResult,
+    TransitionStatus,
+    edge,
+    has_transition,
+    state_field,
+)
+from idempotent_orders.consuming.payments import payment_id
+from idempotent_orders.consuming.rules import Rule, Test
+from idempotent_orders.consuming.running import (
+    FollowUp,
+    FollowUpRow,
+    follow_up_rows,
+    runs_user_code,
+    transition_written,
+)
+from idempotent_orders.consuming.sql import build, compiled_read, handed_over
+
+__all__ = ["Plan", "Shape", "plan", "shape", "written"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one (model, transition) allows: its single source and target."""
+
+    source: str
+    target: str
+
+
+_shapes: dict[tuple[type[Model], str], Shape | None] = {}
+
+
+def shape(model: type[Model], name: str) -> Shape | None:
+    """The transition's one source and target; None where it has several sources or a
+    condition, or the state is not text (then the order is read)."""
+    key = (model, name)
+    try:
+        return _shapes[key]
+    except KeyError:
+        pass
+    found: Shape | None = None
+    if has_transition(model, name) and isinstance(state_field(model), CharField | TextField):
+        e = edge(model, name)
+        if len(e.sources) == 1:
+            (source,) = e.sources
+            transition = getattr(model, name)._django_fsm.get_transition(source)
+            if transition is not None and not transition.conditions:
+                found = Shape(source, e.target)
+    _shapes[key] = found
+    return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a message applied without a read writes and tests."""
+
+    name: str
+    shape: Shape
+    #: The columns the rule writes from the payload.
+    fields: dict[str, Any]
+    #: The rule's column tests (see :data:`~idempotent_orders.consuming.rules.Test`).
+    tests: list[Test]
+    #: The payment id the message spends (None: not a money message).
+    payment: str | None
+    #: The order read's compiled plan (for building the order a road returns).
+    read: Any
+    #: The follow-ups the transition queues: ``[]`` none; one handed over as its outbox
+    #: row; None: some write their own rows (in the road's transaction).
+    follow_ups: list[tuple[FollowUp, FollowUpRow]] | None
+
+    @property
+    def handed(self) -> tuple[FollowUp, FollowUpRow] | None:
+        """The one follow-up whose outbox row the road writes itself, if so."""
+        rows = self.follow_ups
+        return rows[0] if rows is not None and len(rows) == 1 else None
+
+
+def plan(envelope: Envelope, model: type[Model]) -> Plan | None:
+    """How ``envelope`` is applied without a read; None when it must be read first."""
+    rule = envelope.handler.validate
+    if not isinstance(rule, Rule):
+        return None  # a project's own validator runs on the order as read
+    name = envelope.handler.transition
+    found = shape(model, name)
+    if found is None or runs_user_code(model, name):
+        return None  # the model's own method must run: read, run, write
+    alias, read = compiled_read(model, "pk")
+    if read is None or alias != DEFAULT_DB_ALIAS:
+        return None
+    tested = rule.tests(model, envelope.payload)
+    if tested is None:
+        return None  # the rule rejects it: the read says why
+    rows = follow_up_rows(model, envelope.order_id, name, found.target)
+    if rows is not None and (len(rows) > 1 or not all(handed_over(r[1].fields) for r in rows)):
+        rows = None
+    fields, tests = tested
+    return Plan(name, found, fields, tests, payment_id(envelope), read, rows)
+
+
+def written(
+    model: type[Model], p: Plan, row: Sequence[Any], *, alias: str = DEFAULT_DB_ALIAS
+) -> None:
+    """Tell the project's listeners that ``p`` was applied: ``row`` is the order as written
+    (the read's columns)."""
+    order = build(model, alias, p.read, row)
+    result = TransitionResult(
+        TransitionStatus.APPLIED,
+        p.shape.source,
+        p.shape.target,
+        order.version,  # type: ignore[attr-defined]
+    )
+    handed = p.handed
+    transition_written(order, p.name, result, handed=() if handed is None else (handed[0],))
