@@ -429,30 +429,38 @@ STALLED = "its lease ran out with no word from whoever held it"
 def _journal(lease: Lease, result: str, via: str, answer: str = "") -> None:
     """Keep this attempt and its answer (:class:`~idempotent_orders.models.LeaseAttempt`);
     a resumed lease first records the attempt before it as stalled when it left no word."""
+    try:
+        # A savepoint: a failed insert must not leave a caller's transaction broken.
+        with transaction.atomic():
+            _record_attempt(lease, result, via, answer)
+    except Exception:  # the record of an attempt must never fail the attempt
+        logger.warning(
+            "could not record attempt %d", lease.attempt, extra=lease.log_extra(), exc_info=True
+        )
+
+
+def _record_attempt(lease: Lease, result: str, via: str, answer: str) -> None:
     from idempotent_orders.models import LeaseAttempt
 
-    try:
-        rows = LeaseAttempt.objects.filter(consumer=lease.consumer, message_id=lease.message_id)
-        if lease.resumed and lease.attempt > 1 and not rows.filter(attempt=lease.attempt - 1):
-            LeaseAttempt.objects.create(
-                consumer=lease.consumer,
-                message_id=lease.message_id,
-                order_id=lease.order_id,
-                attempt=lease.attempt - 1,
-                result="stalled",
-                answer=STALLED,
-            )
+    rows = LeaseAttempt.objects.filter(consumer=lease.consumer, message_id=lease.message_id)
+    if lease.resumed and lease.attempt > 1 and not rows.filter(attempt=lease.attempt - 1).exists():
         LeaseAttempt.objects.create(
             consumer=lease.consumer,
             message_id=lease.message_id,
             order_id=lease.order_id,
-            attempt=lease.attempt,
-            via=via[:16],
-            result=result,
-            answer=answer[:2000],
+            attempt=lease.attempt - 1,
+            result="stalled",
+            answer=STALLED,
         )
-    except Exception:  # the record of an attempt must never fail the attempt
-        logger.warning("could not record attempt %d", lease.attempt, extra=lease.log_extra())
+    LeaseAttempt.objects.create(
+        consumer=lease.consumer,
+        message_id=lease.message_id,
+        order_id=lease.order_id,
+        attempt=lease.attempt,
+        via=via[:16],
+        result=result,
+        answer=answer[:2000],
+    )
 
 
 def _announce(lease: Lease, result: StepResult, via: str) -> None:
