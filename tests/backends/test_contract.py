@@ -87,9 +87,34 @@ def test_nulls_sort_where_the_backend_says() -> None:
     assert (first == 5) is backend().nulls_last
 
 
+class _DriverError(Exception):
+    """The driver's error Django wraps, with the SQLSTATE the server sent (or None)."""
+
+    def __init__(self, sqlstate: str | None) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def _caused_by(sqlstate: str | None) -> OperationalError:
+    error = OperationalError("the server said")
+    error.__cause__ = _DriverError(sqlstate)
+    return error
+
+
 def test_only_a_lost_connection_is_said_to_be_lost() -> None:
-    assert not backend().connection_lost(IntegrityError("duplicate key"))
-    assert not backend().connection_lost(ValueError("not a database error"))
+    lost = backend().connection_lost
+    assert not lost(IntegrityError("duplicate key"))
+    assert not lost(ValueError("not a database error"))
     if connection.vendor == "mysql":
-        assert backend().connection_lost(OperationalError(2006, "MySQL server has gone away"))
-        assert not backend().connection_lost(OperationalError(1213, "Deadlock found"))
+        assert lost(OperationalError(2006, "MySQL server has gone away"))
+        assert lost(OperationalError(2013, "Lost connection to server during query"))
+        assert not lost(OperationalError(1213, "Deadlock found"))
+    elif connection.vendor == "postgresql":
+        assert lost(_caused_by("08006"))  # connection failure
+        assert lost(_caused_by("57P01"))  # the server shut down
+        assert lost(_caused_by(None))  # the client's own error: no answer came
+        assert not lost(_caused_by("40001"))  # a serialization failure rolled back
+        assert not lost(_caused_by("40P01"))  # a deadlock rolled back
+    else:
+        # SQLite has no connection to lose: an error there never hides a commit.
+        assert not lost(OperationalError("database is locked"))
