@@ -32,6 +32,15 @@ SECTIONS = [
 def main(argv: list[str]) -> None:
     flags = {a for a in argv[1:] if a.startswith("--")}
     names = [a for a in argv[1:] if not a.startswith("--")]
+    unknown = [a for a in names if a not in SECTIONS] + sorted(flags - {"--chart"})
+    if unknown or {"-h"} & set(argv[1:]):
+        if unknown and "--help" not in unknown:
+            print(f"unknown: {' '.join(unknown)}", file=sys.stderr)
+        print(
+            f"usage: python -m bench [--chart] [SECTION ...]\nsections: {' '.join(SECTIONS)}",
+            file=sys.stderr,
+        )
+        sys.exit(0 if unknown in ([], ["--help"]) else 2)
     chosen = [s for s in SECTIONS if not names or s in names]
     setup()
     rows: list[Row] = []
