@@ -1,24 +1,23 @@
-"""MariaDB and SQLite: a decided message's writes go as one transaction of their own.
+"""MariaDB and SQLite: a message's writes go as one transaction of their own, before its
+order is read.
 
-The claim, the spent payment, the conditional UPDATE and the follow-up's outbox row are
-sent together (one multi-statement text on MariaDB; the driver's statements between BEGIN
-and COMMIT on SQLite), and anything that would not apply rolls all of it back.
+The claim, the spent payment, the UPDATE with the decision's tests and the follow-up's
+outbox row are sent together (one multi-statement text on MariaDB; the driver's statements
+between BEGIN and COMMIT on SQLite), and anything that would not apply rolls all of it back
+and leaves the message to the road after the read (``tests/consume/test_after_read.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import writing
 from idempotent_orders.consuming.backends import at_once
 from idempotent_orders.consuming.backends.mysql import MySQL
 from idempotent_orders.consuming.backends.sqlite import SQLite
@@ -36,24 +35,6 @@ from tests.support.messages import payment, transitions_heard
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("sqlite", "mysql")]
 
 INBOX = ProcessedMessage._meta.db_table
-
-
-@pytest.fixture
-def fulfil() -> Iterator[None]:
-    """The default configuration's follow-up on; its rows stay pending (no broker here)."""
-    config = {
-        **settings.IDEMPOTENT_ORDERS,
-        "FULFIL_AFTER_PAYMENT": True,
-        "OUTBOX_PUBLISH_ON_COMMIT": False,
-    }
-    with override_settings(IDEMPOTENT_ORDERS=config):
-        yield
-
-
-@pytest.fixture
-def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MariaDB's road without a read first declines: the order is read, then written."""
-    monkeypatch.setattr(at_once, "apply_unread_at_once", lambda *args: None)
 
 
 def _statements(queries: CaptureQueriesContext) -> list[str]:
@@ -153,53 +134,6 @@ def test_the_follow_up_is_published_after_the_commit(make_order) -> None:
     assert handed == [("default", row.pk)]
 
 
-def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
-    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    order = make_order()
-    real = writing.claim_and_apply_at_once
-    versions: list[int] = []
-
-    def racing(**kwargs: Any) -> Any:
-        versions.append(kwargs["version"])
-        if len(versions) == 1:
-            # Another writer changes the order between our read and our transaction.
-            Order.objects.filter(pk=order.pk).update(version=F("version") + 1)
-        return real(**kwargs)
-
-    monkeypatch.setattr(writing, "claim_and_apply_at_once", racing)
-    message = payment(order)
-    assert consume_message(message, consumer="payments") is Outcome.APPLIED
-    assert versions == [0, 1]  # the first transaction was undone; the second read v1
-    row = Order.objects.get(pk=order.pk)
-    assert (row.status, row.version) == (OrderStatus.PAID, 2)
-    assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
-    assert SpentPayment.objects.count() == 1
-    assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
-
-
-def test_a_claim_that_loses_to_the_inbox_writes_nothing(
-    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    order = make_order()
-    message = payment(order)
-    real = writing.claim_and_apply_at_once
-
-    def overtaken(**kwargs: Any) -> Any:
-        # Another delivery of the same message commits between our read and our claim.
-        ProcessedMessage.objects.create(
-            consumer="payments", message_id=message["message_id"], outcome=Outcome.APPLIED
-        )
-        return real(**kwargs)
-
-    monkeypatch.setattr(writing, "claim_and_apply_at_once", overtaken)
-    assert consume_message(message, consumer="payments") is Outcome.DUPLICATE
-    row = Order.objects.get(pk=order.pk)
-    assert (row.status, row.version, row.payment_id) == (OrderStatus.PENDING_PAYMENT, 0, "")
-    assert not SpentPayment.objects.exists()
-    assert not OutboxMessage.objects.exists()
-
-
 def test_a_spent_payment_rolls_the_claim_back_and_is_money_to_give_back(
     make_order, fulfil: None
 ) -> None:
@@ -267,7 +201,7 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     other = make_order()
     with CaptureQueriesContext(connection) as queries, transaction.atomic():
-        assert not at_once.can_claim_and_apply_at_once()
+        assert not at_once.can_apply_unread_at_once()
         assert consume_message(payment(other), consumer="payments") is Outcome.APPLIED
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     assert Order.objects.get(pk=other.pk).status == OrderStatus.PAID
@@ -331,10 +265,10 @@ def test_the_decision_is_tested_in_the_update_and_a_refused_order_is_left_alone(
 
 def test_a_connection_out_of_autocommit_is_never_sent_a_transaction_of_its_own() -> None:
     # A transaction may be open (AUTOCOMMIT off): START TRANSACTION would commit it.
-    assert at_once.can_claim_and_apply_at_once()
+    assert at_once.can_apply_unread_at_once()
     transaction.set_autocommit(False)
     try:
-        assert not at_once.can_claim_and_apply_at_once()
+        assert not at_once.can_apply_unread_at_once()
     finally:
         transaction.rollback()
         transaction.set_autocommit(True)
