@@ -27,6 +27,8 @@ help:
 	@echo "make lint        ruff check, ruff format --check, mypy"
 	@echo "make format      ruff format and ruff check --fix"
 	@echo "make docs        build the documentation site (MkDocs, --strict) into build/site/"
+	@echo "make docs-gen    write the generated parts (settings, checks, graphs, code regions) into docs/"
+	@echo "make venv-fsm28  build .venv-fsm28: the project on the original django-fsm 2.8.x (make test builds it)"
 	@echo "make chaos       the long fault-injection run (CHAOS_ORDERS, CHAOS_KILLS, CHAOS_WORKERS, CHAOS_SEED;"
 	@echo "                 CHAOS_RESTART_RABBITMQ=1 restarts the shared RabbitMQ once); report in build/chaos/"
 	@echo "make bench       the benchmark table (its own .venv-bench and .venv-bench-peer; BENCH_ARGS=sections)"

@@ -9,6 +9,9 @@ the consuming thread, the statements and round trips per message (libpq's protoc
 trace: every ``Query`` or ``Sync`` the client sends is one round trip), and the same
 for the outbox publisher thread. ``--cprofile`` adds cProfile's top functions.
 
+``--save``: on the save() road (a ``post_save`` receiver that does nothing connected to
+the order model, as section 1's save() road row runs it).
+
 ``--duplicates``: where a duplicate's time goes instead, on the default configuration
 (``bench.consumer.default_configuration``, as section 1 runs it; ``--batch``: through
 ``consume_batch``, new messages and copies alike). ``BENCH_RUNS`` (3)
@@ -174,7 +177,7 @@ def _patch(tables: dict[str, str]) -> None:
     import importlib
 
     # Wherever this version of the road calls them from (the modules moved over time).
-    for name in ("single", "writing", "claim_and_run"):
+    for name in ("single", "writing", "claim_and_run", "backends.postgresql.claim_and_run"):
         try:
             module = importlib.import_module(f"idempotent_orders.consuming.{name}")
         except ImportError:
@@ -460,6 +463,18 @@ def main() -> None:
     with override_settings(
         IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
     ):
+        if "--save" not in sys.argv:
+            run("--shop" in sys.argv, "--batch" in sys.argv, "--cprofile" in sys.argv)
+            return
+        from django.db.models.signals import post_save
+
+        from bench.consumer import _watched
+        from idempotent_orders import get_order_model
+        from idempotent_orders.consuming.running import road
+
+        model = get_order_model()
+        post_save.connect(_watched, sender=model, dispatch_uid="bench.profile.watched")
+        assert road(model, "pay")[0] == "save"
         run("--shop" in sys.argv, "--batch" in sys.argv, "--cprofile" in sys.argv)
 
 

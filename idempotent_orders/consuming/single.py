@@ -141,8 +141,13 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
                 outcome = _consume(envelope, consumer, waiting=waiting, dead=dead)
         if applied is not None:
             announce(consumer, envelope, applied, "")
-            dedup.remember_on_commit(consumer, envelope.message_id)
-            return applied
+            if keeps_parked_flag(get_order_model()):
+                dedup.remember_on_commit(consumer, envelope.message_id)
+                return applied
+            # No flag says whether a message waits for this one (database triggers watch
+            # the order): look below, as after the usual road.
+            outcome = applied
+            waiting.append(True)
     except TRANSIENT as exc:
         # Nothing was written, or the connection dropped while the message committed
         # (in doubt): the inbox row, read back on a new connection, says which.

@@ -6,15 +6,19 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.conf import settings
 from django.db import connection
+from django.db.models.signals import post_save
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
 from idempotent_orders import outbox
-from idempotent_orders.consuming import prepared
+from idempotent_orders.consuming import current_message, prepared
+from idempotent_orders.consuming.backends.postgresql import claim_and_run
+from idempotent_orders.consuming.running import road
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
     Order,
@@ -25,6 +29,7 @@ from idempotent_orders.models import (
     SpentPayment,
 )
 from tests.support.messages import payment, transitions_heard
+from tests.support.round_trips import round_trips
 
 
 def _receiver(sender: Any, **kwargs: Any) -> None:
@@ -162,3 +167,89 @@ def test_the_publisher_batches_ids_that_keep_coming_after_a_batch() -> None:
     finally:
         publisher._stop()
     assert batches == [[1], [2, 3, 4, 5, 6]]
+
+
+def _declined(*args: Any, **kwargs: Any) -> None:
+    """claim_and_run standing aside: the usual road reads, then writes."""
+    return None
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("fulfil", [False, True], ids=["no-follow-up", "outbox-row"])
+def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, fulfil) -> None:
+    """A post_save receiver puts the order on the save() road: on PostgreSQL its first text
+    is ``BEGIN``, the claim with the spent payment and the read; then the model's own
+    ``save()`` (its UPDATE) and ``COMMIT``: two round trips fewer than the usual road, and
+    the receiver sees the same as there."""
+    config = {
+        **settings.IDEMPOTENT_ORDERS,
+        "FULFIL_AFTER_PAYMENT": fulfil,
+        "OUTBOX_PUBLISH_ON_COMMIT": False,
+    }
+    seen: list[dict[str, Any]] = []
+
+    def watch(sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
+        message = current_message()
+        inbox = ProcessedMessage.objects.filter(order_id=instance.pk).values_list(
+            "status", "outcome"
+        )
+        seen.append(
+            {
+                "fields": {
+                    f.attname: getattr(instance, f.attname)
+                    for f in Order._meta.concrete_fields
+                    if f.attname
+                    not in ("id", "business_key", "payment_id", "created_at", "updated_at")
+                },
+                "payment_id": instance.payment_id == f"pay-{instance.pk}",
+                "created": created,
+                "update_fields": kwargs["update_fields"],
+                "deferred": instance.get_deferred_fields(),
+                "message": message is not None and message.order_id == instance.pk,
+                "in_atomic_block": connection.in_atomic_block,
+                "inbox": list(inbox),  # the claim, in the same transaction
+            }
+        )
+
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        # What the first message of a process does once is not counted.
+        assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+        usual, merged = make_order(), make_order()
+        post_save.connect(watch, sender=Order, weak=False, dispatch_uid="test-save-road")
+        try:
+            assert road(Order, "pay")[0] == "save"
+            standing_aside = mock.patch.object(claim_and_run, "claim_and_run", _declined)
+            with standing_aside, round_trips() as trips:
+                assert consume_message(payment(usual), consumer="payments") is Outcome.APPLIED
+                usual_trips = trips()
+            texts: list[str] = []
+            with round_trips(texts) as trips:
+                assert consume_message(payment(merged), consumer="payments") is Outcome.APPLIED
+                merged_trips = trips()
+        finally:
+            post_save.disconnect(sender=Order, dispatch_uid="test-save-road")
+    assert merged_trips == usual_trips - 2  # the read and the driver's own BEGIN
+    # BEGIN, the claim with the spent payment and the read; save()'s UPDATE; the
+    # receiver's own SELECT; the follow-up's outbox row; COMMIT.
+    assert merged_trips == (5 if fulfil else 4)
+    assert texts[0].startswith('"BEGIN; ')
+    assert texts[0].count("EXECUTE idempotent_orders_") == 2  # the claim, the read
+    assert texts[1].startswith(f'"UPDATE "{Order._meta.db_table}" SET ')
+    assert texts[-1] == '"COMMIT"'
+    assert len(seen) == 2
+    assert seen[0] == seen[1]
+    assert seen[1]["fields"]["status"] == OrderStatus.PAID
+    assert seen[1]["fields"]["version"] == 1
+    assert seen[1]["payment_id"]
+    assert seen[1]["message"]
+    assert seen[1]["in_atomic_block"]
+    assert seen[1]["created"] is False
+    assert seen[1]["update_fields"] is None
+    assert seen[1]["inbox"] == [("done", "applied")]
+    for order in (usual, merged):
+        order.refresh_from_db()
+        assert (order.status, order.version) == (OrderStatus.PAID, 1)
+        assert SpentPayment.objects.get(payment_id=f"pay-{order.pk}").order_id == order.pk
+        queued = OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count()
+        assert queued == (1 if fulfil else 0)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
+from unittest import mock
 
 import pytest
 import reversion
@@ -23,6 +26,7 @@ from django.db import connection
 from reversion.models import Version
 
 from idempotent_orders.consuming import current_message, registry
+from idempotent_orders.consuming.backends.postgresql import claim_and_run
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.graph import TransitionStatus
@@ -80,6 +84,22 @@ def messages(order: Order, *, seq: bool) -> list[dict[str, Any]]:
     return found
 
 
+@contextmanager
+def merged_road() -> Iterator[list[Outcome]]:
+    """The outcomes PostgreSQL's claim_and_run applied (declined messages left out)."""
+    taken: list[Outcome] = []
+    real = claim_and_run.claim_and_run
+
+    def spy(*args: Any, **kwargs: Any) -> Outcome | None:
+        outcome = real(*args, **kwargs)
+        if outcome is not None:
+            taken.append(outcome)
+        return outcome
+
+    with mock.patch.object(claim_and_run, "claim_and_run", spy):
+        yield taken
+
+
 def trail(order: Order) -> dict[str, Any]:
     """What the project's code and packages kept of one order, without ids and times."""
     order.refresh_from_db()
@@ -134,7 +154,7 @@ def test_the_model_takes_the_save_road_and_says_why() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("way", ["single", "batch"])
+@pytest.mark.parametrize("way", ["single", "single-in-atomic", "batch"])
 @pytest.mark.parametrize("seq", [True, False])
 def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool) -> None:
     expected_order = new_order()
@@ -160,10 +180,24 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
         rng.shuffle(tail)
         deliveries = head + sorted(tail, key=lambda m: m["type"] == "shipment.delivered")
     outcomes = []
-    if way == "single":
-        for m in deliveries:
-            with reversion.create_revision():
-                outcomes.append(consume_message(m, consumer="payments"))
+    if way.startswith("single"):
+        # A revision block of its own around each message: in the caller's transaction
+        # (reversion's default), or not (then, on PostgreSQL, the read goes in the
+        # claim's round trip: claim_and_run).
+        atomic = way == "single-in-atomic"
+        with merged_road() as merged:
+            for m in deliveries:
+                with reversion.create_revision(atomic=atomic):
+                    outcomes.append(consume_message(m, consumer="payments"))
+        if connection.vendor == "postgresql" and not atomic:
+            # Each message that did not wait for another (those are released by the
+            # usual road after their predecessor), the payment at least.
+            assert merged
+            assert set(merged) == {Outcome.APPLIED}
+            if not seq:
+                assert len(merged) == 3
+        else:
+            assert merged == []
     else:
         for start in range(0, len(deliveries), 4):
             outcomes += consume_batch(deliveries[start : start + 4], consumer="payments")

@@ -417,3 +417,19 @@ def test_the_admin_package_goes_down_its_layers() -> None:
     assert wrong == {}
     # Django's autodiscovery imports the package: it must import every module (registration).
     assert graph[ADMIN] == modules
+
+
+def test_make_help_names_every_target() -> None:
+    # A target a newcomer cannot find in `make help` does not exist for them.
+    texts = [ROOT / "Makefile", *sorted((ROOT / "make").glob("*.mk"))]
+    targets = {
+        match.group(1)
+        for path in texts
+        for match in re.finditer(r"^([a-z][a-z0-9-]*):(?!=)", path.read_text(), re.MULTILINE)
+    }
+    shown = subprocess.run(
+        ["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    named = set(re.findall(r"^make ([a-z][a-z0-9-]*)", shown, re.MULTILINE))
+    assert {"test", "demo", "bench", "chaos"} <= targets
+    assert targets - {"help"} <= named, f"make help does not name {sorted(targets - named)}"

@@ -8,10 +8,7 @@ A ``pre_transition`` receiver makes ``shop.Order.settle`` (no body) run the proj
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
 
@@ -37,6 +34,7 @@ from idempotent_orders.models import (
 from tests.shop.models import FlowOrder, Order, Payment, Phase
 from tests.support.messages import payment, shipment
 from tests.support.pgbouncer import pgbouncer
+from tests.support.round_trips import round_trips
 from tests.support.threads import run_threads
 from tests.swapped.test_own_model import assert_all_received_once, storm
 
@@ -61,37 +59,6 @@ def heard() -> Iterator[list[Any]]:
     pre_transition.connect(receive, weak=False, dispatch_uid="test-claim-and-run")
     yield calls
     pre_transition.disconnect(dispatch_uid="test-claim-and-run")
-
-
-@contextmanager
-def round_trips(texts: list[str] | None = None) -> Iterator[Callable[[], int]]:
-    """Counts what the client sends to be answered (libpq's protocol trace: each ``Query``
-    or ``Sync`` is one round trip) on this thread's connection."""
-    connection.ensure_connection()
-    pgconn = connection.connection.pgconn
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-
-        def count() -> int:
-            with open(path, encoding="utf-8", errors="replace") as trace:
-                sent = [
-                    parts
-                    for line in trace
-                    if len(parts := line.split("\t")) > 3
-                    and parts[1] == "F"
-                    and parts[3] in ("Query", "Sync")
-                ]
-            if texts is not None:  # the simple protocol's texts, as sent
-                texts[:] = [parts[4].strip() for parts in sent if parts[3] == "Query"]
-            return len(sent)
-
-        pgconn.trace(fd)
-        try:
-            yield count
-        finally:
-            pgconn.untrace()
-            os.close(fd)
 
 
 def sent_texts(queries: CaptureQueriesContext) -> list[str]:

@@ -18,6 +18,16 @@ reaches the later results):
    so ``COMMIT`` never runs, the transaction rolls back and the usual road decides
    again.
 
+Where the model's ``save()`` runs the project's code
+(:func:`~idempotent_orders.consuming.running.save_hooks`: an override, ``pre_save``/
+``post_save`` receivers, a history package, triggers), the first text is the same and
+the write is the usual road's:
+:func:`~idempotent_orders.consuming.writing.settle`, the model's own ``save()`` with the
+version guard, whatever its receivers write, the follow-up, then Django's ``COMMIT``.
+Only the read and the driver's ``BEGIN`` are saved, two round trips; the project's code
+runs as on the usual road. Where the app keeps no ``has_parked`` flag (triggers watch
+the order), the caller looks for parked successors after commit, as after the usual road.
+
 The claim comes before the decision (the usual road decides first), so it is an
 applied message's row; any other decision (a duplicate, a message to park or reject,
 a spent payment, an order with parked messages) rolls it back, and the usual road
@@ -81,6 +91,7 @@ from idempotent_orders.consuming.running import (
     call_transition,
     follow_up_rows,
     guarded_update_sql,
+    keeps_parked_flag,
     runs_user_code,
     save_hooks,
     transition_written,
@@ -135,10 +146,8 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
     project's code propagates after the rollback, as on the usual road.
     """
     name = envelope.handler.transition
-    if not runs_user_code(model, name) or save_hooks(model):
-        # Decided in SQL (one_statement), or by the usual road; committed by the
-        # model's own save() there where anything of the project's runs on it.
-        return None
+    if not runs_user_code(model, name):
+        return None  # decided in SQL: one_statement's
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
@@ -153,12 +162,16 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
             verdict = decide(order, envelope)
             if verdict.outcome is not Outcome.APPLIED:
                 raise _Declined
-            conditions: dict[str, Any] = {"has_parked": False}
+            # The usual road's conditions (writing.write): the flag as read, where the app
+            # keeps it (elsewhere the caller looks for parked successors after commit).
+            conditions: dict[str, Any] = {"has_parked": False} if keeps_parked_flag(model) else {}
             if envelope.seq is not None:
                 conditions["last_seq"] = envelope.seq - 1
             version: int = order.version
             ran = call_transition(order, name, verdict.kwargs, fields=verdict.values)
-            if not _finish(order, ran, version, conditions, conn, cursor):
+            # Where the project's code runs on save(), the model's own save() commits it
+            # (running.commit), as on the usual road; the rest of the road is the same.
+            if save_hooks(model) or not _finish(order, ran, version, conditions, conn, cursor):
                 return settle(envelope, consumer, order, ran, version, conditions)
             return Outcome.APPLIED
     except (_Declined, Conflict):
