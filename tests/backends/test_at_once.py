@@ -30,7 +30,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
-from tests.support.messages import payment, transitions_heard
+from tests.support.messages import payment, shipment, transitions_heard
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("sqlite", "mysql")]
 
@@ -286,3 +286,108 @@ def test_sqlite_tests_a_decimal_only_where_a_double_tells_its_values_apart() -> 
     assert at_once._test_value(wide, amount, sqlite) is None
     assert at_once._test_value(wide, amount, MySQL.exact_decimal_digits) == amount
     assert at_once._test_value(narrow, Decimal("12.5"), sqlite) == Decimal("12.50")
+
+
+def _in(order: Order, status: str) -> Order:
+    Order.objects.filter(pk=order.pk).update(status=status)
+    return Order.objects.get(pk=order.pk)
+
+
+@pytest.mark.parametrize("source", [OrderStatus.PAID, OrderStatus.PROCESSING])
+def test_a_transition_of_two_sources_applies_from_each_without_a_read(
+    make_order, source: str
+) -> None:
+    """``ship`` leaves PAID or PROCESSING: the UPDATE tests both; the state the order
+    left is read in the same transaction, before the UPDATE, for the receiver."""
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    quiet, heard_order = _in(make_order(), source), _in(make_order(), source)
+    table = connection.ops.quote_name(Order._meta.db_table)
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(shipment(quiet), consumer="shipping") is Outcome.APPLIED
+    sql = _statements(queries)
+    # Nobody hears it: the writes alone, no read of the order.
+    assert not any(f"FROM {table}" in s for s in " ; ".join(sql).split(";")), sql
+    with transitions_heard() as heard, CaptureQueriesContext(connection) as queries:
+        assert consume_message(shipment(heard_order), consumer="shipping") is Outcome.APPLIED
+    sql = _statements(queries)
+    if connection.vendor == "mysql":
+        assert len(sql) == 1, sql  # one text, one round trip
+        assert sql[0].startswith("START TRANSACTION; INSERT INTO `idempotent_orders_process")
+        assert "FOR UPDATE; UPDATE `idempotent_orders_order`" in sql[0], sql
+        assert "(BINARY `status` = 'paid' OR BINARY `status` = 'processing')" in sql[0]
+        assert sql[0].endswith("; COMMIT")
+    else:
+        assert [s.split(" ", 2)[:2] for s in sql] == [
+            ["BEGIN", "IMMEDIATE"],
+            ["INSERT", "INTO"],
+            ["SELECT", '"status"'],
+            ["UPDATE", table],
+            ["SELECT", f'{table}."id",'],
+            ["COMMIT"],
+        ], sql
+        assert "(\"status\" = 'paid' COLLATE BINARY OR" in sql[3]
+    assert heard == [(heard_order.pk, OrderStatus.SHIPPED, 1, source)]
+    for order in (quiet, heard_order):
+        row = Order.objects.get(pk=order.pk)
+        assert (row.status, row.version, row.tracking_number) == (
+            OrderStatus.SHIPPED,
+            1,
+            f"TRK{order.pk}",
+        )
+        inbox = ProcessedMessage.objects.get(order_id=order.pk)
+        assert (inbox.outcome, inbox.status) == (Outcome.APPLIED, "done")
+
+
+def test_a_transition_of_two_sources_hears_the_source_the_update_left(
+    make_order, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer moves the order from one source to the other just before the
+    transaction: the receiver hears the state the UPDATE left, not an older one."""
+    order = _in(make_order(), OrderStatus.PAID)
+    runs: list[int] = []
+    for name in ("_mysql", "_sqlite"):
+        real = getattr(at_once, name)
+
+        def moved(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            runs.append(1)
+            Order.objects.filter(pk=order.pk).update(status=OrderStatus.PROCESSING)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(at_once, name, moved)
+    with transitions_heard() as heard:
+        assert consume_message(shipment(order), consumer="shipping") is Outcome.APPLIED
+    assert runs == [1]
+    assert heard == [(order.pk, OrderStatus.SHIPPED, 1, OrderStatus.PROCESSING)]
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [(OrderStatus.SHIPPED, Outcome.DUPLICATE), (OrderStatus.PENDING_PAYMENT, Outcome.PARKED)],
+)
+def test_a_transition_of_two_sources_from_neither_is_left_to_the_read(
+    make_order, status: str, outcome: Outcome
+) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    order = _in(make_order(), status)
+    message = shipment(order)
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(message, consumer="shipping") is outcome
+    sql = _statements(queries)
+    begin = "START TRANSACTION" if connection.vendor == "mysql" else "BEGIN"
+    assert sql[0].startswith(begin)  # tried first, rolled back
+    read = f"SELECT {connection.ops.quote_name(Order._meta.db_table)}"
+    assert any(s.startswith(read) for s in sql[1:]), sql
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (status, 0)
+    inbox = ProcessedMessage.objects.get(consumer="shipping", message_id=message["message_id"])
+    assert inbox.outcome == outcome
+
+
+def test_a_transition_of_two_sources_delivered_twice_applies_once(make_order) -> None:
+    order = _in(make_order(), OrderStatus.PROCESSING)
+    message = shipment(order)
+    assert consume_message(message, consumer="shipping") is Outcome.APPLIED
+    assert consume_message(message, consumer="shipping") is Outcome.DUPLICATE
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (OrderStatus.SHIPPED, 1)
+    assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1

@@ -1,7 +1,8 @@
 """The one road after the order is read, on every database: a message the roads without a
-read decline (a transition of several sources, a project's validator, a road switched
-off) is claimed, run and written in one transaction of Django's ``atomic``; a race lost
-between the read and that transaction rolls all of it back and decides again."""
+read decline (a guard the order failed, a caller's transaction, a follow-up that writes
+its own rows, a road switched off) is claimed, run and written in one transaction of
+Django's ``atomic``; a race lost between the read and that transaction rolls all of it
+back and decides again."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
 
 
 def test_a_transition_of_several_sources_that_loses_a_race_decides_again(
-    make_order, monkeypatch: pytest.MonkeyPatch
+    make_order, read_first: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # ``ship`` leaves PAID or PROCESSING: no road without a read takes it.
+    # ``ship`` leaves PAID or PROCESSING: the state as read is the source the write tests.
     order = _paid(make_order)
     real = single.write
     versions: list[int] = []
@@ -121,10 +122,11 @@ def test_a_claim_that_loses_to_the_inbox_writes_nothing(
 
 
 def test_a_message_the_roads_without_a_read_decline_is_a_read_and_one_transaction(
-    make_order,
+    make_order, read_first: None
 ) -> None:
-    """A dispatch (two sources): the order's read, then the claim and the conditional
-    UPDATE in Django's ``atomic``; no statement of a road without a read is sent."""
+    """A dispatch (two sources) the roads without a read decline: the order's read, then
+    the claim and the conditional UPDATE in Django's ``atomic``; no statement of a road
+    without a read is sent."""
     single.consume_message(shipment(_paid(make_order)), consumer="shipping")  # first statements
     order = _paid(make_order)
     with CaptureQueriesContext(connection) as queries:

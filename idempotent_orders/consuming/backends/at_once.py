@@ -2,13 +2,15 @@
 their own, with the decision's tests in the UPDATE.
 
 Where :func:`~idempotent_orders.consuming.unread.plan` finds nothing of the project's to
-run (one source, no ``conditions=``, no body, no fsm-2 receiver, a built-in rule; a
-follow-up only as the outbox row it hands over, see
+run (no ``conditions=``, no body, no fsm-2 receiver, a built-in rule; a follow-up only
+as the outbox row it hands over, see
 :class:`~idempotent_orders.consuming.running.FollowUpRow`), what the transaction writes
 is known before it starts: the inbox row, the spent payment, the order's UPDATE with the
 tests :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" in its
-WHERE clause, and the follow-up's outbox row. :func:`apply_unread_at_once` sends them
-together:
+WHERE clause, and the follow-up's outbox row. A transition of several sources tests the
+state against each; where a receiver hears it, the state the order leaves is read in the
+same transaction, before the UPDATE (``SELECT ... FOR UPDATE`` on MariaDB; SQLite's
+transaction holds the write lock). :func:`apply_unread_at_once` sends them together:
 
 - MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
   unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
@@ -207,7 +209,7 @@ def _sqlite(
                 if step == "queue":
                     row = cursor.fetchone()
                     queued_id = None if row is None else row[0]
-                elif step == "read" and read is not None:
+                elif step in ("source", "read") and read is not None:
                     read.append(cursor.fetchone())
             cursor.execute("COMMIT")
         except BaseException:
@@ -266,7 +268,7 @@ def _mysql(
                         # The INSERT IGNORE's own result: one row inserted, and its id
                         # (0 rows: the message id was in the outbox already).
                         queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
-                    elif steps[at] == "read" and read is not None:
+                    elif steps[at] in ("source", "read") and read is not None:
                         read.append(cursor.fetchone())
                     if not cursor.nextset():
                         break
@@ -328,23 +330,27 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     """
     if not can_apply_unread_at_once():
         return None
-    p = plan(envelope, model)
+    # Several sources: the state tested against each; the one left read in the same text.
+    p = plan(envelope, model, several=True)
     if p is None or p.follow_ups is None:
         return None  # read first; or a follow-up writes its own rows: the usual road
     conn = connections[DEFAULT_DB_ALIAS]
     shape, fields, tests, handed = p.shape, p.fields, p.tests, p.handed
     seq = envelope.seq
     values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
-    key = (conn.alias, model, tuple(values), tuple((t[0], t[2]) for t in tests), seq is None)
+    sources = len(shape.sources)
+    tested = tuple((t[0], t[2]) for t in tests)
+    key = (conn.alias, model, tuple(values), tested, seq is None, sources)
     update = _updates.get(key)
     if update is None:
-        update = _updates[key] = _update(conn, model, list(values), tests, seq is not None)
+        update = _updates[key] = _update(conn, model, list(values), tests, seq is not None, sources)
     args: list[Any] = [shape.target]
     args += [
         f.get_db_prep_save(v, conn) for f, v in zip(update.values, values.values(), strict=True)
     ]
     assert model._meta.pk is not None
-    args += [model._meta.pk.get_db_prep_value(envelope.order_id, conn), shape.source]
+    order_id = model._meta.pk.get_db_prep_value(envelope.order_id, conn)
+    args += [order_id, *shape.sources]
     if seq is not None:
         args.append(seq - 1)
     for field, (_, value, _) in zip(update.tests, tests, strict=True):
@@ -362,11 +368,14 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if payment is not None:
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))
-    statements.append(("update", update.sql, args))
-    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned.
+    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned,
+    # with the state the order leaves where it may be one of several (locked till COMMIT).
     announced = order_transitioned.has_listeners(model)
+    if announced and sources > 1:
+        statements.append(("source", update.source, [order_id]))
+    statements.append(("update", update.sql, args))
     if announced:
-        statements.append(("read", p.read.sql, [args[len(values) + 1]]))
+        statements.append(("read", p.read.sql, [order_id]))
     if handed is not None:
         queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
@@ -387,25 +396,33 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if handed is not None and done.queued_id is not None:
         handed[1].written(DEFAULT_DB_ALIAS, done.queued_id)
     if announced:
-        written(model, p, read[0])
+        if sources > 1:
+            (source,), row = read
+            written(model, p, row, source=source)
+        else:
+            written(model, p, read[0])
     return Outcome.APPLIED
 
 
 @dataclass(frozen=True)
 class _Update:
     """:func:`apply_unread_at_once`'s UPDATE of one shape of message, with ``%s`` placeholders:
-    ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``."""
+    ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``;
+    the state tested against each source of the transition."""
 
     sql: str
     values: tuple[Field[Any, Any], ...]
     tests: tuple[Field[Any, Any], ...]
+    #: The order's state read before the UPDATE, locked (``FOR UPDATE`` on MariaDB; SQLite's
+    #: transaction holds the write lock): the source it leaves, where it may be several.
+    source: str
 
 
 _updates: dict[tuple[Any, ...], _Update] = {}
 
 
 def _update(
-    conn: Any, model: type[Model], values: list[str], tests: list[Test], seq: bool
+    conn: Any, model: type[Model], values: list[str], tests: list[Test], seq: bool, sources: int
 ) -> _Update:
     meta = model._meta
     assert meta.pk is not None
@@ -416,7 +433,9 @@ def _update(
     sets = [f"{state} = %s", f"{version} = {version} + 1"]
     value_fields = [_field(model, name) for name in values]
     sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
-    where = [f"{qn(str(meta.pk.column))} = %s", bytewise(state)]
+    pk = qn(str(meta.pk.column))
+    states = [bytewise(state) for _ in range(sources)]
+    where = [f"{pk} = %s", states[0] if sources == 1 else f"({' OR '.join(states)})"]
     where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
     if seq:
         where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
@@ -428,8 +447,11 @@ def _update(
         test = bytewise(column) if text else f"{column} = %s"
         where.append(f"({column} = '' OR {test})" if empty else test)
         test_fields.append(field)
-    sql = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
-    return _Update(sql, tuple(value_fields), tuple(test_fields))
+    table = qn(meta.db_table)
+    sql = f"UPDATE {table} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    lock = " FOR UPDATE" if backend(conn).at_once_in_one_text else ""
+    source = f"SELECT {state} FROM {table} WHERE {pk} = %s{lock}"
+    return _Update(sql, tuple(value_fields), tuple(test_fields), source)
 
 
 def _field(model: type[Model], name: str) -> Field[Any, Any]:

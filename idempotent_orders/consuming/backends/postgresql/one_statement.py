@@ -168,6 +168,7 @@ def _compile(
             inserted.append(args.ref("now", field, preparation(field)))
         else:  # as in every applied message's row: the template's own value
             inserted.append(_literal(conn, base))
+    (leaves,) = shape.sources  # one state tested (unread.plan's default)
     qn = conn.ops.quote_name
     meta = model._meta
     table = qn(meta.db_table)
@@ -184,7 +185,7 @@ def _compile(
         sets.append(f"{qn(str(written.column))} = {placeholder}")
     where = [
         f"{pk} = {args.ref('order_id', pk_field, preparation(pk_field))}",
-        f'{state} = {_literal(conn, shape.source)} COLLATE "C"',
+        f'{state} = {_literal(conn, leaves)} COLLATE "C"',
         f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
     ]
     if seq:
