@@ -127,7 +127,6 @@ def child(vendor: str) -> None:
 
     from bench.common import make_orders, payment, rate
     from bench.consumer import RUN_TAG, default_configuration, differences, in_batches, one_by_one
-    from idempotent_orders.consuming import writing
     from idempotent_orders.consuming.backends import at_once
     from idempotent_orders.outbox import flush_publisher
 
@@ -155,14 +154,7 @@ def child(vendor: str) -> None:
                 consumed("new", config, f"s{run_no}-")
                 consumed("held", {**config, **HELD}, f"h{run_no}-")
                 if orm_road:
-                    with (
-                        mock.patch.object(
-                            writing, "can_claim_and_apply_at_once", return_value=False
-                        ),
-                        mock.patch.object(
-                            at_once, "can_claim_and_apply_at_once", return_value=False
-                        ),
-                    ):
+                    with mock.patch.object(at_once, "can_apply_unread_at_once", return_value=False):
                         consumed("orm", config, f"o{run_no}-")
                 consumed("batch", config, f"b{run_no}-", batch=True)
             elif key == "raw2":
@@ -194,7 +186,6 @@ def profile(vendor: str, cprofile: bool) -> None:
 
     from bench.common import make_orders, payment
     from bench.consumer import RUN_TAG, default_configuration, one_by_one
-    from idempotent_orders.consuming import writing
     from idempotent_orders.consuming.backends import at_once
     from idempotent_orders.outbox import flush_publisher
 
@@ -217,10 +208,7 @@ def profile(vendor: str, cprofile: bool) -> None:
             setattr(cls, name, counted)
     else:
         raw.set_trace_callback(lambda sql: sent.append(sql[:24]))
-    previous = (
-        mock.patch.object(writing, "can_claim_and_apply_at_once", return_value=False),
-        mock.patch.object(at_once, "can_claim_and_apply_at_once", return_value=False),
-    )
+    previous = (mock.patch.object(at_once, "can_apply_unread_at_once", return_value=False),)
     with override_settings(IDEMPOTENT_ORDERS=config):
         one_by_one([payment(o, f"{RUN_TAG}w-") for o in make_orders(20)])  # warm up
         flush_publisher()

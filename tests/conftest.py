@@ -112,6 +112,21 @@ def make_order() -> Callable[..., Any]:
 
 
 @pytest.fixture
+def fulfil() -> Iterator[None]:
+    """The default configuration's follow-up on; its rows stay pending (no broker here)."""
+    from django.conf import settings
+    from django.test.utils import override_settings
+
+    config = {
+        **settings.IDEMPOTENT_ORDERS,
+        "FULFIL_AFTER_PAYMENT": True,
+        "OUTBOX_PUBLISH_ON_COMMIT": False,
+    }
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        yield
+
+
+@pytest.fixture
 def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
     """Factory: ``celery_workers("redis" | "rabbitmq")`` starts worker processes."""
     from celery import current_app

@@ -648,12 +648,11 @@ def guarded_update_sql(
     state_column: str,
     values: Sequence[Field[Any, Any]],
     conditions: Sequence[Field[Any, Any]],
-    sources: int = 1,
 ) -> str:
-    """:func:`commit`'s UPDATE as SQL, for the roads that send it as a text of their own:
+    """:func:`commit`'s UPDATE as SQL, for a road that sends it as a text of its own:
     ``UPDATE <table> SET <state> = %s, version = version + 1, <value> = %s ... WHERE <pk> =
-    %s AND <state> IN (%s ...) AND version = %s AND <condition> = %s ...``; the arguments in
-    that order (``sources`` source states)."""
+    %s AND <state> = %s AND version = %s AND <condition> = %s ...``; the arguments in that
+    order (the state as read)."""
     qn = conn.ops.quote_name
     state = qn(state_column)
     version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
@@ -662,7 +661,7 @@ def guarded_update_sql(
     sets += [f"{qn(str(f.column))} = %s" for f in values]
     where = [
         f"{qn(str(meta.pk.column))} = %s",
-        f"{state} IN ({', '.join(['%s'] * sources)})",
+        f"{state} = %s",
         f"{version} = %s",
     ]
     where += [f"{qn(str(f.column))} = %s" for f in conditions]

@@ -205,7 +205,7 @@ def read_back(
     when it committed nothing or that cannot be told yet (the delivery is then retried).
 
     Only a lost connection can hide a commit: the COMMIT, or on PostgreSQL the one
-    claim-and-apply statement, was sent and no answer came back. Any other error (a
+    statement of the road without a read, was sent and no answer came back. Any other error (a
     deadlock, a serialization failure, a timeout) rolled back, and so does a caller's
     transaction around us (its commit is the caller's). The row is this delivery's when it
     was written since ``since`` with this payload; an older one is a copy's, which the

@@ -1,15 +1,12 @@
-"""SQL the consumers write by hand: the order read, the inbox claim, and claim-and-apply.
+"""SQL the consumers write by hand: the order read, the inbox claim, the follow-up's row.
 
 The claims keep the inbox's unique index the only authority on duplicates.
 :func:`insert_inbox_rows` is the batch path's multi-row ``INSERT ... ON
-CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB).
-:func:`claim_and_apply` is the single path's PostgreSQL statement for a
-message whose verdict is "apply": the inbox insert and the order's conditional
-UPDATE in one statement, committed on its own (one round trip instead of
-BEGIN, INSERT, UPDATE, COMMIT). :func:`read_order` is the single path's read of
-the order: the ORM's own SQL, compiled once per model and database. Statements
-run as prepared statements of the session are in
-:mod:`~idempotent_orders.consuming.prepared`.
+CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB);
+:class:`InboxTemplate` the one-row claim the roads without a read send.
+:func:`read_order` is the single path's read of the order: the ORM's own SQL,
+compiled once per model and database. Statements run as prepared statements of
+the session are in :mod:`~idempotent_orders.consuming.prepared`.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DataError, connection, connections
+from django.db import connection, connections
 from django.db.models import Field, Model
 from django.db.models.expressions import DatabaseDefault
 from django.db.models.manager import BaseManager
@@ -29,10 +26,7 @@ from idempotent_orders.models import OutboxMessage, ProcessedMessage
 __all__ = [
     "CLAIMABLE",
     "FOLLOW_UP_FIELDS",
-    "ClaimConflict",
     "build",
-    "can_claim_and_apply",
-    "claim_and_apply",
     "compiled_read",
     "forget_inbox_shape",
     "handed_over",
@@ -78,10 +72,6 @@ def inbox_partitioned(conn: Any = None) -> bool:
 def forget_inbox_shape() -> None:
     """Look the inbox's shape up again (after it was converted in this process)."""
     _shapes.clear()
-
-
-class ClaimConflict(Exception):
-    """The message was claimed but the order had moved: nothing was written; decide again."""
 
 
 @dataclass(frozen=True)
@@ -412,119 +402,6 @@ def insert_inbox_values(
                 if found:
                     new[row[at]] = found[0][0]
     return new
-
-
-def can_claim_and_apply() -> bool:
-    """Whether :func:`claim_and_apply` may run now: PostgreSQL, outside any transaction.
-
-    Inside a caller's transaction the single statement would not be the whole
-    transaction (and its deliberate error would abort the caller's).
-    """
-    return backend().one_statement and not connection.in_atomic_block
-
-
-#: SQLSTATE of the division by zero that undoes a claim whose UPDATE found no row.
-_UNDO = "22012"
-
-
-_ClaimPlan = tuple[str, list["Field[Any, Any]"], list["Field[Any, Any]"]]
-#: The claim-and-apply statement by database, model and the columns it writes and tests.
-_claim_plans: dict[tuple[Any, ...], _ClaimPlan] = {}
-
-
-def _claim_plan(
-    meta: Any,
-    fields: list[Field[Any, Any]],
-    state_column: str,
-    values: Mapping[str, Any],
-    conditions: Mapping[str, Any],
-) -> _ClaimPlan:
-    qn = connection.ops.quote_name
-    table = qn(meta.db_table)
-    pk_column = qn(str(meta.pk.column if meta.pk else "id"))
-    sets = [f"{qn(state_column)} = %s", f"{qn('version')} = {qn('version')} + 1"]
-    value_fields: list[Field[Any, Any]] = []
-    for name in values:
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        sets.append(f"{qn(str(field.column))} = %s")
-        value_fields.append(field)
-    where = [f"{pk_column} = %s", f"{qn(state_column)} = ANY(%s)", f"{qn('version')} = %s"]
-    condition_fields: list[Field[Any, Any]] = []
-    for name in conditions:
-        field = meta.get_field(name)
-        assert isinstance(field, Field)
-        where.append(f"{qn(str(field.column))} = %s")
-        condition_fields.append(field)
-    head, tail, casts = _insert_around(fields)
-    placeholder = ", ".join(f"%s{cast}" for cast in casts or [""] * len(fields))
-    sql = (
-        f"WITH claim AS ({head}{placeholder}{tail} RETURNING 1),"
-        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
-        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim) RETURNING 1)"
-        " SELECT (SELECT count(*) FROM claim),"
-        " CASE WHEN (SELECT count(*) FROM claim) = 1"
-        " THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END"
-    )
-    return sql, value_fields, condition_fields
-
-
-def claim_and_apply(
-    row: ProcessedMessage,
-    order: Model,
-    *,
-    state_column: str,
-    sources: Sequence[str],
-    target: str,
-    version: int,
-    values: Mapping[str, Any],
-    conditions: Mapping[str, Any],
-) -> bool:
-    """Insert the inbox ``row`` and apply the transition in one statement; False for a duplicate.
-
-    ``UPDATE <order> SET <state>=:target, version=version+1, <values> WHERE
-    pk=:pk AND <state> IN :sources AND version=:v AND <conditions> AND the
-    inbox insert happened``. When the insert happened but the UPDATE matched
-    no row (another writer moved the order), the statement divides by zero on
-    purpose, so PostgreSQL rolls all of it back: nothing is written and
-    :class:`ClaimConflict` asks the caller to read the order and decide again.
-    A duplicate inserts nothing and updates nothing.
-    """
-    fields = _inbox_fields(row)
-    meta = order._meta
-    key = (
-        connection.alias,
-        inbox_partitioned(),
-        type(order),
-        state_column,
-        tuple(f.attname for f in fields),
-        tuple(values),
-        tuple(conditions),
-    )
-    plan = _claim_plans.get(key)
-    if plan is None:
-        plan = _claim_plans[key] = _claim_plan(meta, fields, state_column, values, conditions)
-    sql, value_fields, condition_fields = plan
-    params = _inbox_values(fields, row)
-    params.append(target)
-    params.extend(
-        f.get_db_prep_save(v, connection)
-        for f, v in zip(value_fields, values.values(), strict=True)
-    )
-    params.extend((order.pk, list(sources), version))
-    params.extend(
-        f.get_db_prep_save(v, connection)
-        for f, v in zip(condition_fields, conditions.values(), strict=True)
-    )
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            claimed, _moved = cursor.fetchone()
-    except DataError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == _UNDO:
-            raise ClaimConflict from None
-        raise
-    return bool(claimed)
 
 
 #: The outbox fields a follow-up hands over (``FollowUpRow.fields``).

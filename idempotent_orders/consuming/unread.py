@@ -3,13 +3,15 @@ shares.
 
 Where nothing of the project's runs (no body, no condition, no fsm-2 receiver, nothing on
 ``save()``, a built-in :class:`~idempotent_orders.consuming.rules.Rule` as validator) and
-the transition has one source, :func:`~idempotent_orders.consuming.decision.decide` says
-"apply" exactly when a few column tests hold on the order: the state, ``has_parked``,
+the transition has fixed sources and one target (:func:`shape`),
+:func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
+column tests hold on the order: the state among the sources, ``has_parked``,
 ``last_seq`` and the rule's tests. A backend puts them in the WHERE clause of the
 UPDATE it sends with the inbox claim, instead of reading the order first
 (:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement` on PostgreSQL,
-:mod:`~idempotent_orders.consuming.backends.at_once` on MariaDB and SQLite). Anything
-else writes nothing and the message takes the read.
+one source only; :mod:`~idempotent_orders.consuming.backends.at_once` on MariaDB and
+SQLite, several, the one the order left read in the same transaction for
+:func:`written`). Anything else writes nothing and the message takes the read.
 
 :func:`plan` says whether a message can go so and what it writes and tests;
 :func:`written` tells the project's listeners what a road wrote.
@@ -43,14 +45,14 @@ from idempotent_orders.consuming.running import (
 )
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 
-__all__ = ["Plan", "Shape", "plan", "shape", "written"]
+__all__ = ["Plan", "Shape", "fits", "plan", "shape", "written"]
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What one (model, transition) allows: its single source and target."""
+    """What one (model, transition) allows: its sources (in a fixed order) and its target."""
 
-    source: str
+    sources: tuple[str, ...]
     target: str
 
 
@@ -58,8 +60,9 @@ _shapes: dict[tuple[type[Model], str], Shape | None] = {}
 
 
 def shape(model: type[Model], name: str) -> Shape | None:
-    """The transition's one source and target; None where it has several sources or a
-    condition, or the state is not text (then the order is read)."""
+    """The transition's sources and target; None where a source has a condition, the
+    transition starts from any state or its body picks the target, or the state is not
+    text (then the order is read)."""
     key = (model, name)
     try:
         return _shapes[key]
@@ -68,11 +71,18 @@ def shape(model: type[Model], name: str) -> Shape | None:
     found: Shape | None = None
     if has_transition(model, name) and isinstance(state_field(model), CharField | TextField):
         e = edge(model, name)
-        if len(e.sources) == 1:
-            (source,) = e.sources
-            transition = getattr(model, name)._django_fsm.get_transition(source)
-            if transition is not None and not transition.conditions:
-                found = Shape(source, e.target)
+        declared = getattr(model, name)._django_fsm
+        if (
+            e.sources
+            and e.target is not None
+            and e.targets <= {e.target}
+            and not (e.any_source or e.any_other or e.dynamic or e.targetless)
+            and all(
+                (t := declared.get_transition(source)) is not None and not t.conditions
+                for source in e.sources
+            )
+        ):
+            found = Shape(tuple(sorted(e.sources)), e.target)
     _shapes[key] = found
     return found
 
@@ -102,15 +112,33 @@ class Plan:
         return rows[0] if rows is not None and len(rows) == 1 else None
 
 
-def plan(envelope: Envelope, model: type[Model]) -> Plan | None:
-    """How ``envelope`` is applied without a read; None when it must be read first."""
-    rule = envelope.handler.validate
-    if not isinstance(rule, Rule):
-        return None  # a project's own validator runs on the order as read
+def fits(envelope: Envelope, model: type[Model], *, several: bool = False) -> bool:
+    """Whether ``envelope``'s kind of message may go without a read, whatever its payload
+    and its order: a built-in :class:`~idempotent_orders.consuming.rules.Rule` validates
+    it, its transition has a :func:`shape` (of one source, unless the road tests
+    ``several``), nothing of the project's runs. A message of another
+    kind is read first (on PostgreSQL in the same text as its claim:
+    :mod:`~idempotent_orders.consuming.backends.postgresql.claim_and_run`)."""
+    if not isinstance(envelope.handler.validate, Rule):
+        return False  # a project's own validator runs on the order as read
     name = envelope.handler.transition
     found = shape(model, name)
-    if found is None or runs_user_code(model, name):
-        return None  # the model's own method must run: read, run, write
+    # Else the model's own method must run: read, run, write.
+    if found is None or (len(found.sources) > 1 and not several):
+        return False
+    return not runs_user_code(model, name)
+
+
+def plan(envelope: Envelope, model: type[Model], *, several: bool = False) -> Plan | None:
+    """How ``envelope`` is applied without a read (by a road that tests the state against
+    ``several`` sources, or one); None when it must be read first."""
+    if not fits(envelope, model, several=several):
+        return None
+    rule = envelope.handler.validate
+    assert isinstance(rule, Rule)
+    name = envelope.handler.transition
+    found = shape(model, name)
+    assert found is not None
     alias, read = compiled_read(model, "pk")
     if read is None or alias != DEFAULT_DB_ALIAS:
         return None
@@ -125,14 +153,21 @@ def plan(envelope: Envelope, model: type[Model]) -> Plan | None:
 
 
 def written(
-    model: type[Model], p: Plan, row: Sequence[Any], *, alias: str = DEFAULT_DB_ALIAS
+    model: type[Model],
+    p: Plan,
+    row: Sequence[Any],
+    *,
+    source: str | None = None,
+    alias: str = DEFAULT_DB_ALIAS,
 ) -> None:
     """Tell the project's listeners that ``p`` was applied: ``row`` is the order as written
-    (the read's columns)."""
+    (the read's columns); ``source`` the state it left, where the shape has several."""
     order = build(model, alias, p.read, row)
+    if source is None:
+        (source,) = p.shape.sources
     result = TransitionResult(
         TransitionStatus.APPLIED,
-        p.shape.source,
+        source,
         p.shape.target,
         order.version,  # type: ignore[attr-defined]
     )

@@ -1,6 +1,10 @@
 """The read-decide-write road's transaction: claim the message, run the model's own
-transition, commit it with one conditional UPDATE (or, on PostgreSQL, one claim-and-apply
-statement when nothing of the project's runs), and park what must wait.
+transition, commit it (:func:`~idempotent_orders.consuming.running.commit`: the model's
+``save()`` or one conditional UPDATE), and park what must wait.
+
+This is the one road once the order was read, on every database: the fast paths
+(:mod:`~idempotent_orders.consuming.backends`) run before the read, where nothing of the
+project's would, and decline, writing nothing, what they cannot take.
 
 :func:`~idempotent_orders.consuming.single.consume_message` reads the order, decides,
 and calls :func:`write`; the exceptions here tell it to decide again
@@ -14,15 +18,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends import backend
-from idempotent_orders.consuming.backends.at_once import (
-    can_claim_and_apply_at_once,
-    claim_and_apply_at_once,
-)
 from idempotent_orders.consuming.decision import (
     REFUND,
     Verdict,
@@ -36,27 +36,14 @@ from idempotent_orders.consuming.failures import (
     RETRYABLE,
     describe,
 )
-from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, edge, state_field
-from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend, spent_by
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus
+from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend
 from idempotent_orders.consuming.running import (
-    FollowUp,
-    FollowUpRow,
     Ran,
-    advance,
     call_transition,
     commit,
-    follow_up_rows,
-    in_transaction_work,
     keeps_parked_flag,
-    runs_user_code,
     transition_written,
-    written_values,
-)
-from idempotent_orders.consuming.sql import (
-    ClaimConflict,
-    can_claim_and_apply,
-    claim_and_apply,
-    handed_over,
 )
 from idempotent_orders.models import (
     AbstractOrder,
@@ -126,33 +113,8 @@ def write(
     outcome = verdict.outcome
     # A write that may unblock a successor is conditional on the has_parked
     # flag as read, so a message parked since our read makes it conflict.
-    model = type(order)
-    flagged = order.has_parked or not keeps_parked_flag(model)
+    flagged = order.has_parked or not keeps_parked_flag(type(order))
     unflagged: dict[str, Any] = {} if flagged else {"has_parked": False}
-    if (
-        verdict.transition
-        and parked is None
-        and not retrying
-        and can_claim_and_apply()
-        and not runs_user_code(model, verdict.transition)
-        and not in_transaction_work(model, edge(model, verdict.transition).target)
-        and not payment_id(envelope)
-    ):
-        # No body, no receiver, nothing else to write: one statement commits it.
-        return claim_and_apply_one(envelope, consumer, order, verdict, unflagged)
-    if (
-        verdict.transition
-        and parked is None
-        and not retrying
-        and order._state.db == connection.alias
-        and can_claim_and_apply_at_once()
-        and not runs_user_code(model, verdict.transition)
-    ):
-        handed = _handed(model, order.pk, verdict.transition)
-        if handed is not None:
-            # Every write known before the transaction: sent as one (MariaDB, SQLite).
-            follow_up = handed[0] if handed else None
-            return apply_at_once(envelope, consumer, order, verdict, unflagged, follow_up)
     body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
     # The payment id the transition spends (recorded with the claim where it can be).
     payment = payment_id(envelope) if verdict.transition else None
@@ -315,129 +277,6 @@ def on_error_reason(
         extra={"message_id": envelope.message_id, "order_id": order.pk},
     )
     return reason
-
-
-def _guarded_write(
-    envelope: Envelope, order: AbstractOrder, verdict: Verdict, unflagged: dict[str, Any]
-) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """The edge, the written values and the conditional UPDATE's conditions (the order
-    as read, and the message's predecessor applied) of a road that writes at once."""
-    model = type(order)
-    conditions = dict(unflagged)
-    if envelope.seq is not None:
-        conditions["last_seq"] = envelope.seq - 1
-    return edge(model, verdict.transition), written_values(model, verdict.values), conditions
-
-
-def claim_and_apply_one(
-    envelope: Envelope,
-    consumer: str,
-    order: AbstractOrder,
-    verdict: Verdict,
-    unflagged: dict[str, Any],
-) -> Outcome:
-    """The common case on PostgreSQL: the inbox row and the transition in one statement.
-
-    Taken only outside a caller's transaction and when nothing else must be
-    written in the transition's transaction (no follow-up, no fsm-2 receiver).
-    """
-    model = type(order)
-    e, values, conditions = _guarded_write(envelope, order, verdict, unflagged)
-    row = ProcessedMessage(
-        consumer=consumer,
-        message_id=envelope.message_id,
-        message_type=envelope.message_type,
-        status=verdict.inbox_status,
-        outcome=Outcome.APPLIED,
-        order_id=order.pk,
-        seq=envelope.seq,
-        fingerprint=envelope.fingerprint,
-    )
-    try:
-        claimed = claim_and_apply(
-            row,
-            order,
-            state_column=str(state_field(model).column),
-            sources=sorted(e.sources),
-            target=e.target,
-            version=order.version,
-            values=values,
-            conditions=conditions,
-        )
-    except ClaimConflict:
-        raise Conflict from None
-    if not claimed:
-        raise Duplicate
-    transition_written(order, e.name, advance(order, e.name, values))
-    return Outcome.APPLIED
-
-
-def _handed(model: type[Any], pk: Any, name: str) -> list[tuple[FollowUp, FollowUpRow]] | None:
-    """The follow-up a transition queues, as its outbox row (none, or one); None when one
-    must be written by its own ``write`` (or there are several)."""
-    rows = follow_up_rows(model, pk, name, edge(model, name).target)
-    if rows is None or len(rows) > 1 or not all(handed_over(r[1].fields) for r in rows):
-        return None
-    return rows
-
-
-def apply_at_once(
-    envelope: Envelope,
-    consumer: str,
-    order: AbstractOrder,
-    verdict: Verdict,
-    unflagged: dict[str, Any],
-    handed: tuple[FollowUp, FollowUpRow] | None,
-) -> Outcome:
-    """MariaDB and SQLite: the claim, the spent payment, the transition's conditional
-    UPDATE and the follow-up's outbox row, sent as one transaction of their own
-    (:mod:`~idempotent_orders.consuming.backends.at_once`). Raises as :func:`write` does."""
-    model = type(order)
-    e, values, conditions = _guarded_write(envelope, order, verdict, unflagged)
-    payment = payment_id(envelope)
-    done = claim_and_apply_at_once(
-        inbox={
-            "consumer": consumer,
-            "message_id": envelope.message_id,
-            "message_type": envelope.message_type,
-            "status": verdict.inbox_status,
-            "outcome": Outcome.APPLIED,
-            "order_id": order.pk,
-            "seq": envelope.seq,
-            "error": verdict.reason,
-            "body": "",
-            "fingerprint": envelope.fingerprint,
-        },
-        now=timezone.now(),
-        order=order,
-        state_column=str(state_field(model).column),
-        sources=sorted(e.sources),
-        target=e.target,
-        version=order.version,
-        values=values,
-        conditions=conditions,
-        payment=payment,
-        follow_up=None if handed is None else handed[1].fields,
-    )
-    if not done.claimed:
-        raise Duplicate
-    if not done.paid:
-        assert payment is not None
-        owner = spent_by(payment)
-        if owner is None:  # gone since: decide again
-            raise Conflict
-        raise Spent(payment, owner)
-    if not done.updated:
-        raise Conflict
-    if handed is not None and done.queued_id is not None:
-        handed[1].written(connection.alias, done.queued_id)
-    transition_written(
-        order,
-        e.name,
-        advance(order, e.name, values),
-        handed=() if handed is None else (handed[0],),
-    )
-    return Outcome.APPLIED
 
 
 def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -> bool:

@@ -1,24 +1,23 @@
-"""MariaDB and SQLite: a decided message's writes go as one transaction of their own.
+"""MariaDB and SQLite: a message's writes go as one transaction of their own, before its
+order is read.
 
-The claim, the spent payment, the conditional UPDATE and the follow-up's outbox row are
-sent together (one multi-statement text on MariaDB; the driver's statements between BEGIN
-and COMMIT on SQLite), and anything that would not apply rolls all of it back.
+The claim, the spent payment, the UPDATE with the decision's tests and the follow-up's
+outbox row are sent together (one multi-statement text on MariaDB; the driver's statements
+between BEGIN and COMMIT on SQLite), and anything that would not apply rolls all of it back
+and leaves the message to the road after the read (``tests/consume/test_after_read.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import writing
 from idempotent_orders.consuming.backends import at_once
 from idempotent_orders.consuming.backends.mysql import MySQL
 from idempotent_orders.consuming.backends.sqlite import SQLite
@@ -31,29 +30,11 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
-from tests.support.messages import payment, transitions_heard
+from tests.support.messages import payment, shipment, transitions_heard
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.backends("sqlite", "mysql")]
 
 INBOX = ProcessedMessage._meta.db_table
-
-
-@pytest.fixture
-def fulfil() -> Iterator[None]:
-    """The default configuration's follow-up on; its rows stay pending (no broker here)."""
-    config = {
-        **settings.IDEMPOTENT_ORDERS,
-        "FULFIL_AFTER_PAYMENT": True,
-        "OUTBOX_PUBLISH_ON_COMMIT": False,
-    }
-    with override_settings(IDEMPOTENT_ORDERS=config):
-        yield
-
-
-@pytest.fixture
-def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MariaDB's road without a read first declines: the order is read, then written."""
-    monkeypatch.setattr(at_once, "apply_unread_at_once", lambda *args: None)
 
 
 def _statements(queries: CaptureQueriesContext) -> list[str]:
@@ -153,53 +134,6 @@ def test_the_follow_up_is_published_after_the_commit(make_order) -> None:
     assert handed == [("default", row.pk)]
 
 
-def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
-    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    order = make_order()
-    real = writing.claim_and_apply_at_once
-    versions: list[int] = []
-
-    def racing(**kwargs: Any) -> Any:
-        versions.append(kwargs["version"])
-        if len(versions) == 1:
-            # Another writer changes the order between our read and our transaction.
-            Order.objects.filter(pk=order.pk).update(version=F("version") + 1)
-        return real(**kwargs)
-
-    monkeypatch.setattr(writing, "claim_and_apply_at_once", racing)
-    message = payment(order)
-    assert consume_message(message, consumer="payments") is Outcome.APPLIED
-    assert versions == [0, 1]  # the first transaction was undone; the second read v1
-    row = Order.objects.get(pk=order.pk)
-    assert (row.status, row.version) == (OrderStatus.PAID, 2)
-    assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
-    assert SpentPayment.objects.count() == 1
-    assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
-
-
-def test_a_claim_that_loses_to_the_inbox_writes_nothing(
-    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    order = make_order()
-    message = payment(order)
-    real = writing.claim_and_apply_at_once
-
-    def overtaken(**kwargs: Any) -> Any:
-        # Another delivery of the same message commits between our read and our claim.
-        ProcessedMessage.objects.create(
-            consumer="payments", message_id=message["message_id"], outcome=Outcome.APPLIED
-        )
-        return real(**kwargs)
-
-    monkeypatch.setattr(writing, "claim_and_apply_at_once", overtaken)
-    assert consume_message(message, consumer="payments") is Outcome.DUPLICATE
-    row = Order.objects.get(pk=order.pk)
-    assert (row.status, row.version, row.payment_id) == (OrderStatus.PENDING_PAYMENT, 0, "")
-    assert not SpentPayment.objects.exists()
-    assert not OutboxMessage.objects.exists()
-
-
 def test_a_spent_payment_rolls_the_claim_back_and_is_money_to_give_back(
     make_order, fulfil: None
 ) -> None:
@@ -267,7 +201,7 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     other = make_order()
     with CaptureQueriesContext(connection) as queries, transaction.atomic():
-        assert not at_once.can_claim_and_apply_at_once()
+        assert not at_once.can_apply_unread_at_once()
         assert consume_message(payment(other), consumer="payments") is Outcome.APPLIED
     assert not any(s.startswith("START TRANSACTION") for s in _statements(queries))
     assert Order.objects.get(pk=other.pk).status == OrderStatus.PAID
@@ -331,10 +265,10 @@ def test_the_decision_is_tested_in_the_update_and_a_refused_order_is_left_alone(
 
 def test_a_connection_out_of_autocommit_is_never_sent_a_transaction_of_its_own() -> None:
     # A transaction may be open (AUTOCOMMIT off): START TRANSACTION would commit it.
-    assert at_once.can_claim_and_apply_at_once()
+    assert at_once.can_apply_unread_at_once()
     transaction.set_autocommit(False)
     try:
-        assert not at_once.can_claim_and_apply_at_once()
+        assert not at_once.can_apply_unread_at_once()
     finally:
         transaction.rollback()
         transaction.set_autocommit(True)
@@ -352,3 +286,108 @@ def test_sqlite_tests_a_decimal_only_where_a_double_tells_its_values_apart() -> 
     assert at_once._test_value(wide, amount, sqlite) is None
     assert at_once._test_value(wide, amount, MySQL.exact_decimal_digits) == amount
     assert at_once._test_value(narrow, Decimal("12.5"), sqlite) == Decimal("12.50")
+
+
+def _in(order: Order, status: str) -> Order:
+    Order.objects.filter(pk=order.pk).update(status=status)
+    return Order.objects.get(pk=order.pk)
+
+
+@pytest.mark.parametrize("source", [OrderStatus.PAID, OrderStatus.PROCESSING])
+def test_a_transition_of_two_sources_applies_from_each_without_a_read(
+    make_order, source: str
+) -> None:
+    """``ship`` leaves PAID or PROCESSING: the UPDATE tests both; the state the order
+    left is read in the same transaction, before the UPDATE, for the receiver."""
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    quiet, heard_order = _in(make_order(), source), _in(make_order(), source)
+    table = connection.ops.quote_name(Order._meta.db_table)
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(shipment(quiet), consumer="shipping") is Outcome.APPLIED
+    sql = _statements(queries)
+    # Nobody hears it: the writes alone, no read of the order.
+    assert not any(f"FROM {table}" in s for s in " ; ".join(sql).split(";")), sql
+    with transitions_heard() as heard, CaptureQueriesContext(connection) as queries:
+        assert consume_message(shipment(heard_order), consumer="shipping") is Outcome.APPLIED
+    sql = _statements(queries)
+    if connection.vendor == "mysql":
+        assert len(sql) == 1, sql  # one text, one round trip
+        assert sql[0].startswith("START TRANSACTION; INSERT INTO `idempotent_orders_process")
+        assert "FOR UPDATE; UPDATE `idempotent_orders_order`" in sql[0], sql
+        assert "(BINARY `status` = 'paid' OR BINARY `status` = 'processing')" in sql[0]
+        assert sql[0].endswith("; COMMIT")
+    else:
+        assert [s.split(" ", 2)[:2] for s in sql] == [
+            ["BEGIN", "IMMEDIATE"],
+            ["INSERT", "INTO"],
+            ["SELECT", '"status"'],
+            ["UPDATE", table],
+            ["SELECT", f'{table}."id",'],
+            ["COMMIT"],
+        ], sql
+        assert "(\"status\" = 'paid' COLLATE BINARY OR" in sql[3]
+    assert heard == [(heard_order.pk, OrderStatus.SHIPPED, 1, source)]
+    for order in (quiet, heard_order):
+        row = Order.objects.get(pk=order.pk)
+        assert (row.status, row.version, row.tracking_number) == (
+            OrderStatus.SHIPPED,
+            1,
+            f"TRK{order.pk}",
+        )
+        inbox = ProcessedMessage.objects.get(order_id=order.pk)
+        assert (inbox.outcome, inbox.status) == (Outcome.APPLIED, "done")
+
+
+def test_a_transition_of_two_sources_hears_the_source_the_update_left(
+    make_order, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer moves the order from one source to the other just before the
+    transaction: the receiver hears the state the UPDATE left, not an older one."""
+    order = _in(make_order(), OrderStatus.PAID)
+    runs: list[int] = []
+    for name in ("_mysql", "_sqlite"):
+        real = getattr(at_once, name)
+
+        def moved(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            runs.append(1)
+            Order.objects.filter(pk=order.pk).update(status=OrderStatus.PROCESSING)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(at_once, name, moved)
+    with transitions_heard() as heard:
+        assert consume_message(shipment(order), consumer="shipping") is Outcome.APPLIED
+    assert runs == [1]
+    assert heard == [(order.pk, OrderStatus.SHIPPED, 1, OrderStatus.PROCESSING)]
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [(OrderStatus.SHIPPED, Outcome.DUPLICATE), (OrderStatus.PENDING_PAYMENT, Outcome.PARKED)],
+)
+def test_a_transition_of_two_sources_from_neither_is_left_to_the_read(
+    make_order, status: str, outcome: Outcome
+) -> None:
+    consume_message(payment(make_order()), consumer="payments")  # loads the Bloom filter
+    order = _in(make_order(), status)
+    message = shipment(order)
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(message, consumer="shipping") is outcome
+    sql = _statements(queries)
+    begin = "START TRANSACTION" if connection.vendor == "mysql" else "BEGIN"
+    assert sql[0].startswith(begin)  # tried first, rolled back
+    read = f"SELECT {connection.ops.quote_name(Order._meta.db_table)}"
+    assert any(s.startswith(read) for s in sql[1:]), sql
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (status, 0)
+    inbox = ProcessedMessage.objects.get(consumer="shipping", message_id=message["message_id"])
+    assert inbox.outcome == outcome
+
+
+def test_a_transition_of_two_sources_delivered_twice_applies_once(make_order) -> None:
+    order = _in(make_order(), OrderStatus.PROCESSING)
+    message = shipment(order)
+    assert consume_message(message, consumer="shipping") is Outcome.APPLIED
+    assert consume_message(message, consumer="shipping") is Outcome.DUPLICATE
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (OrderStatus.SHIPPED, 1)
+    assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1

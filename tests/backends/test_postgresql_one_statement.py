@@ -15,9 +15,7 @@ from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
 from idempotent_orders.consuming import prepared, single, writing
-from idempotent_orders.consuming.backends.postgresql import one_statement
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders.consuming.sql import claim_and_apply
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from tests.support.messages import payment, shipment, transitions_heard
 
@@ -136,32 +134,6 @@ def test_a_copy_of_a_claimed_message_is_a_duplicate_and_writes_nothing(make_orde
         writing.write(single.parse_envelope(message), "payments", order, verdict, None)
     assert Order.objects.get(pk=order.pk).version == fresh.version
     assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
-
-
-def test_an_order_moved_after_the_read_undoes_the_claim_and_decides_again(
-    make_order, monkeypatch
-) -> None:
-    order = make_order()
-    real = claim_and_apply
-    calls: list[int] = []
-
-    def racing(row: Any, order_: Any, **kwargs: Any) -> bool:
-        calls.append(kwargs["version"])
-        if len(calls) == 1:
-            # Another writer changes the order between our read and our statement.
-            Order.objects.filter(pk=order_.pk).update(version=F("version") + 1)
-        return real(row, order_, **kwargs)
-
-    monkeypatch.setattr(writing, "claim_and_apply", racing)
-    monkeypatch.setattr(one_statement, "apply_unread", lambda *args: None)  # the read-first path
-    # (A cancellation: a payment, which carries money, records its payment id as
-    # spent, and takes the general path once apply_unread() has declined it.)
-    cancel = {"message_id": f"cancel-{order.pk}", "type": "order.cancelled", "order_id": order.pk}
-    assert consume_message(cancel, consumer="payments") is Outcome.APPLIED
-    assert calls == [0, 1]  # the first statement was undone; the second read v1
-    row = Order.objects.get(pk=order.pk)
-    assert (row.status, row.version) == (OrderStatus.CANCELLED, 2)
-    assert ProcessedMessage.objects.filter(order_id=order.pk).count() == 1
 
 
 def test_work_inside_the_transaction_takes_the_general_path(make_order) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -16,7 +17,7 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
 from idempotent_orders import outbox
-from idempotent_orders.consuming import current_message, prepared
+from idempotent_orders.consuming import current_message, prepared, registry
 from idempotent_orders.consuming.backends.postgresql import claim_and_run
 from idempotent_orders.consuming.running import road
 from idempotent_orders.consuming.single import consume_message
@@ -28,7 +29,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
-from tests.support.messages import payment, transitions_heard
+from tests.support.messages import payment, shipment, transitions_heard
 from tests.support.round_trips import round_trips
 
 
@@ -253,3 +254,110 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
         assert SpentPayment.objects.get(payment_id=f"pay-{order.pk}").order_id == order.pk
         queued = OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count()
         assert queued == (1 if fulfil else 0)
+
+
+def _own_validator(order: Any, payload: Any) -> dict[str, Any]:
+    """A project's own validator: no road without a read may take its messages."""
+    return {}
+
+
+@pytest.fixture
+def cancel_with_own_validator() -> Iterator[str]:
+    saved = dict(registry._registry)
+    registry.register("test.cancel", transition="cancel", validate=_own_validator)
+    yield "test.cancel"
+    registry._registry.clear()
+    registry._registry.update(saved)
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_what_one_statement_cannot_take_is_claimed_and_read_in_one_text(
+    make_order, cancel_with_own_validator
+) -> None:
+    """Nothing of the project's runs, yet no statement decides it without a read: a
+    transition with two sources (``ship``), a project's own validator. Two texts: ``BEGIN``,
+    the claim and the read; the UPDATE and ``COMMIT``, where the usual road takes five."""
+    assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+    paid, processing, fresh, usual = (make_order() for _ in range(4))
+    Order.objects.filter(pk__in=[paid.pk, usual.pk]).update(status=OrderStatus.PAID)
+    Order.objects.filter(pk=processing.pk).update(status=OrderStatus.PROCESSING)
+    cancel = {
+        "message_id": f"cancel-{fresh.pk}",
+        "type": cancel_with_own_validator,
+        "order_id": fresh.pk,
+        "payload": {},
+    }
+    counted = []
+    with transitions_heard() as heard:
+        for message, consumer in (
+            (shipment(paid), "shipping"),
+            (shipment(processing), "shipping"),
+            (cancel, "payments"),
+        ):
+            texts: list[str] = []
+            with round_trips(texts) as trips:
+                assert consume_message(message, consumer=consumer) is Outcome.APPLIED
+                counted.append(trips())
+            assert texts[0].startswith('"BEGIN; '), texts
+            assert texts[-1].endswith('; COMMIT"'), texts
+        with mock.patch.object(claim_and_run, "claim_and_run", _declined), round_trips() as trips:
+            message = shipment(usual)
+            assert consume_message(message, consumer="shipping") is Outcome.APPLIED
+            usual_trips = trips()
+    assert counted == [2, 2, 2]
+    assert usual_trips == 5  # the read, BEGIN, the claim, the UPDATE, COMMIT
+    # What the project's listeners hear: the source each order was in.
+    assert heard == [
+        (paid.pk, OrderStatus.SHIPPED, 1, OrderStatus.PAID),
+        (processing.pk, OrderStatus.SHIPPED, 1, OrderStatus.PROCESSING),
+        (fresh.pk, OrderStatus.CANCELLED, 1, OrderStatus.PENDING_PAYMENT),
+        (usual.pk, OrderStatus.SHIPPED, 1, OrderStatus.PAID),
+    ]
+    for order, status in (
+        (paid, OrderStatus.SHIPPED),
+        (processing, OrderStatus.SHIPPED),
+        (fresh, OrderStatus.CANCELLED),
+    ):
+        order.refresh_from_db()
+        assert (order.status, order.version, order.tracking_number) == (
+            status,
+            1,
+            f"TRK{order.pk}" if status == OrderStatus.SHIPPED else order.tracking_number,
+        )
+        assert ProcessedMessage.objects.get(order_id=order.pk).outcome == Outcome.APPLIED
+
+
+@pytest.mark.backends("postgresql")
+@pytest.mark.django_db(transaction=True)
+def test_a_message_one_statement_declined_is_not_claimed_again_before_the_read(
+    make_order,
+) -> None:
+    """A payment one_statement could take, declined by the order (paid already):
+    claim_and_run sends nothing, the usual road reads and says why."""
+    assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+    orders = [make_order() for _ in range(3)]
+    Order.objects.filter(pk__in=[o.pk for o in orders]).update(status=OrderStatus.PAID)
+    # What the first declined message of a process does once is not counted.
+    assert consume_message(payment(orders.pop()), consumer="payments") is not Outcome.APPLIED
+    claimed: list[Any] = []
+    real = claim_and_run._claim_and_read
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        claimed.append(args[0].message_id)
+        return real(*args, **kwargs)
+
+    sent = []
+    for order, road_ in ((orders[0], claim_and_run.claim_and_run), (orders[1], _declined)):
+        with (
+            mock.patch.object(claim_and_run, "claim_and_run", road_),
+            mock.patch.object(claim_and_run, "_claim_and_read", spy),
+            round_trips() as trips,
+        ):
+            assert consume_message(payment(order), consumer="payments") is not Outcome.APPLIED
+            sent.append(trips())
+    assert claimed == []
+    assert sent[0] == sent[1]
+    for order in orders:
+        order.refresh_from_db()
+        assert (order.status, order.version) == (OrderStatus.PAID, 0)

@@ -56,7 +56,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from idempotent_orders.consuming import batch as batch_module
-from idempotent_orders.consuming import writing
+from idempotent_orders.consuming.backends import at_once
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Order, OutboxMessage, ParkedMessage, ProcessedMessage
@@ -456,9 +456,10 @@ def _with_follow_ups(stream: Stream, side: Side) -> dict[str, Any]:
 def test_the_one_transaction_road_ends_where_the_atomic_road_ends(
     stream: Stream, fulfil: bool, transactional_db: None
 ) -> None:
-    """MariaDB and SQLite send a decided message's writes as one transaction of their own
-    (``backends.at_once``); with that road off, Django's ``atomic`` and the ORM write them.
-    One by one, both must leave the same state, follow-ups included."""
+    """MariaDB and SQLite send a message's writes as one transaction of their own before
+    its order is read (``backends.at_once``); with that road off, the order is read and
+    Django's ``atomic`` and the ORM write them. One by one, both must leave the same
+    state, follow-ups included."""
     config = {
         **settings.IDEMPOTENT_ORDERS,
         "FULFIL_AFTER_PAYMENT": fulfil,
@@ -467,7 +468,7 @@ def test_the_one_transaction_road_ends_where_the_atomic_road_ends(
     run = uuid.uuid4().hex[:8]
     with override_settings(IDEMPOTENT_ORDERS=config):
         fast = _with_follow_ups(stream, run_single(stream, run, "one"))
-        with mock.patch.object(writing, "can_claim_and_apply_at_once", return_value=False):
+        with mock.patch.object(at_once, "can_apply_unread_at_once", return_value=False):
             slow = _with_follow_ups(stream, run_single(stream, run, "atomic"))
     if fast != slow:
         diff = "\n".join(

@@ -86,40 +86,22 @@ def _both(*patches: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
         yield
 
 
-def _after_written(real: Callable[..., Any]) -> Callable[..., Any]:
-    """Dies once the one transaction (MariaDB, SQLite) committed; one it undid goes on."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        done = real(*args, **kwargs)
-        if done.applied:
-            raise Crash
-        return done
-
-    return wrapper
-
-
 #: Where a worker may die, as patches of the consumer's steps. Add a point here when
 #: a new phase appears (leased work: after claiming, after the outside call, ...).
 CRASH_POINTS: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
-    # Inside the transaction, after the conditional UPDATE: everything rolls back. (The
-    # one-statement paths and the one transaction sent at once have no such moment: a
-    # death before they commit.)
+    # Inside the transaction of the road after the read, after the conditional UPDATE:
+    # everything rolls back. (The roads without a read have no such moment: a death
+    # before they commit.)
     "after_update": lambda: _both(
         mock.patch.object(writing, "commit", _after(writing.commit)),
-        mock.patch.object(writing, "claim_and_apply", _raise),
         mock.patch.object(one_statement, "apply_unread", _raise),
-        mock.patch.object(writing, "claim_and_apply_at_once", _raise),
         mock.patch.object(at_once, "apply_unread_at_once", _raise),
     ),
-    # A one-statement claim-and-apply (or MariaDB's and SQLite's one transaction)
-    # committed; nothing after it happened.
+    # A road without a read (PostgreSQL's one statement, MariaDB's and SQLite's one
+    # transaction) committed; nothing after it happened.
     "after_claim": lambda: _both(
-        mock.patch.object(writing, "claim_and_apply", _after(writing.claim_and_apply)),
         mock.patch.object(
             one_statement, "apply_unread", _after_applied(one_statement.apply_unread)
-        ),
-        mock.patch.object(
-            writing, "claim_and_apply_at_once", _after_written(writing.claim_and_apply_at_once)
         ),
         mock.patch.object(
             at_once,

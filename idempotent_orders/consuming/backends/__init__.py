@@ -53,8 +53,8 @@ class Backend:
     locks_orders_first = False
     #: ``ORDER BY`` puts NULL after every value.
     nulls_last = False
-    #: A decided message's statements go straight to the driver as one transaction of
-    #: their own (:mod:`~idempotent_orders.consuming.backends.at_once`).
+    #: A message's statements go straight to the driver as one transaction of their
+    #: own, before its order is read (:mod:`~idempotent_orders.consuming.backends.at_once`).
     at_once = False
     #: ... and as one text, one round trip (the driver runs multi statements).
     at_once_in_one_text = False

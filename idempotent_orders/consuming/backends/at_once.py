@@ -1,21 +1,26 @@
-"""MariaDB's and SQLite's road for a decided message: its writes as one transaction of its own.
+"""MariaDB's and SQLite's road without a read: a message's writes as one transaction of
+their own, with the decision's tests in the UPDATE.
 
-Once :func:`~idempotent_orders.consuming.decision.decide` said "apply" and nothing of the
-project's runs in the transaction (no body, no fsm-2 receiver; a follow-up only as the
-outbox row it hands over, see :class:`~idempotent_orders.consuming.running.FollowUpRow`),
-what the transaction writes is known before it starts: the inbox row, the spent
-payment, the conditional UPDATE of the order (``WHERE pk AND state AND version``, as
-:func:`~idempotent_orders.consuming.running.commit` writes it) and the follow-up's
-outbox row. :func:`claim_and_apply_at_once` sends them together:
+Where :func:`~idempotent_orders.consuming.unread.plan` finds nothing of the project's to
+run (no ``conditions=``, no body, no fsm-2 receiver, a built-in rule; a follow-up only
+as the outbox row it hands over, see
+:class:`~idempotent_orders.consuming.running.FollowUpRow`), what the transaction writes
+is known before it starts: the inbox row, the spent payment, the order's UPDATE with the
+tests :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" in its
+WHERE clause, and the follow-up's outbox row. A transition of several sources tests the
+state against each; where a receiver hears it, the state the order leaves is read in the
+same transaction, before the UPDATE (``SELECT ... FOR UPDATE`` on MariaDB; SQLite's
+transaction holds the write lock). :func:`apply_unread_at_once` sends them together:
 
 - MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
   unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
-  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``: one round trip
-  where Django's ``atomic`` and the ORM take eight. The server stops at the first
-  statement that fails, so a duplicate (the inbox's unique index), a spent payment
-  (its unique index) or an order that moved (the guard fails when the UPDATE matched
-  no row) never reaches ``COMMIT``; the transaction is rolled back and the caller
-  decides again, as after the usual road's conditional UPDATE.
+  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``: one round trip where the
+  usual road takes the order's read and a round trip a statement in Django's
+  ``atomic``. The server stops at the first statement that fails, so a duplicate (the
+  inbox's unique index), a spent payment (its unique index) or an order the tests
+  refuse (the guard fails when the UPDATE matched no row) never reaches ``COMMIT``;
+  the transaction is rolled back and the usual road
+  (:mod:`~idempotent_orders.consuming.writing`) reads, decides and says why.
 - SQLite: the same statements one after another on the driver's cursor between
   ``BEGIN`` (with the database's own ``transaction_mode``) and ``COMMIT``, with no ORM
   or savepoint in between.
@@ -28,7 +33,7 @@ this returns, as after PostgreSQL's one statement.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -51,7 +56,6 @@ from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import state_field
 from idempotent_orders.consuming.rules import Test
 from idempotent_orders.consuming.running import (
-    guarded_update_sql,
     written_values,
 )
 from idempotent_orders.consuming.sql import (
@@ -65,8 +69,7 @@ from idempotent_orders.signals import order_transitioned
 __all__ = [
     "AtOnce",
     "apply_unread_at_once",
-    "can_claim_and_apply_at_once",
-    "claim_and_apply_at_once",
+    "can_apply_unread_at_once",
 ]
 
 #: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
@@ -79,14 +82,13 @@ _MULTI_STATEMENTS = 1 << 16
 
 @dataclass(frozen=True)
 class AtOnce:
-    """What :func:`claim_and_apply_at_once` did. Only ``applied`` committed anything."""
+    """What one transaction sent at once did. Only ``applied`` committed anything."""
 
     #: False: the inbox holds the message already (nothing written).
     claimed: bool = True
     #: False: the payment id was spent already (rolled back).
     paid: bool = True
-    #: False: the guarded UPDATE matched no row, the order changed since it was read
-    #: (rolled back).
+    #: False: the UPDATE matched no row, its tests refused the order (rolled back).
     updated: bool = True
     #: The follow-up's outbox row id; None when its message id was in the outbox already.
     queued_id: int | None = None
@@ -96,8 +98,8 @@ class AtOnce:
         return self.claimed and self.paid and self.updated
 
 
-def can_claim_and_apply_at_once() -> bool:
-    """Whether :func:`claim_and_apply_at_once` may run now: SQLite, or MariaDB/MySQL with
+def can_apply_unread_at_once() -> bool:
+    """Whether :func:`apply_unread_at_once` may run now: SQLite, or MariaDB/MySQL with
     multi statements on, outside any transaction (in autocommit: with ``AUTOCOMMIT``
     off a transaction may be open, and ``START TRANSACTION`` would commit it)."""
     conn = connections[DEFAULT_DB_ALIAS]
@@ -112,29 +114,21 @@ def can_claim_and_apply_at_once() -> bool:
 
 @dataclass(frozen=True)
 class _Texts:
-    """The statements of one kind of message, with ``%s`` placeholders."""
+    """The statements around the UPDATE, with ``%s`` placeholders (the same for every
+    message of a database)."""
 
     inbox: str
     spent: str
-    update: str
     queue: str
     #: The outbox columns filled per message (the others are the model's defaults).
     queued: tuple[Field[Any, Any], ...]
     queued_defaults: tuple[Any, ...]
-    value_fields: tuple[Field[Any, Any], ...]
-    condition_fields: tuple[Field[Any, Any], ...]
 
 
-_texts: dict[tuple[Any, ...], _Texts] = {}
+_texts: dict[str, _Texts] = {}
 
 
-def _compile(
-    model: type[Model],
-    state_column: str,
-    sources: int,
-    values: Sequence[str],
-    conditions: Sequence[str],
-) -> _Texts:
+def _compile() -> _Texts:
     qn = connection.ops.quote_name
     mysql = backend().at_once_in_one_text
     template = inbox_template()
@@ -145,17 +139,6 @@ def _compile(
         for name in ("payment_id", "order", "consumer", "message_id")
     )
     spent = f"INSERT INTO {qn(smeta.db_table)} ({spent_columns}) VALUES (%s, %s, %s, %s)"
-    meta = model._meta
-    value_fields: list[Field[Any, Any]] = []
-    condition_fields: list[Field[Any, Any]] = []
-    for names, found in ((values, value_fields), (conditions, condition_fields)):
-        for name in names:
-            field = meta.get_field(name)
-            assert isinstance(field, Field)
-            found.append(field)
-    update = guarded_update_sql(
-        connection, meta, state_column, value_fields, condition_fields, sources
-    )
     ometa = OutboxMessage._meta
     sample = OutboxMessage()
     written = [f for f in ometa.concrete_fields if not f.primary_key and not f.has_db_default()]
@@ -182,16 +165,7 @@ def _compile(
             f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
             f" ON CONFLICT ({unique}) DO NOTHING RETURNING {pk}"
         )
-    return _Texts(
-        inbox,
-        spent,
-        update,
-        queue,
-        queued,
-        defaults,
-        tuple(value_fields),
-        tuple(condition_fields),
-    )
+    return _Texts(inbox, spent, queue, queued, defaults)
 
 
 #: Fails (more than one row in a scalar subquery) unless the UPDATE before it matched
@@ -200,69 +174,6 @@ _GUARD = (
     "SELECT (SELECT 1 FROM (SELECT 1 AS one UNION ALL SELECT 2) AS io_guard"
     " WHERE ROW_COUNT() <> 1 AND one > 0)"
 )
-
-
-def claim_and_apply_at_once(
-    *,
-    inbox: Mapping[str, Any],
-    now: Any,
-    order: Model,
-    state_column: str,
-    sources: Sequence[Any],
-    target: Any,
-    version: int,
-    values: Mapping[str, Any],
-    conditions: Mapping[str, Any],
-    payment: str | None,
-    follow_up: Mapping[str, Any] | None,
-) -> AtOnce:
-    """Claim the message, spend its payment, apply the transition and queue the follow-up
-    in one transaction of its own; committed only when all of it applied.
-
-    ``inbox``: the inbox row's per-message columns (as
-    :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` takes them).
-    ``UPDATE <order> SET <state>=:target, version=version+1, <values> WHERE pk=:pk AND
-    <state> IN :sources AND version=:version AND <conditions>``. ``payment``: the
-    payment id recorded as spent (None: the message spends none). ``follow_up``: the
-    outbox row's :data:`~idempotent_orders.consuming.sql.FOLLOW_UP_FIELDS`, or None.
-    Call only where :func:`can_claim_and_apply_at_once` holds.
-    """
-    # The wrapper itself, not the ``connection`` proxy: each attribute read through
-    # the proxy costs a context-local lookup.
-    conn = connections[DEFAULT_DB_ALIAS]
-    model = type(order)
-    key = (conn.alias, model, state_column, len(sources), tuple(values), tuple(conditions))
-    texts = _texts.get(key)
-    if texts is None:
-        texts = _texts[key] = _compile(
-            model, state_column, len(sources), list(values), list(conditions)
-        )
-    prep = conn
-    meta = model._meta
-    assert meta.pk is not None
-    order_args: list[Any] = [target]
-    order_args += [
-        f.get_db_prep_save(v, prep)
-        for f, v in zip(texts.value_fields, values.values(), strict=True)
-    ]
-    order_args += [meta.pk.get_db_prep_value(order.pk, prep), *sources, version]
-    order_args += [
-        f.get_db_prep_save(v, prep)
-        for f, v in zip(texts.condition_fields, conditions.values(), strict=True)
-    ]
-    statements: list[tuple[str, str, Sequence[Any]]] = [
-        ("inbox", texts.inbox, inbox_template().params(inbox, now))
-    ]
-    if payment is not None:
-        spent = [payment, order.pk, inbox["consumer"], inbox["message_id"]]
-        statements.append(("spent", texts.spent, spent))
-    statements.append(("update", texts.update, order_args))
-    if follow_up is not None:
-        queued = [f.get_db_prep_save(follow_up[f.name], prep) for f in texts.queued]
-        statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
-    if backend(conn).at_once_in_one_text:
-        return _mysql(statements)
-    return _sqlite(statements)
 
 
 def _sqlite(
@@ -298,7 +209,7 @@ def _sqlite(
                 if step == "queue":
                     row = cursor.fetchone()
                     queued_id = None if row is None else row[0]
-                elif step == "read" and read is not None:
+                elif step in ("source", "read") and read is not None:
                     read.append(cursor.fetchone())
             cursor.execute("COMMIT")
         except BaseException:
@@ -357,7 +268,7 @@ def _mysql(
                         # The INSERT IGNORE's own result: one row inserted, and its id
                         # (0 rows: the message id was in the outbox already).
                         queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
-                    elif steps[at] == "read" and read is not None:
+                    elif steps[at] in ("source", "read") and read is not None:
                         read.append(cursor.fetchone())
                     if not cursor.nextset():
                         break
@@ -376,9 +287,6 @@ def _mysql(
                 return AtOnce(updated=False)
             raise  # a lost connection among them: the caller reads back what committed
     return AtOnce(queued_id=queued_id)
-
-
-# -- MariaDB and SQLite: the decision's tests in the UPDATE, no read first -------------------
 
 
 def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) -> Any:
@@ -409,7 +317,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
     :class:`~idempotent_orders.consuming.rules.Rule`) in the UPDATE's WHERE
     clause instead of a read of the order first: on MariaDB one text, one round trip; on
-    SQLite the statements straight to the driver, as :func:`claim_and_apply_at_once`.
+    SQLite the statements straight to the driver between ``BEGIN`` and ``COMMIT``.
 
     InnoDB checks the WHERE clause on the row version it locks, and SQLite's transaction
     holds the database's write lock, so the tests hold on the order the UPDATE writes.
@@ -420,25 +328,29 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     APPLIED the inbox row, the transition and its follow-up's outbox row are committed;
     the caller announces the outcome.
     """
-    if not can_claim_and_apply_at_once():
+    if not can_apply_unread_at_once():
         return None
-    p = plan(envelope, model)
+    # Several sources: the state tested against each; the one left read in the same text.
+    p = plan(envelope, model, several=True)
     if p is None or p.follow_ups is None:
         return None  # read first; or a follow-up writes its own rows: the usual road
     conn = connections[DEFAULT_DB_ALIAS]
     shape, fields, tests, handed = p.shape, p.fields, p.tests, p.handed
     seq = envelope.seq
     values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
-    key = (conn.alias, model, tuple(values), tuple((t[0], t[2]) for t in tests), seq is None)
+    sources = len(shape.sources)
+    tested = tuple((t[0], t[2]) for t in tests)
+    key = (conn.alias, model, tuple(values), tested, seq is None, sources)
     update = _updates.get(key)
     if update is None:
-        update = _updates[key] = _update(conn, model, list(values), tests, seq is not None)
+        update = _updates[key] = _update(conn, model, list(values), tests, seq is not None, sources)
     args: list[Any] = [shape.target]
     args += [
         f.get_db_prep_save(v, conn) for f, v in zip(update.values, values.values(), strict=True)
     ]
     assert model._meta.pk is not None
-    args += [model._meta.pk.get_db_prep_value(envelope.order_id, conn), shape.source]
+    order_id = model._meta.pk.get_db_prep_value(envelope.order_id, conn)
+    args += [order_id, *shape.sources]
     if seq is not None:
         args.append(seq - 1)
     for field, (_, value, _) in zip(update.tests, tests, strict=True):
@@ -446,7 +358,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
         if sent is None:
             return None
         args.append(field.get_db_prep_save(sent, conn))
-    texts = _texts_for(model)
+    texts = _texts_for()
     now = timezone.now()
     inbox = envelope.inbox_fields(consumer)
     statements: list[tuple[str, str, Sequence[Any]]] = [
@@ -456,11 +368,14 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if payment is not None:
         spent = [payment, envelope.order_id, consumer, envelope.message_id]
         statements.append(("spent", texts.spent, spent))
-    statements.append(("update", update.sql, args))
-    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned.
+    # No fsm-2 receiver, the follow-up handed over: read back only for order_transitioned,
+    # with the state the order leaves where it may be one of several (locked till COMMIT).
     announced = order_transitioned.has_listeners(model)
+    if announced and sources > 1:
+        statements.append(("source", update.source, [order_id]))
+    statements.append(("update", update.sql, args))
     if announced:
-        statements.append(("read", p.read.sql, [args[len(values) + 1]]))
+        statements.append(("read", p.read.sql, [order_id]))
     if handed is not None:
         queued = [f.get_db_prep_save(handed[1].fields[f.name], conn) for f in texts.queued]
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
@@ -481,25 +396,33 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if handed is not None and done.queued_id is not None:
         handed[1].written(DEFAULT_DB_ALIAS, done.queued_id)
     if announced:
-        written(model, p, read[0])
+        if sources > 1:
+            (source,), row = read
+            written(model, p, row, source=source)
+        else:
+            written(model, p, read[0])
     return Outcome.APPLIED
 
 
 @dataclass(frozen=True)
 class _Update:
     """:func:`apply_unread_at_once`'s UPDATE of one shape of message, with ``%s`` placeholders:
-    ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``."""
+    ``SET <state>, version, <values> WHERE pk, <state>, has_parked[, last_seq], <tests>``;
+    the state tested against each source of the transition."""
 
     sql: str
     values: tuple[Field[Any, Any], ...]
     tests: tuple[Field[Any, Any], ...]
+    #: The order's state read before the UPDATE, locked (``FOR UPDATE`` on MariaDB; SQLite's
+    #: transaction holds the write lock): the source it leaves, where it may be several.
+    source: str
 
 
 _updates: dict[tuple[Any, ...], _Update] = {}
 
 
 def _update(
-    conn: Any, model: type[Model], values: list[str], tests: list[Test], seq: bool
+    conn: Any, model: type[Model], values: list[str], tests: list[Test], seq: bool, sources: int
 ) -> _Update:
     meta = model._meta
     assert meta.pk is not None
@@ -510,7 +433,9 @@ def _update(
     sets = [f"{state} = %s", f"{version} = {version} + 1"]
     value_fields = [_field(model, name) for name in values]
     sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
-    where = [f"{qn(str(meta.pk.column))} = %s", bytewise(state)]
+    pk = qn(str(meta.pk.column))
+    states = [bytewise(state) for _ in range(sources)]
+    where = [f"{pk} = %s", states[0] if sources == 1 else f"({' OR '.join(states)})"]
     where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
     if seq:
         where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
@@ -522,8 +447,11 @@ def _update(
         test = bytewise(column) if text else f"{column} = %s"
         where.append(f"({column} = '' OR {test})" if empty else test)
         test_fields.append(field)
-    sql = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
-    return _Update(sql, tuple(value_fields), tuple(test_fields))
+    table = qn(meta.db_table)
+    sql = f"UPDATE {table} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    lock = " FOR UPDATE" if backend(conn).at_once_in_one_text else ""
+    source = f"SELECT {state} FROM {table} WHERE {pk} = %s{lock}"
+    return _Update(sql, tuple(value_fields), tuple(test_fields), source)
 
 
 def _field(model: type[Model], name: str) -> Field[Any, Any]:
@@ -532,11 +460,10 @@ def _field(model: type[Model], name: str) -> Field[Any, Any]:
     return field
 
 
-def _texts_for(model: type[Model]) -> _Texts:
+def _texts_for() -> _Texts:
     """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
-    conn = connections[DEFAULT_DB_ALIAS]
-    key = (conn.alias, model, "apply_unread")
-    texts = _texts.get(key)
+    alias = connections[DEFAULT_DB_ALIAS].alias
+    texts = _texts.get(alias)
     if texts is None:
-        texts = _texts[key] = _compile(model, str(state_field(model).column), 1, [], [])
+        texts = _texts[alias] = _compile()
     return texts

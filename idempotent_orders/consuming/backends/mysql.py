@@ -1,4 +1,5 @@
-"""MariaDB and MySQL: a decided message's writes as one multi-statement text."""
+"""MariaDB and MySQL: a message's writes before its order is read, as one multi-statement
+text."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SQLite: a decided message's statements straight to the driver between BEGIN and COMMIT."""
+"""SQLite: a message's statements before its order is read, straight to the driver between
+BEGIN and COMMIT."""
 
 from __future__ import annotations
 

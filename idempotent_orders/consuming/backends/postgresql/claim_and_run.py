@@ -1,9 +1,13 @@
-"""PostgreSQL's road for a transition that runs the project's code: two round trips.
+"""PostgreSQL's road for what its one statement cannot take: two round trips.
 
 A transition with a body, ``conditions=`` or fsm-2 receivers cannot be decided in
 SQL (:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement`): the model's
-own method must run on the order as read. The usual road reads the order, then begins, claims the
-message, updates the order, queues the follow-up and commits, one round trip each.
+own method must run on the order as read. Nor can a message whose validator is the
+project's own, or whose transition has several sources, though nothing of the project's
+runs (:func:`~idempotent_orders.consuming.unread.fits` says which the statement takes;
+a message it took, or declined for what the order held, is never claimed here). The
+usual road reads the order, then begins, claims the message, updates the order, queues
+the follow-up and commits, one round trip each.
 Here the same statements travel in two texts (the client-side binding cursor, Django's
 default on psycopg 3, sends several statements in one ``execute``; ``nextset()``
 reaches the later results):
@@ -92,7 +96,6 @@ from idempotent_orders.consuming.running import (
     follow_up_rows,
     guarded_update_sql,
     keeps_parked_flag,
-    runs_user_code,
     save_hooks,
     transition_written,
 )
@@ -105,6 +108,7 @@ from idempotent_orders.consuming.sql import (
     inbox_template,
     queue_follow_up,
 )
+from idempotent_orders.consuming.unread import fits
 from idempotent_orders.consuming.writing import Conflict, settle
 from idempotent_orders.models import AbstractOrder, Outcome
 
@@ -137,8 +141,9 @@ def can_claim_and_run(conn: Any) -> bool:
 
 
 def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
-    """Apply ``envelope`` in two round trips when its transition runs the project's code;
-    None: nothing was written, take the usual road.
+    """Apply ``envelope`` in two round trips when one_statement cannot take its kind
+    (:func:`~idempotent_orders.consuming.unread.fits`); None: nothing was written, take
+    the usual road.
 
     On APPLIED (or REJECTED: the body raised under fsm-2's ``on_error``, as the usual
     road keeps it) the message is committed and announced inside the transaction as the
@@ -146,8 +151,10 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
     project's code propagates after the rollback, as on the usual road.
     """
     name = envelope.handler.transition
-    if not runs_user_code(model, name):
-        return None  # decided in SQL: one_statement's
+    if fits(envelope, model):
+        # one_statement's kind: it took the message, or declined it for a reason the
+        # order gave (its state, a duplicate, parked messages, a rule's test): read it.
+        return None
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None

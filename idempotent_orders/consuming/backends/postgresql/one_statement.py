@@ -1,13 +1,14 @@
 """The single path's one-statement case on PostgreSQL: decide "apply" in SQL.
 
-A new message normally costs two round trips: the order read, then the
-claim-and-apply statement conditional on the version read. For the built-in
+A new message normally costs the order read, then its transaction (``BEGIN``, the
+inbox claim, the conditional UPDATE, ``COMMIT``:
+:mod:`~idempotent_orders.consuming.writing`). For the built-in
 message types whose transition has one source and no ``conditions=``,
 :func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
 column tests hold on the order (state, ``has_parked``, ``last_seq``, and the
 validator's comparisons with the order, such as the amount and currency of a
-payment). Those tests go into the claim-and-apply statement's WHERE clause
-instead of a version read beforehand, so the message costs one statement,
+payment). Those tests go into the UPDATE's WHERE clause instead of a read
+beforehand, and the claim into the same statement, so the message costs one statement,
 committed on its own (prepared once per database session, see
 :func:`~idempotent_orders.consuming.prepared.fetch_one`):
 
@@ -63,7 +64,6 @@ from idempotent_orders.consuming.running import (
 )
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
-    can_claim_and_apply,
     inbox_partitioned,
     inbox_template,
     queue_follow_up,
@@ -168,6 +168,7 @@ def _compile(
             inserted.append(args.ref("now", field, preparation(field)))
         else:  # as in every applied message's row: the template's own value
             inserted.append(_literal(conn, base))
+    (leaves,) = shape.sources  # one state tested (unread.plan's default)
     qn = conn.ops.quote_name
     meta = model._meta
     table = qn(meta.db_table)
@@ -184,7 +185,7 @@ def _compile(
         sets.append(f"{qn(str(written.column))} = {placeholder}")
     where = [
         f"{pk} = {args.ref('order_id', pk_field, preparation(pk_field))}",
-        f'{state} = {_literal(conn, shape.source)} COLLATE "C"',
+        f'{state} = {_literal(conn, leaves)} COLLATE "C"',
         f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
     ]
     if seq:
@@ -246,16 +247,22 @@ def _field(model: type[Model], name: str) -> Field[Any, Any]:
 _statements: dict[tuple[Any, ...], _Statement] = {}
 
 
+def _outside_transaction() -> bool:
+    """Whether :func:`apply_unread` may run now: outside any transaction. Inside a
+    caller's transaction the statement would not be the whole transaction (and its
+    deliberate error would abort the caller's)."""
+    return not connections[DEFAULT_DB_ALIAS].in_atomic_block
+
+
 def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
     """Apply ``envelope`` in one statement when its verdict is "apply"; None: take the usual path.
 
-    Declines inside a caller's transaction (see
-    :func:`~idempotent_orders.consuming.sql.can_claim_and_apply`).
+    Declines inside a caller's transaction (:func:`_outside_transaction`).
     On APPLIED the inbox row and the transition are committed and
     ``transition_written`` was called (when anyone listens for the order); the caller
     announces the outcome.
     """
-    if not can_claim_and_apply():
+    if not _outside_transaction():
         return None  # a caller's transaction: read first
     p = plan(envelope, model)
     if p is None:

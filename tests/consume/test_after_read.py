@@ -1,0 +1,147 @@
+"""The one road after the order is read, on every database: a message the roads without a
+read decline (a guard the order failed, a caller's transaction, a follow-up that writes
+its own rows, a road switched off) is claimed, run and written in one transaction of
+Django's ``atomic``; a race lost between the read and that transaction rolls all of it
+back and decides again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.db.models import F
+from django.test.utils import CaptureQueriesContext
+
+from idempotent_orders.consuming import single
+from idempotent_orders.consuming.backends import Backend
+from idempotent_orders.models import (
+    Order,
+    OrderStatus,
+    OutboxMessage,
+    Outcome,
+    ProcessedMessage,
+    SpentPayment,
+)
+from tests.support.messages import payment, shipment, transitions_heard
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every road without a read declines: the order is read, then written."""
+    monkeypatch.setattr(Backend, "roads_without_read", lambda self: [])
+
+
+def _paid(make_order: Any) -> Order:
+    order = make_order()
+    Order.objects.filter(pk=order.pk).update(status=OrderStatus.PAID, payment_id=f"pay-{order.pk}")
+    return Order.objects.get(pk=order.pk)
+
+
+def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
+    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order = make_order()
+    real = single.write
+    versions: list[int] = []
+
+    def racing(envelope: Any, consumer: str, read: Any, *args: Any, **kwargs: Any) -> Any:
+        versions.append(read.version)
+        if len(versions) == 1:
+            # Another writer changes the order between our read and our transaction.
+            Order.objects.filter(pk=order.pk).update(version=F("version") + 1)
+        return real(envelope, consumer, read, *args, **kwargs)
+
+    monkeypatch.setattr(single, "write", racing)
+    message = payment(order)
+    assert single.consume_message(message, consumer="payments") is Outcome.APPLIED
+    assert versions == [0, 1]  # the first transaction was undone; the second read v1
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (OrderStatus.PAID, 2)
+    assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
+    assert list(SpentPayment.objects.values_list("payment_id", "order_id")) == [
+        (f"pay-{order.pk}", order.pk)
+    ]
+    assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
+
+
+def test_a_transition_of_several_sources_that_loses_a_race_decides_again(
+    make_order, read_first: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``ship`` leaves PAID or PROCESSING: the state as read is the source the write tests.
+    order = _paid(make_order)
+    real = single.write
+    versions: list[int] = []
+
+    def racing(envelope: Any, consumer: str, read: Any, *args: Any, **kwargs: Any) -> Any:
+        versions.append(read.version)
+        if len(versions) == 1:
+            # Another writer moves the order on between our read and our transaction.
+            Order.objects.filter(pk=order.pk).update(
+                status=OrderStatus.PROCESSING, version=F("version") + 1
+            )
+        return real(envelope, consumer, read, *args, **kwargs)
+
+    monkeypatch.setattr(single, "write", racing)
+    message = shipment(order)
+    with transitions_heard() as heard:
+        assert single.consume_message(message, consumer="shipping") is Outcome.APPLIED
+    assert versions == [0, 1]
+    assert heard == [(order.pk, OrderStatus.SHIPPED, 2, OrderStatus.PROCESSING)]
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version, row.tracking_number) == (
+        OrderStatus.SHIPPED,
+        2,
+        f"TRK{order.pk}",
+    )
+    assert ProcessedMessage.objects.filter(message_id=message["message_id"]).count() == 1
+
+
+def test_a_claim_that_loses_to_the_inbox_writes_nothing(
+    make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order = make_order()
+    message = payment(order)
+    real = single.write
+
+    def overtaken(*args: Any, **kwargs: Any) -> Any:
+        # Another delivery of the same message commits between our read and our claim.
+        ProcessedMessage.objects.create(
+            consumer="payments", message_id=message["message_id"], outcome=Outcome.APPLIED
+        )
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(single, "write", overtaken)
+    assert single.consume_message(message, consumer="payments") is Outcome.DUPLICATE
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version, row.payment_id) == (OrderStatus.PENDING_PAYMENT, 0, "")
+    assert not SpentPayment.objects.exists()
+    assert not OutboxMessage.objects.exists()
+
+
+def test_a_message_the_roads_without_a_read_decline_is_a_read_and_one_transaction(
+    make_order, read_first: None
+) -> None:
+    """A dispatch (two sources) the roads without a read decline: the order's read, then
+    the claim and the conditional UPDATE in Django's ``atomic``; no statement of a road
+    without a read is sent."""
+    single.consume_message(shipment(_paid(make_order)), consumer="shipping")  # first statements
+    order = _paid(make_order)
+    with CaptureQueriesContext(connection) as queries:
+        assert single.consume_message(shipment(order), consumer="shipping") is Outcome.APPLIED
+    sql = [q["sql"] for q in queries.captured_queries]
+    kinds = [s.split(" ", 1)[0] for s in sql]
+    qn = connection.ops.quote_name
+    assert sql[0].startswith(f"SELECT {qn(Order._meta.db_table)}."), sql
+    inserts = [s for s in sql if s.startswith("INSERT INTO")]
+    assert len(inserts) == 1, sql
+    assert ProcessedMessage._meta.db_table in inserts[0], sql
+    updates = [s for s in sql if s.startswith(f"UPDATE {qn(Order._meta.db_table)}")]
+    assert len(updates) == 1, sql
+    assert not any(s.startswith(("WITH", "START TRANSACTION")) for s in sql), sql
+    # Five round trips: the read, BEGIN, the claim, the UPDATE and COMMIT.
+    assert kinds == ["SELECT", "BEGIN", "INSERT", "UPDATE", "COMMIT"], sql
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (OrderStatus.SHIPPED, 1)
