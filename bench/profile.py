@@ -177,7 +177,7 @@ def _patch(tables: dict[str, str]) -> None:
     import importlib
 
     # Wherever this version of the road calls them from (the modules moved over time).
-    for name in ("single", "writing", "claim_and_run", "backends.postgresql.claim_and_run"):
+    for name in ("single", "writing", "claim_and_run", "backends.claim_and_run"):
         try:
             module = importlib.import_module(f"idempotent_orders.consuming.{name}")
         except ImportError:

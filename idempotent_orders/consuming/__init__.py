@@ -32,7 +32,7 @@ LAYERS = (
     "backends.at_once",
     "backends.update_many",
     "writing",
-    "backends.postgresql.claim_and_run",
+    "backends.claim_and_run",
     "single",
     "chunk",
     "batch",

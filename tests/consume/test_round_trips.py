@@ -18,7 +18,8 @@ from django_fsm.signals import pre_transition
 
 from idempotent_orders import outbox
 from idempotent_orders.consuming import current_message, prepared, registry
-from idempotent_orders.consuming.backends.postgresql import claim_and_run
+from idempotent_orders.consuming.backends import claim_and_run
+from idempotent_orders.consuming.envelope import parse_envelope
 from idempotent_orders.consuming.running import road
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
@@ -361,3 +362,124 @@ def test_a_message_one_statement_declined_is_not_claimed_again_before_the_read(
     for order in orders:
         order.refresh_from_db()
         assert (order.status, order.version) == (OrderStatus.PAID, 0)
+
+
+@pytest.mark.backends("mysql")
+@pytest.mark.django_db(transaction=True)
+def test_mariadb_claims_and_reads_what_at_once_cannot_take_in_one_text(
+    make_order, cancel_with_own_validator
+) -> None:
+    """A project's own validator (``cancel``) and a transition with a receiver (``ship``):
+    on MariaDB two texts, ``START TRANSACTION`` with the read and the claim, then the
+    UPDATE and ``COMMIT``, where the usual road sends the read, autocommit off, the claim,
+    the UPDATE, ``COMMIT`` and autocommit on."""
+    assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+    fresh, paid, usual = make_order(), make_order(), make_order()
+    Order.objects.filter(pk=paid.pk).update(status=OrderStatus.PAID)
+
+    def cancel(order: Order) -> dict[str, Any]:
+        return {
+            "message_id": f"cancel-{order.pk}",
+            "type": cancel_with_own_validator,
+            "order_id": order.pk,
+            "payload": {},
+        }
+
+    counted = []
+    pre_transition.connect(_receiver, sender=Order)
+    try:
+        with transitions_heard() as heard:
+            for message, consumer in ((cancel(fresh), "payments"), (shipment(paid), "shipping")):
+                texts: list[str] = []
+                with round_trips(texts) as trips:
+                    assert consume_message(message, consumer=consumer) is Outcome.APPLIED
+                    counted.append(trips())
+                assert texts[0].startswith("START TRANSACTION; SELECT "), texts
+                assert texts[-1].endswith("; COMMIT"), texts
+            standing_aside = mock.patch.object(claim_and_run, "claim_and_run", _declined)
+            with standing_aside, round_trips() as trips:
+                assert consume_message(cancel(usual), consumer="payments") is Outcome.APPLIED
+                usual_trips = trips()
+    finally:
+        pre_transition.disconnect(_receiver, sender=Order)
+    assert counted == [2, 2]
+    assert usual_trips == 6
+    assert heard == [
+        (fresh.pk, OrderStatus.CANCELLED, 1, OrderStatus.PENDING_PAYMENT),
+        (paid.pk, OrderStatus.SHIPPED, 1, OrderStatus.PAID),
+        (usual.pk, OrderStatus.CANCELLED, 1, OrderStatus.PENDING_PAYMENT),
+    ]
+    for order, status in (
+        (fresh, OrderStatus.CANCELLED),
+        (paid, OrderStatus.SHIPPED),
+        (usual, OrderStatus.CANCELLED),
+    ):
+        order.refresh_from_db()
+        assert (order.status, order.version) == (status, 1)
+        assert ProcessedMessage.objects.get(order_id=order.pk).outcome == Outcome.APPLIED
+    assert connection.get_autocommit()
+    assert connection.connection.get_autocommit()
+
+
+@pytest.mark.backends("mysql")
+@pytest.mark.django_db(transaction=True)
+def test_what_mariadb_two_texts_decline_leaves_nothing_written(
+    make_order, cancel_with_own_validator
+) -> None:
+    """A duplicate, an order in another state, a message out of sequence, an order with
+    parked messages: the first text's claim is rolled back (nothing of it written when
+    claim_and_run returns), and the usual road decides and says why."""
+    assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+    done, paid, early, waiting = (make_order() for _ in range(4))
+    Order.objects.filter(pk=paid.pk).update(status=OrderStatus.PAID)
+
+    def cancel(order: Order, suffix: str = "", seq: int | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "message_id": f"cancel-{order.pk}{suffix}",
+            "type": cancel_with_own_validator,
+            "order_id": order.pk,
+            "payload": {},
+        }
+        if seq is not None:
+            message["seq"] = seq
+        return message
+
+    first = cancel(done)
+    assert consume_message(first, consumer="payments") is Outcome.APPLIED
+    # A message parked on ``waiting``: its order has parked messages.
+    assert consume_message(shipment(waiting, seq=3), consumer="shipping") is Outcome.PARKED
+    declined = [
+        (first, Outcome.DUPLICATE),
+        (cancel(paid), Outcome.REJECTED),
+        (cancel(early, seq=2), Outcome.PARKED),
+        (cancel(waiting), Outcome.APPLIED),  # then it releases what waits
+    ]
+    before = {
+        o.pk: (o.status, o.version, o.has_parked)
+        for o in Order.objects.filter(pk__in=[done.pk, paid.pk, early.pk, waiting.pk])
+    }
+    inbox = ProcessedMessage.objects.count()
+    for message, _ in declined:
+        texts: list[str] = []
+        with round_trips(texts) as trips:
+            # The road itself (the usual road's dedup fast path would answer a duplicate).
+            envelope = parse_envelope(message, consumer="payments")
+            assert claim_and_run.claim_and_run(envelope, "payments", Order) is None
+            trips()
+        # The first text went, and was rolled back: nothing of it is left.
+        assert texts[0].startswith("START TRANSACTION; SELECT "), texts
+        assert texts[-1] == "ROLLBACK", texts
+        assert ProcessedMessage.objects.count() == inbox
+        after = {
+            o.pk: (o.status, o.version, o.has_parked)
+            for o in Order.objects.filter(pk__in=list(before))
+        }
+        assert after == before
+        assert not SpentPayment.objects.filter(order_id__in=list(before)).exists()
+        assert connection.get_autocommit()
+        assert connection.connection.get_autocommit()
+    # The usual road decides each and says why.
+    for message, expected in declined:
+        assert consume_message(message, consumer="payments") is expected
+    assert connection.get_autocommit()
+    assert connection.connection.get_autocommit()

@@ -26,7 +26,7 @@ from django.db import connection
 from reversion.models import Version
 
 from idempotent_orders.consuming import current_message, registry
-from idempotent_orders.consuming.backends.postgresql import claim_and_run
+from idempotent_orders.consuming.backends import claim_and_run
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.graph import TransitionStatus
@@ -86,7 +86,7 @@ def messages(order: Order, *, seq: bool) -> list[dict[str, Any]]:
 
 @contextmanager
 def merged_road() -> Iterator[list[Outcome]]:
-    """The outcomes PostgreSQL's claim_and_run applied (declined messages left out)."""
+    """The outcomes claim_and_run applied (declined messages left out)."""
     taken: list[Outcome] = []
     real = claim_and_run.claim_and_run
 
@@ -182,14 +182,14 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
     outcomes = []
     if way.startswith("single"):
         # A revision block of its own around each message: in the caller's transaction
-        # (reversion's default), or not (then, on PostgreSQL, the read goes in the
-        # claim's round trip: claim_and_run).
+        # (reversion's default), or not (then, on PostgreSQL and MariaDB, the read goes
+        # in the claim's round trip: claim_and_run).
         atomic = way == "single-in-atomic"
         with merged_road() as merged:
             for m in deliveries:
                 with reversion.create_revision(atomic=atomic):
                     outcomes.append(consume_message(m, consumer="payments"))
-        if connection.vendor == "postgresql" and not atomic:
+        if connection.vendor in ("postgresql", "mysql") and not atomic:
             # Each message that did not wait for another (those are released by the
             # usual road after their predecessor), the payment at least.
             assert merged

@@ -26,7 +26,7 @@ from django_fsm.signals import pre_transition
 
 from idempotent_orders.consuming import batch as batch_module
 from idempotent_orders.consuming import writing
-from idempotent_orders.consuming.backends.postgresql import claim_and_run
+from idempotent_orders.consuming.backends import claim_and_run
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message

@@ -8,7 +8,7 @@ A ``pre_transition`` receiver makes ``shop.Order.settle`` (no body) run the proj
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -20,7 +20,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import pre_transition
 
-from idempotent_orders.consuming import registry, running
+from idempotent_orders.consuming import running
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.consuming.sql import inbox_partitioned
@@ -48,19 +48,6 @@ def warm(make_order: Callable[..., Any]) -> None:
     consume_message(payment(make_order()), consumer="payments")
 
 
-@pytest.fixture
-def heard() -> Iterator[list[Any]]:
-    """A ``pre_transition`` receiver on every order (the project's code runs): its calls."""
-    calls: list[Any] = []
-
-    def receive(sender: Any, instance: Any, **kwargs: Any) -> None:
-        calls.append((instance.pk, kwargs["name"]))
-
-    pre_transition.connect(receive, weak=False, dispatch_uid="test-claim-and-run")
-    yield calls
-    pre_transition.disconnect(dispatch_uid="test-claim-and-run")
-
-
 def sent_texts(queries: CaptureQueriesContext) -> list[str]:
     """The statements sent, without the BEGIN and COMMIT Django logs for its own
     ``atomic`` whether or not the driver sent them."""
@@ -84,15 +71,6 @@ def test_a_transition_with_a_receiver_takes_two_round_trips(make_order, heard) -
     assert (row.phase, row.version, row.has_parked) == (Phase.SETTLED, 1, False)
     inbox = ProcessedMessage.objects.get(consumer="payments", order_id=order.pk)
     assert (inbox.status, inbox.outcome, inbox.error) == (InboxStatus.DONE, Outcome.APPLIED, "")
-
-
-@pytest.fixture
-def pay_with_money() -> Iterator[None]:
-    saved = dict(registry._registry)
-    registry.register("flow.pay", transition="pay", money=True)
-    yield
-    registry._registry.clear()
-    registry._registry.update(saved)
 
 
 def test_a_body_that_writes_and_spends_a_payment(make_order, pay_with_money) -> None:

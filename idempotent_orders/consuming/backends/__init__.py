@@ -7,6 +7,9 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
 
 - ``without_read``: the roads that apply a message before reading its order (a message
   with nothing of the project's to run), tried in order; each returns None to decline;
+- ``two_texts``: how a message the roads without a read decline is claimed and read in
+  one text, and written and committed in a second
+  (:mod:`~idempotent_orders.consuming.backends.claim_and_run`);
 - the statements' spelling: inserting while skipping duplicates, comparing text
   bytewise, one array per column (PostgreSQL's ``unnest``);
 - the features that change the plan: whether a batch locks its orders before it claims,
@@ -60,9 +63,26 @@ class Backend:
     at_once_in_one_text = False
     #: The most digits a decimal column keeps exactly (None: what it declares).
     exact_decimal_digits: int | None = None
+    #: How :mod:`~idempotent_orders.consuming.backends.claim_and_run` sends its two texts,
+    #: as ``module:class`` under ``idempotent_orders.consuming`` ("": not at all).
+    two_texts = ""
 
     def __init__(self) -> None:
         self._roads: tuple[tuple[Any, str], ...] | None = None
+        self._texts: list[Any] = []
+
+    def texts(self) -> Any:
+        """The :class:`~idempotent_orders.consuming.backends.claim_and_run.Texts` that
+        ``two_texts`` names (one instance), or None."""
+        if not self._texts:
+            found = None
+            if self.two_texts:
+                module, _, name = self.two_texts.partition(":")
+                found = getattr(
+                    importlib.import_module(f"idempotent_orders.consuming.{module}"), name
+                )()
+            self._texts.append(found)
+        return self._texts[0]
 
     def roads_without_read(self) -> list[RoadWithoutRead]:
         """The functions ``without_read`` names (their modules imported once; each function

@@ -1,5 +1,5 @@
 """MariaDB and MySQL: a message's writes before its order is read, as one multi-statement
-text."""
+text; a message that runs the project's code in two texts (its read in the first)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ _LOST_ERRORS = {2006, 2013}
 
 class MySQL(Backend):
     vendor = "mysql"
-    without_read = ("backends.at_once:apply_unread_at_once",)
+    without_read = (
+        "backends.at_once:apply_unread_at_once",
+        "backends.claim_and_run:claim_and_run",
+    )
+    two_texts = "backends.mysql_texts:MySQLTexts"
     locks_orders_first = True
     at_once = True
     at_once_in_one_text = True

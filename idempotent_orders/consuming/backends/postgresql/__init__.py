@@ -17,8 +17,9 @@ class PostgreSQL(Backend):
     vendor = "postgresql"
     without_read = (
         "backends.postgresql.one_statement:apply_unread",
-        "backends.postgresql.claim_and_run:claim_and_run",
+        "backends.claim_and_run:claim_and_run",
     )
+    two_texts = "backends.postgresql.texts:PostgreSQLTexts"
     arrays = True
     one_statement = True
     partitions = True

@@ -1,0 +1,277 @@
+"""PostgreSQL's two texts of :mod:`~idempotent_orders.consuming.backends.claim_and_run`.
+
+1. ``BEGIN; <claim the message and spend its payment>; <read the order>``: the claim
+   is one statement (``INSERT ... ON CONFLICT DO NOTHING`` with the spent payment in a
+   data-modifying ``WITH``) that returns ``(claimed, spent)``;
+2. ``WITH moved AS (UPDATE <order> ... WHERE pk AND state AND version AND ...),
+   queued AS (INSERT <outbox> <the follow-up's row> ...) SELECT 1 / count(moved), ...;
+   COMMIT``: an order that moved since the read makes the division fail on purpose,
+   so ``COMMIT`` never runs, the transaction rolls back and the usual road decides
+   again.
+
+Each statement of the two texts runs as a prepared statement of the session, its
+arguments as literals of an ``EXECUTE`` (``PREPARE`` goes in the text that first needs
+it, so no round trip is added): the server neither parses nor plans them again. A
+session that lost them (``DISCARD ALL``, a transaction pooler's other server) fails the
+text, which rolls back like a declined message; the next message prepares them again,
+up to a few misses per connection, then sends them as they are
+(:func:`~idempotent_orders.consuming.prepared.execute_text`). The texts go to the
+driver's own cursor unless something must see them (see
+:func:`~idempotent_orders.consuming.prepared.driver_cursor`); then they go through
+Django's cursor as they are.
+
+``BEGIN`` goes in the first text because the driver's own autocommit is switched on
+inside Django's ``atomic`` block (where Django switched it off, and the driver would
+send ``BEGIN`` by itself, one more round trip); Django's ``commit()`` and
+``rollback()`` at the end of the block send ``COMMIT``/``ROLLBACK`` only for a
+transaction still open, then switch autocommit on anyway. Not where ``OPTIONS`` set
+an isolation level or read-only mode: the driver's own ``BEGIN`` says so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DataError, IntegrityError, NotSupportedError, ProgrammingError, transaction
+from django.db.backends.utils import CursorWrapper
+from django.db.models import Field, Model
+from django.utils import timezone
+
+from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
+from idempotent_orders.consuming.envelope import Envelope
+from idempotent_orders.consuming.graph import state_field
+from idempotent_orders.consuming.payments import claim_and_spend_sql
+from idempotent_orders.consuming.prepared import driver_cursor, execute_text, missed
+from idempotent_orders.consuming.running import guarded_update_sql
+from idempotent_orders.consuming.sql import (
+    FOLLOW_UP_FIELDS,
+    inbox_partitioned,
+    inbox_template,
+    queue_follow_up,
+)
+
+__all__ = ["PostgreSQLTexts"]
+
+#: SQLSTATE of the division by zero that stops the second text when the order moved.
+_MOVED = "22012"
+_COMMIT = "; COMMIT"
+#: libpq's PQTRANS_IDLE: no transaction open on the connection.
+_IDLE = 0
+
+#: A statement of a text: as it is (``%s`` arguments), its arguments named (``%(a0)s``).
+_Statement = tuple[str, str, Sequence[Any]]
+_named_forms: dict[str, str] = {}
+
+
+def _named(sql: str) -> str:
+    """``sql`` with its ``%s`` arguments named by position, as prepared statements take them."""
+    named = _named_forms.get(sql)
+    if named is None:
+        count = iter(range(sql.count("%s")))
+        named = _named_forms[sql] = re.sub(
+            r"%s|%%", lambda m: m[0] if m[0] == "%%" else f"%(a{next(count)})s", sql
+        )
+    return named
+
+
+def _send(conn: Any, cursor: Any, head: str, statements: Sequence[_Statement], tail: str) -> int:
+    """Send ``head``, ``statements`` and ``tail`` as one text; the number of results
+    before the first statement's (its ``PREPARE``s)."""
+    composed: list[tuple[str | None, str]] = []
+    if not isinstance(cursor, CursorWrapper):  # Django's: something must see the SQL
+        for _, named, args in statements:
+            one = execute_text(conn, named, args)
+            if one is None:
+                composed = []
+                break
+            composed.append(one)
+    with conn.wrap_database_errors:
+        if composed:
+            prepares = [prepare for prepare, _ in composed if prepare is not None]
+            executes = [execute for _, execute in composed]
+            cursor.execute(head + "; ".join([*prepares, *executes]) + tail)
+            return len(prepares)
+        text = head + "; ".join(sql for sql, _, _ in statements) + tail
+        cursor.execute(text, [arg for _, _, args in statements for arg in args])
+        return 0
+
+
+def _opening(conn: Any) -> str:
+    """``"BEGIN; "`` when the first text may open the transaction itself (the driver's
+    autocommit switched on for it), else ``""`` (the driver sends its own ``BEGIN``)."""
+    raw = conn.connection
+    if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
+        return ""
+    if raw.pgconn.transaction_status != _IDLE:
+        return ""  # begun already (the inbox's shape was looked up on this connection)
+    raw.autocommit = True  # idle: no round trip; Django's atomic switches it back on exit
+    return "BEGIN; "
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """The first text's claim: an applied message's inbox row (its columns that no message
+    changes written as literals) and, for money, the spent payment."""
+
+    sql: str
+    #: The inbox columns it takes as arguments, in order (then the spent payment's four).
+    names: tuple[str, ...]
+    updated_at: Field[Any, Any]
+
+
+#: The inbox columns a message fills in (the others are an applied row's constants).
+_PER_MESSAGE = ("consumer", "message_id", "message_type", "order_id", "seq", "fingerprint")
+_claims: dict[tuple[Any, ...], _Claim] = {}
+
+
+def _claim(conn: Any, money: bool) -> _Claim:
+    key = (conn.alias, inbox_partitioned(conn), money)
+    claim = _claims.get(key)
+    if claim is None:
+        template = inbox_template()  # its sample row is an applied message's
+        names: list[str] = []
+        values: list[str] = []
+        for field, value in zip(template.fields, template.base, strict=True):
+            if field.attname in (*_PER_MESSAGE, "updated_at"):
+                names.append(field.attname)
+                values.append("%s")
+            else:
+                literal = str(conn.ops.compose_sql("%s", [value]))
+                values.append(literal.replace("%", "%%"))
+        inbox = template.insert(values)
+        sql = claim_and_spend_sql(inbox) if money else f"{inbox} RETURNING 1, 1"
+        updated_at = template.fields[template.positions["updated_at"]]
+        claim = _claims[key] = _Claim(sql, tuple(names), updated_at)
+    return claim
+
+
+@dataclass(frozen=True)
+class _Update:
+    """The second text of one shape of transition: its SQL and the outbox fields of the
+    follow-up's row, in the order the text takes them."""
+
+    sql: str
+    queued: tuple[Field[Any, Any], ...]
+    commit: bool
+
+
+class PostgreSQLTexts(Texts):
+    """psycopg 3 with client-side binding cursors (Django's default)."""
+
+    def ready(self, conn: Any) -> bool:
+        from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+        if not is_psycopg3:
+            return False
+        import psycopg
+
+        conn.ensure_connection()
+        return issubclass(conn.connection.cursor_factory, psycopg.ClientCursor)
+
+    @contextmanager
+    def transaction(self, conn: Any) -> Iterator[Any]:
+        # The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper
+        # skipped, its error mapping kept by _send), or Django's where something must see
+        # the texts: there they go as they are, not as ``EXECUTE`` of a prepared statement.
+        with transaction.atomic(using=conn.alias):
+            cursor = driver_cursor(conn, in_transaction=True)
+            with conn.cursor() if cursor is None else cursor as opened:
+                yield opened
+
+    def claim_and_read(
+        self,
+        conn: Any,
+        cursor: Any,
+        envelope: Envelope,
+        consumer: str,
+        payment: str | None,
+        read: str,
+        read_args: Sequence[Any],
+    ) -> Sequence[Any]:
+        claim = _claim(conn, payment is not None)
+        now = timezone.now()
+        per_message = {
+            **envelope.inbox_fields(consumer),
+            "updated_at": claim.updated_at.get_db_prep_save(now, conn),
+        }
+        args = [per_message[name] for name in claim.names]
+        if payment is not None:
+            args += [payment, envelope.order_id, consumer, envelope.message_id]
+        statements = [
+            (claim.sql, _named(claim.sql), args),
+            (read, _named(read), read_args),
+        ]
+        opening = _opening(conn)
+        try:
+            skipped = _send(conn, cursor, opening, statements, "")
+            for _ in range(skipped + bool(opening)):
+                cursor.nextset()
+            claimed = cursor.fetchone()
+            cursor.nextset()
+            row = cursor.fetchone()
+        except (IntegrityError, DataError):
+            # Our own statements only (a value a column refuses, say): the usual road says why.
+            raise Declined from None
+        except (ProgrammingError, NotSupportedError) as exc:
+            if missed(conn, exc):
+                raise Declined from None
+            raise
+        if claimed is None or not claimed[0] or not claimed[1] or row is None:
+            raise Declined
+        return row
+
+    def compile(
+        self,
+        conn: Any,
+        model: type[Model],
+        meta: Any,
+        values: Sequence[Field[Any, Any]],
+        conditions: Sequence[Field[Any, Any]],
+        queued: bool,
+        commit: bool,
+    ) -> _Update:
+        update = guarded_update_sql(conn, meta, str(state_field(model).column), values, conditions)
+        sql = f"WITH moved AS ({update} RETURNING 1)"
+        outbox: list[Field[Any, Any]] = []
+        if queued:
+
+            def ref(source: str, field: Field[Any, Any]) -> str:
+                outbox.append(field)
+                return "%s"
+
+            sql += ", " + queue_follow_up(conn, FOLLOW_UP_FIELDS, ref)
+            sql += " SELECT 1 / (SELECT count(*) FROM moved), (SELECT id FROM queued)"
+        else:
+            sql += " SELECT 1 / (SELECT count(*) FROM moved)"
+        return _Update(sql, tuple(outbox), commit)
+
+    def write(
+        self,
+        conn: Any,
+        cursor: Any,
+        update: Any,
+        args: Sequence[Any],
+        queued: dict[str, Any] | None,
+    ) -> int | None:
+        sql = update.sql
+        args = list(args)
+        if queued is not None:
+            args += [f.get_db_prep_save(queued[f.name], conn) for f in update.queued]
+        tail = _COMMIT if update.commit else ""
+        try:
+            for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], tail)):
+                cursor.nextset()
+            row = cursor.fetchone()
+        except DataError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == _MOVED:
+                raise Conflict from None
+            raise
+        except (ProgrammingError, NotSupportedError) as exc:
+            if missed(conn, exc):
+                raise Conflict from None  # rolled back whole: the usual road runs it again
+            raise
+        return row[1] if queued is not None else None
