@@ -22,7 +22,6 @@ LAYERS = (
     "backends.postgresql.arrays",
     "backends.mysql",
     "backends.sqlite",
-    "prepared",
     "sql",
     "payments",
     "failures",

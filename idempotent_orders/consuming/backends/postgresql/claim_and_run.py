@@ -47,9 +47,9 @@ it, so no round trip is added): the server neither parses nor plans them again. 
 session that lost them (``DISCARD ALL``, a transaction pooler's other server) fails the
 text, which rolls back like a declined message; the next message prepares them again,
 up to a few misses per connection, then sends them as they are
-(:func:`~idempotent_orders.consuming.prepared.execute_text`). The texts go to the
+(:func:`~idempotent_orders.prepared.execute_text`). The texts go to the
 driver's own cursor unless something must see them (see
-:func:`~idempotent_orders.consuming.prepared.driver_cursor`); then they go through
+:func:`~idempotent_orders.prepared.driver_cursor`); then they go through
 Django's cursor as they are.
 
 ``BEGIN`` goes in the first text because the driver's own autocommit is switched on
@@ -87,7 +87,6 @@ from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
 from idempotent_orders.consuming.payments import claim_and_spend_sql, payment_id
-from idempotent_orders.consuming.prepared import driver_cursor, execute_text, missed
 from idempotent_orders.consuming.running import (
     FollowUp,
     FollowUpRow,
@@ -111,6 +110,7 @@ from idempotent_orders.consuming.sql import (
 from idempotent_orders.consuming.unread import fits
 from idempotent_orders.consuming.writing import Conflict, settle
 from idempotent_orders.models import AbstractOrder, Outcome
+from idempotent_orders.prepared import driver_cursor, execute_text, missed
 
 __all__ = ["can_claim_and_run", "claim_and_run"]
 
@@ -192,7 +192,7 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
 def _cursor(conn: Any) -> Any:
     """The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper skipped,
     its error mapping kept by :func:`_send`), or Django's where something must see the
-    texts (see :func:`~idempotent_orders.consuming.prepared.driver_cursor`): there they
+    texts (see :func:`~idempotent_orders.prepared.driver_cursor`): there they
     go as they are, not as ``EXECUTE`` of a prepared statement."""
     cursor = driver_cursor(conn, in_transaction=True)
     return conn.cursor() if cursor is None else cursor
