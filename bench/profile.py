@@ -117,7 +117,7 @@ def _patch(tables: dict[str, str]) -> None:
                 slot[1] += 1
 
     psycopg.Cursor.execute = timed_execute  # type: ignore[method-assign]
-    from idempotent_orders.consuming import prepared
+    from idempotent_orders import prepared
 
     # A prepared statement run with its arguments bound by the protocol (no cursor).
     if hasattr(prepared, "_send_prepared"):

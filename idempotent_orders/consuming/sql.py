@@ -5,18 +5,36 @@ The claims keep the inbox's unique index the only authority on duplicates.
 CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB);
 :class:`InboxTemplate` the one-row claim the roads without a read send.
 :func:`read_order` is the single path's read of the order: the ORM's own SQL,
-compiled once per model and database. Statements run as prepared statements of
-the session are in :mod:`~idempotent_orders.consuming.prepared`.
+compiled once per model and database. :func:`preparation` and
+:func:`inbox_preparation` give a column's value as the driver takes it.
+Statements run as prepared statements of the session are in
+:mod:`~idempotent_orders.prepared`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.db import connection, connections
-from django.db.models import Field, Model
+from django.db.models import (
+    AutoField,
+    BigAutoField,
+    BigIntegerField,
+    CharField,
+    DateTimeField,
+    Field,
+    IntegerField,
+    Model,
+    PositiveBigIntegerField,
+    PositiveIntegerField,
+    PositiveSmallIntegerField,
+    SmallAutoField,
+    SmallIntegerField,
+    TextField,
+)
 from django.db.models.expressions import DatabaseDefault
 from django.db.models.manager import BaseManager
 
@@ -31,7 +49,9 @@ __all__ = [
     "forget_inbox_shape",
     "handed_over",
     "inbox_partitioned",
+    "inbox_preparation",
     "insert_inbox_rows",
+    "preparation",
     "queue_follow_up",
     "read_order",
 ]
@@ -461,3 +481,64 @@ def handed_over(fields: Mapping[str, Any]) -> bool:
         if value is not None and (not isinstance(value, str) or (limit and len(value) > limit)):
             return False
     return True
+
+
+# -- Arguments: a value as the driver takes it ---------------------------------------------
+
+#: The values an inbox column takes as they are (see :func:`inbox_preparation`).
+_PLAIN = frozenset({str, int})
+
+
+#: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
+#: as it is.
+_TEXT_FIELDS = frozenset({CharField, TextField})
+_INTEGER_FIELDS = frozenset(
+    {
+        AutoField,
+        BigAutoField,
+        SmallAutoField,
+        IntegerField,
+        BigIntegerField,
+        SmallIntegerField,
+        PositiveIntegerField,
+        PositiveBigIntegerField,
+        PositiveSmallIntegerField,
+    }
+)
+
+
+def preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
+    """A column's preparation (``get_db_prep_save``), skipped where it returns the value
+    unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields, an
+    aware ``datetime`` for its ``DateTimeField`` (PostgreSQL's, the only one served here).
+    """
+    prepare = field.get_db_prep_save
+    kind = type(field)
+    if kind is DateTimeField:
+
+        def aware(value: Any, conn: Any) -> Any:
+            if type(value) is datetime and value.tzinfo is not None:
+                return value
+            return prepare(value, conn)
+
+        return aware
+    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
+    if plain is None:
+        return prepare
+
+    def unchanged(value: Any, conn: Any) -> Any:
+        return value if type(value) is plain else prepare(value, conn)
+
+    return unchanged
+
+
+def inbox_preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
+    """An inbox column's preparation: a plain ``str``/``int`` (or None) goes as it is,
+    as :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` sends it."""
+
+    def prepare(value: Any, conn: Any) -> Any:
+        if value is None or type(value) in _PLAIN:
+            return value
+        return field.get_db_prep_save(value, conn)
+
+    return prepare

@@ -5,15 +5,15 @@
 statement. Its text is built once per database alias (:class:`_ClaimTexts`):
 on PostgreSQL the key's row is read, the principal's advisory lock taken and
 the ``INSERT`` run in one round trip, through prepared statements
-(:class:`_PreparedClaim`) on connections that outlive a request; on MariaDB
-under a named lock; on SQLite under its single writer; elsewhere by a count
-and an insert.
+(:class:`_PreparedClaim`; which session holds them is kept by
+:mod:`idempotent_orders.prepared`) on connections that outlive a request; on
+MariaDB under a named lock; on SQLite under its single writer; elsewhere by a
+count and an insert.
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -27,11 +27,20 @@ from django.db import (
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming.prepared import driver_cursor
 from idempotent_orders.consuming.sql import build, compiled_read
 from idempotent_orders.exceptions import KeyInFlight
 from idempotent_orders.http.quotas import live_keys, lock_id, lock_principal
 from idempotent_orders.models import IdempotencyKey, KeyQuota
+from idempotent_orders.prepared import (
+    driver_cursor,
+    gave_up,
+    hold,
+    holds,
+    is_duplicate,
+    is_missing,
+    lose,
+    statement,
+)
 
 try:
     from psycopg import Error as _DriverError
@@ -271,29 +280,16 @@ def _joined(statements: tuple[_Statement, ...], values: dict[str, Any]) -> tuple
     )
 
 
-#: What the claim's prepared statements (PostgreSQL) are named after, in the order they run.
-_CLAIM_STATEMENTS = (
-    "idempotent_orders_claim_read",
-    "idempotent_orders_claim_lock",
-    "idempotent_orders_claim_insert",
-)
-#: Raw connections whose session holds the claim's prepared statements.
-_prepared_on: weakref.WeakSet[Any] = weakref.WeakSet()
-#: Per raw connection: how many times its session turned out not to hold them.
-_misses: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-#: Misses after which a connection sends the claim as text for good (a transaction
-#: pooler such as PgBouncer's changes the server session under its clients).
-_MAX_MISSES = 3
-#: Raw connections that reached ``_MAX_MISSES``.
-_shared_sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The roles of the claim's prepared statements (PostgreSQL), in the order they run.
+_CLAIM_STATEMENTS = ("claim_read", "claim_lock", "claim_insert")
 
 
 @dataclass(frozen=True)
 class _PreparedClaim:
     """The claim's statements prepared on a connection, and the query that runs them."""
 
-    #: ``PREPARE`` of each statement, named after its role and a hash of its text (so a
-    #: name stands for one text only, across versions of the app sharing a server session).
+    #: ``PREPARE`` of each statement, named after its role and a hash of its text
+    #: (:func:`~idempotent_orders.prepared.statement`).
     prepares: tuple[str, ...]
     names: tuple[str, ...]
     #: One simple query ``EXECUTE``-ing them all, and the names of its parameters in order.
@@ -328,19 +324,18 @@ def _prepared_claim(
     names: list[str] = []
     executes: list[str] = []
     order: list[str] = []
-    for role, statement in zip(_CLAIM_STATEMENTS, statements, strict=True):
-        distinct = tuple(dict.fromkeys(statement.names))
-        parts = statement.sql.split("%s")
-        assert len(parts) == len(statement.names) + 1, "one placeholder per name"
+    for role, claim in zip(_CLAIM_STATEMENTS, statements, strict=True):
+        distinct = tuple(dict.fromkeys(claim.names))
+        parts = claim.sql.split("%s")
+        assert len(parts) == len(claim.names) + 1, "one placeholder per name"
         numbered = parts[0] + "".join(
             f"${distinct.index(n) + 1}{part}"
-            for n, part in zip(statement.names, parts[1:], strict=True)
+            for n, part in zip(claim.names, parts[1:], strict=True)
         )
-        body = f"({', '.join(_param_type(conn, n) for n in distinct)}) AS {numbered}"
-        name = f"{role}_{hashlib.blake2b(body.encode(), digest_size=5).hexdigest()}"
-        prepares.append(f"PREPARE {name} {body}")
-        names.append(name)
-        executes.append(f"EXECUTE {name} ({', '.join(['%s'] * len(distinct))})")
+        prepared = statement(role, numbered, [_param_type(conn, n) for n in distinct])
+        prepares.append(prepared.prepare)
+        names.append(prepared.name)
+        executes.append(f"EXECUTE {prepared.name} ({', '.join(['%s'] * len(distinct))})")
         order.extend(distinct)
     found = _prepared_sql[conn.alias] = _PreparedClaim(
         tuple(prepares), tuple(names), "; ".join(executes), tuple(order)
@@ -354,7 +349,7 @@ def _run_claim(
     """Run the claim's three statements: the key's row if it exists, and the inserted id.
 
     Straight on the driver's connection where nothing needs to see the query
-    (see :func:`~idempotent_orders.consuming.prepared.driver_cursor`).
+    (see :func:`~idempotent_orders.prepared.driver_cursor`).
     """
     cursor = driver_cursor(conn)
     if cursor is None:
@@ -394,7 +389,9 @@ def _execute_claim(
     prepared on (an ``EXECUTE`` of a missing statement: a transaction pooler
     changed the server connection, or ``DISCARD ALL`` ran) rolls that query
     back whole; it is sent again as text, and the next claim prepares again,
-    up to :data:`_MAX_MISSES` misses: the connection then sends text for good.
+    up to :data:`~idempotent_orders.prepared.MAX_MISSES` misses (counted with the
+    consume roads' on the same connection): the connection then sends text for good.
+    Which session holds what is :mod:`idempotent_orders.prepared`'s bookkeeping.
     A session that has them already (a pooler's server that another client
     prepared them on, or an earlier query of this one that failed after its
     ``PREPARE``s, which are not rolled back) runs the ``EXECUTE``s alone.
@@ -408,32 +405,29 @@ def _execute_claim(
     if (
         settings.get("DISABLE_SERVER_SIDE_CURSORS")
         or (settings.get("CONN_MAX_AGE") == 0 and not settings["OPTIONS"].get("pool"))
-        or raw in _shared_sessions
+        or gave_up(raw)
     ):
         cursor.execute(*_joined(statements, values))
         return
     prepared = _prepared_claim(conn, statements)
     params = [values[name] for name in prepared.order]
-    if raw not in _prepared_on:
+    if not holds(raw, prepared.names):
         try:
             cursor.execute(prepared.prepare_and_execute, params)
-            _prepared_on.add(raw)
+            hold(raw, prepared.names)
             for _ in prepared.prepares:
                 cursor.nextset()  # to the first EXECUTE's rows
             return
         except _DB_ERRORS as exc:
-            if _sqlstate(exc) != "42P05":  # already prepared in this server session
+            if not is_duplicate(exc):  # already prepared in this server session
                 raise
-            _prepared_on.add(raw)
+            hold(raw, prepared.names)
     try:
         cursor.execute(prepared.execute, params)
     except _DB_ERRORS as exc:
-        if _sqlstate(exc) != "26000":  # no such prepared statement
+        if not is_missing(exc):
             raise
-        _prepared_on.discard(raw)
-        _misses[raw] = _misses.get(raw, 0) + 1
-        if _misses[raw] >= _MAX_MISSES:
-            _shared_sessions.add(raw)
+        lose(raw, prepared.names)
         cursor.execute(*_joined(statements, values))
 
 
@@ -441,10 +435,6 @@ def _execute_claim(
 _DB_ERRORS: tuple[type[Exception], ...] = (
     (DatabaseError,) if _DriverError is None else (DatabaseError, _DriverError)
 )
-
-
-def _sqlstate(exc: BaseException) -> str | None:
-    return getattr(exc, "sqlstate", None) or getattr(exc.__cause__, "sqlstate", None)
 
 
 def _insert_portable(fields: dict[str, Any], now: Any) -> int | None:

@@ -20,8 +20,8 @@ from django.http import HttpResponse, HttpResponseBase
 from django.utils import timezone
 
 from idempotent_orders.conf import conf
-from idempotent_orders.consuming.prepared import driver_cursor, fetch_one
 from idempotent_orders.models import IdempotencyKey, KeyState
+from idempotent_orders.prepared import driver_cursor, fetch_one
 
 if TYPE_CHECKING:
     from idempotent_orders.http.lease import KeyClaim

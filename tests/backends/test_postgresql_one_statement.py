@@ -14,7 +14,8 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_fsm.signals import post_transition
 
-from idempotent_orders.consuming import prepared, single, writing
+from idempotent_orders import prepared
+from idempotent_orders.consuming import single, writing
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Order, OrderStatus, Outcome, ProcessedMessage
 from tests.support.messages import payment, shipment, transitions_heard
@@ -289,3 +290,41 @@ def test_the_prepared_form_numbers_the_arguments_and_unescapes_percent_signs() -
     assert form.prepare.endswith(" AS SELECT $1, '100%', $2, $1")
     assert form.execute == f"EXECUTE {form.name}(".encode()
     assert prepared._prepared_form("SELECT '5%'") is None  # run plainly, never prepared
+
+
+def test_the_shared_statements_are_named_by_role_and_text_and_given_up_after_misses() -> None:
+    import psycopg
+    from django.db import DatabaseError
+
+    read = prepared.statement("claim_read", "SELECT $1", ["text"])
+    assert read.name.startswith("idempotent_orders_claim_read_")
+    assert read.prepare == f"PREPARE {read.name} (text) AS SELECT $1"
+    # Another text (its types included) is another name; no role: the hash alone.
+    assert prepared.statement("claim_read", "SELECT $1", ["bigint"]).name != read.name
+    plain = prepared.statement("", "SELECT $1")
+    assert re.fullmatch(r"idempotent_orders_[0-9a-f]{24}", plain.name)
+    assert plain.prepare == f"PREPARE {plain.name} AS SELECT $1"
+
+    class Raw:  # a driver connection as the bookkeeping sees it: weakly referenced
+        pass
+
+    raw = Raw()
+    assert not prepared.holds(raw, [read.name])
+    prepared.hold(raw, [read.name, plain.name])
+    assert prepared.holds(raw, [read.name])
+    for _ in range(prepared.MAX_MISSES):
+        assert not prepared.gave_up(raw)
+        prepared.lose(raw, [read.name])
+        assert not prepared.holds(raw, [read.name])
+        assert prepared.holds(raw, [plain.name])  # only the lost names are prepared again
+    assert prepared.gave_up(raw)
+
+    missing = psycopg.errors.InvalidSqlStatementName("gone")
+    duplicate = psycopg.errors.DuplicatePreparedStatement("there")
+    wrapped = DatabaseError("gone")
+    wrapped.__cause__ = missing  # Django's error, the driver's as its cause
+    assert prepared.is_missing(missing)
+    assert prepared.is_missing(wrapped)
+    assert not prepared.is_missing(duplicate)
+    assert prepared.is_duplicate(duplicate)
+    assert not prepared.is_duplicate(missing)

@@ -16,8 +16,8 @@ from django.db.models.signals import post_save
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
-from idempotent_orders import outbox
-from idempotent_orders.consuming import current_message, prepared, registry
+from idempotent_orders import outbox, prepared
+from idempotent_orders.consuming import current_message, registry
 from idempotent_orders.consuming.backends import claim_and_run
 from idempotent_orders.consuming.envelope import parse_envelope
 from idempotent_orders.consuming.running import road
@@ -87,16 +87,16 @@ def test_the_follow_up_road_survives_a_session_that_lost_its_prepared_statement(
         for order in orders[:2]:
             assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
         raw = connection.connection
-        done, _used, misses = prepared._prepared_on[raw]
-        assert done, "the follow-up road's statement was not prepared"
+        session = prepared._sessions[raw]
+        assert session.prepared, "the follow-up road's statement was not prepared"
         with connection.cursor() as cursor:
             cursor.execute("DEALLOCATE ALL")  # as a pooler's other server session would be
         # The EXECUTE fails in the transaction: rolled back, and the usual road applies it.
         assert consume_message(payment(orders[2]), consumer="payments") is Outcome.APPLIED
-        assert misses == [1]
+        assert session.misses == 1
         # Prepared again on the next message.
         assert consume_message(payment(orders[3]), consumer="payments") is Outcome.APPLIED
-        assert done
+        assert session.prepared
     for order in orders:
         order.refresh_from_db()
         assert order.status == OrderStatus.PAID

@@ -281,6 +281,28 @@ def test_one_function_sends_message_consumed() -> None:
     assert senders == ["consuming/decision.py"]
 
 
+PREPARED = "idempotent_orders.prepared"
+
+
+def test_one_module_owns_the_prepared_statements() -> None:
+    # The consume roads and the HTTP claim share it; it imports neither (nor anything of the
+    # package), and no other module writes PREPARE, DEALLOCATE or their SQLSTATEs.
+    graph = import_graph(ROOT, "idempotent_orders")
+    users = {m for m, deps in graph.items() if PREPARED in deps}
+    assert {
+        "idempotent_orders.http.claim_sql",
+        "idempotent_orders.consuming.backends.postgresql.one_statement",
+        "idempotent_orders.consuming.backends.postgresql.texts",
+    } <= users
+    assert graph[PREPARED] == set()
+    writers = sorted(
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if re.search(r"PREPARE |DEALLOCATE|42P05|26000", path.read_text())
+    )
+    assert writers == ["prepared.py"]
+
+
 CONSUMING = "idempotent_orders.consuming"
 #: What the consume road may not reach: the app's outer rooms build on it, not under it.
 OUTER = {

@@ -20,6 +20,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import Client, override_settings
 from django.urls import path
 
+from idempotent_orders import prepared as sessions
 from idempotent_orders.http import claim_sql, idempotent_view
 from idempotent_orders.models import IdempotencyKey
 from tests.support.pgbouncer import pgbouncer
@@ -128,7 +129,8 @@ def storm(threads: int, requests: int, shared: int) -> Storm:
             start.wait(60)
             for _ in range(requests - 1):
                 one(web, rng)
-            missed = claim_sql._misses.get(connections[DEFAULT_DB_ALIAS].connection, 0)
+            session = sessions._sessions.get(connections[DEFAULT_DB_ALIAS].connection)
+            missed = 0 if session is None else session.misses
             with guard:
                 found.misses += missed
         except Exception as exc:  # every error is the test's finding
@@ -207,9 +209,8 @@ def test_a_session_that_lost_or_already_has_the_statements_claims_all_the_same()
         def claimed(key: str) -> None:
             status = claim(web, key)
             raw = db.connection
-            outcomes.append(
-                (status, raw in claim_sql._prepared_on, raw in claim_sql._shared_sessions)
-            )
+            names = claim_sql._prepared_sql[DEFAULT_DB_ALIAS].names
+            outcomes.append((status, sessions.holds(raw, names), sessions.gave_up(raw)))
 
         try:
             claimed("lost-0")  # prepared by the query that runs it

@@ -10,7 +10,7 @@ validator's comparisons with the order, such as the amount and currency of a
 payment). Those tests go into the UPDATE's WHERE clause instead of a read
 beforehand, and the claim into the same statement, so the message costs one statement,
 committed on its own (prepared once per database session, see
-:func:`~idempotent_orders.consuming.prepared.fetch_one`):
+:func:`~idempotent_orders.prepared.fetch_one`):
 
 ``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
 moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
@@ -53,23 +53,20 @@ from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
     state_field,
 )
-from idempotent_orders.consuming.prepared import (
-    PreparedMissing,
-    fetch_one,
-    inbox_preparation,
-    preparation,
-)
 from idempotent_orders.consuming.running import (
     written_values,
 )
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
     inbox_partitioned,
+    inbox_preparation,
     inbox_template,
+    preparation,
     queue_follow_up,
 )
 from idempotent_orders.consuming.unread import Plan, Shape, plan, written
 from idempotent_orders.models import Outcome, SpentPayment
+from idempotent_orders.prepared import PreparedMissing, fetch_one
 from idempotent_orders.signals import order_transitioned
 
 __all__ = ["apply_unread"]
@@ -361,7 +358,7 @@ def _apply(
     """Run the statement; on APPLIED announce the transition (follow-ups write here).
 
     ``in_transaction``: in the follow-up's ``atomic`` block, where the statement is
-    prepared too (see :func:`~idempotent_orders.consuming.prepared.fetch_one`).
+    prepared too (see :func:`~idempotent_orders.prepared.fetch_one`).
     """
     handed = None if in_transaction else p.handed
     try:

@@ -15,9 +15,9 @@ it, so no round trip is added): the server neither parses nor plans them again. 
 session that lost them (``DISCARD ALL``, a transaction pooler's other server) fails the
 text, which rolls back like a declined message; the next message prepares them again,
 up to a few misses per connection, then sends them as they are
-(:func:`~idempotent_orders.consuming.prepared.execute_text`). The texts go to the
+(:func:`~idempotent_orders.prepared.execute_text`). The texts go to the
 driver's own cursor unless something must see them (see
-:func:`~idempotent_orders.consuming.prepared.driver_cursor`); then they go through
+:func:`~idempotent_orders.prepared.driver_cursor`); then they go through
 Django's cursor as they are.
 
 ``BEGIN`` goes in the first text because the driver's own autocommit is switched on
@@ -45,7 +45,6 @@ from idempotent_orders.consuming.backends.claim_and_run import Conflict, Decline
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import state_field
 from idempotent_orders.consuming.payments import claim_and_spend_sql
-from idempotent_orders.consuming.prepared import driver_cursor, execute_text, missed
 from idempotent_orders.consuming.running import guarded_update_sql
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
@@ -53,6 +52,7 @@ from idempotent_orders.consuming.sql import (
     inbox_template,
     queue_follow_up,
 )
+from idempotent_orders.prepared import driver_cursor, execute_text, missed
 
 __all__ = ["PostgreSQLTexts"]
 

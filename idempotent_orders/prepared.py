@@ -1,4 +1,16 @@
-"""Hot statements straight to the driver, prepared once per database session.
+"""Server-side prepared statements (PostgreSQL), and hot statements straight to the driver.
+
+The one place that knows which database session holds which prepared statement. Its
+small API, shared by the consume roads and the ``Idempotency-Key`` claim:
+
+- :func:`statement`: a statement's ``PREPARE``, named after its role and a hash of its
+  text (a name stands for one text only, on any server session, a pooler's included);
+- :func:`holds`, :func:`hold`: whether a raw connection's session holds statements, and
+  recording that it does (a caller prepares them in the same text that first runs them);
+- :func:`is_missing`, :func:`is_duplicate`: an error saying the session lost a statement
+  (``DISCARD ALL``, a transaction pooler's other server) or holds one already;
+  :func:`lose` counts such a miss, and :func:`gave_up` says when a connection stops
+  preparing (after :data:`MAX_MISSES`) and sends its statements as text for good.
 
 :func:`fetch_one` runs a statement on psycopg 3's own cursor (skipping Django's
 cursor wrapper, see :func:`driver_cursor`) as a prepared statement of the session
@@ -16,28 +28,12 @@ import contextlib
 import hashlib
 import re
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import (
-    AutoField,
-    BigAutoField,
-    BigIntegerField,
-    CharField,
-    DateTimeField,
-    Field,
-    IntegerField,
-    PositiveBigIntegerField,
-    PositiveIntegerField,
-    PositiveSmallIntegerField,
-    SmallAutoField,
-    SmallIntegerField,
-    TextField,
-)
 
 try:
     from psycopg import ClientCursor as _DriverCursor
@@ -51,13 +47,20 @@ except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
     _Psycopg = _DriverCursor = _errors = _Transformer = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "MAX_MISSES",
     "PreparedMissing",
+    "Statement",
     "driver_cursor",
     "execute_text",
     "fetch_one",
-    "inbox_preparation",
+    "gave_up",
+    "hold",
+    "holds",
+    "is_duplicate",
+    "is_missing",
+    "lose",
     "missed",
-    "preparation",
+    "statement",
 ]
 
 
@@ -140,6 +143,98 @@ def fetch_one(
         )
 
 
+# -- The shared API: names, sessions, misses ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Statement:
+    """A statement to prepare: its name and its ``PREPARE`` text."""
+
+    name: str
+    prepare: str
+
+
+def statement(role: str, body: str, types: Sequence[str] = ()) -> Statement:
+    """``body`` (its parameters ``$1``, ``$2``, ...; of ``types`` where given) as a
+    prepared statement named ``idempotent_orders_<role>_<hash>`` (no role:
+    ``idempotent_orders_<hash>``), the hash of its text: a name can only ever stand for
+    this text, on any server session and across versions of the app sharing one."""
+    text = f"({', '.join(types)}) AS {body}" if types else f"AS {body}"
+    digest = hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+    name = f"idempotent_orders_{role}_{digest}" if role else f"idempotent_orders_{digest}"
+    return Statement(name, f"PREPARE {name} {text}")
+
+
+@dataclass
+class _Session:
+    """What is known of a raw connection's server session."""
+
+    #: The statements it holds.
+    prepared: set[str] = field(default_factory=set)
+    #: The statements :func:`fetch_one` ran on it (plainly, the first time).
+    used: set[str] = field(default_factory=set)
+    #: How many times a statement it should hold went missing.
+    misses: int = 0
+
+
+#: Per psycopg connection (weakly: a closed connection's session goes with it).
+_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+#: A connection whose prepared statements went missing this often stops preparing
+#: (e.g. behind a transaction pooler that does not keep them).
+MAX_MISSES = 3
+
+
+def _session(raw: Any) -> _Session:
+    found = _sessions.get(raw)
+    if found is None:
+        found = _sessions[raw] = _Session()
+    return found
+
+
+def holds(raw: Any, names: Sequence[str]) -> bool:
+    """Whether the session of ``raw`` (a driver connection) holds every one of ``names``."""
+    found = _sessions.get(raw)
+    return found is not None and found.prepared.issuperset(names)
+
+
+def hold(raw: Any, names: Sequence[str]) -> None:
+    """Record that the session of ``raw`` holds ``names`` (prepared, or found there)."""
+    _session(raw).prepared.update(names)
+
+
+def lose(raw: Any, names: Sequence[str] | set[str]) -> None:
+    """A statement the session of ``raw`` should hold was missing: ``names`` are
+    prepared again next time, and the miss counts toward :func:`gave_up`."""
+    session = _session(raw)
+    session.prepared.difference_update(names)
+    session.misses += 1
+
+
+def gave_up(raw: Any) -> bool:
+    """Whether ``raw`` missed its statements :data:`MAX_MISSES` times: it sends text for good."""
+    found = _sessions.get(raw)
+    return found is not None and found.misses >= MAX_MISSES
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc, "sqlstate", None) or getattr(exc.__cause__, "sqlstate", None)
+
+
+def is_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` (the driver's, or Django's with the driver's as its cause) says the
+    session holds no such prepared statement (SQLSTATE 26000)."""
+    return _sqlstate(exc) == "26000"
+
+
+def is_duplicate(exc: BaseException) -> bool:
+    """Whether ``exc`` says the session holds a prepared statement of that name already
+    (SQLSTATE 42P05): being named after its text, it is this very statement."""
+    return _sqlstate(exc) == "42P05"
+
+
+# -- One statement run on the driver -------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class _Prepared:
     name: str
@@ -151,14 +246,6 @@ class _Prepared:
 
 
 _prepared_forms: dict[str, _Prepared | None] = {}
-#: Per psycopg connection: the statements prepared on it, the ones used on it, and how
-#: many times one went missing there.
-_prepared_on: weakref.WeakKeyDictionary[Any, tuple[set[str], set[str], list[int]]] = (
-    weakref.WeakKeyDictionary()
-)
-#: A connection whose prepared statements went missing this often stops preparing
-#: (e.g. behind a transaction pooler that does not keep them).
-_MAX_MISSES = 3
 #: The pieces of a statement text: an argument, an escaped ``%``, or a stray ``%``.
 _PLACEHOLDER = re.compile(r"%\(a(\d+)\)s|%%|%")
 
@@ -183,11 +270,9 @@ def _prepared_form(sql: str) -> _Prepared | None:
     except ValueError:
         form = None
     else:
-        digest = hashlib.blake2b(sql.encode(), digest_size=12).hexdigest()
-        name = f"idempotent_orders_{digest}"
-        form = _Prepared(
-            name, f"PREPARE {name} AS {body}", f"EXECUTE {name}(".encode(), name.encode()
-        )
+        named = statement("", body)
+        name = named.name
+        form = _Prepared(name, named.prepare, f"EXECUTE {name}(".encode(), name.encode())
     _prepared_forms[sql] = form
     return form
 
@@ -268,11 +353,9 @@ def _run_prepared(
     :class:`PreparedMissing` is raised for the caller to roll it back.
     """
     form = _prepared_form(sql)
-    state = _prepared_on.get(raw)
-    if state is None:
-        state = _prepared_on[raw] = (set(), set(), [0])
-    prepared, used, misses = state
-    if form is None or misses[0] >= _MAX_MISSES or form.name not in used:
+    session = _session(raw)
+    prepared, used = session.prepared, session.used
+    if form is None or session.misses >= MAX_MISSES or form.name not in used:
         # The first use on a connection runs plainly: a connection that serves
         # one message (CONN_MAX_AGE=0, closed after each task) never pays the
         # PREPARE round trip.
@@ -294,8 +377,7 @@ def _run_prepared(
             cursor.execute(_execute(form, args, transformer))
             return cursor.fetchone()
     except (_errors.InvalidSqlStatementName, _errors.FeatureNotSupported):
-        prepared.discard(form.name)
-        misses[0] += 1
+        lose(raw, {form.name})
         if in_transaction:
             raise PreparedMissing(form.name) from None
         with contextlib.suppress(_errors.Error), _DriverCursor(raw) as cursor:
@@ -307,67 +389,6 @@ def _run_plainly(raw: Any, sql: str, args: Sequence[Any]) -> Any:
     with _DriverCursor(raw) as cursor:
         cursor.execute(sql, _named(args))
         return cursor.fetchone()
-
-
-# -- Arguments: a value as the driver takes it ---------------------------------------------
-
-#: The values an inbox column takes as they are (see :func:`inbox_preparation`).
-_PLAIN = frozenset({str, int})
-
-
-#: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
-#: as it is.
-_TEXT_FIELDS = frozenset({CharField, TextField})
-_INTEGER_FIELDS = frozenset(
-    {
-        AutoField,
-        BigAutoField,
-        SmallAutoField,
-        IntegerField,
-        BigIntegerField,
-        SmallIntegerField,
-        PositiveIntegerField,
-        PositiveBigIntegerField,
-        PositiveSmallIntegerField,
-    }
-)
-
-
-def preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
-    """A column's preparation (``get_db_prep_save``), skipped where it returns the value
-    unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields, an
-    aware ``datetime`` for its ``DateTimeField`` (PostgreSQL's, the only one served here).
-    """
-    prepare = field.get_db_prep_save
-    kind = type(field)
-    if kind is DateTimeField:
-
-        def aware(value: Any, conn: Any) -> Any:
-            if type(value) is datetime and value.tzinfo is not None:
-                return value
-            return prepare(value, conn)
-
-        return aware
-    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
-    if plain is None:
-        return prepare
-
-    def unchanged(value: Any, conn: Any) -> Any:
-        return value if type(value) is plain else prepare(value, conn)
-
-    return unchanged
-
-
-def inbox_preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
-    """An inbox column's preparation: a plain ``str``/``int`` (or None) goes as it is,
-    as :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` sends it."""
-
-    def prepare(value: Any, conn: Any) -> Any:
-        if value is None or type(value) in _PLAIN:
-            return value
-        return field.get_db_prep_save(value, conn)
-
-    return prepare
 
 
 # -- Statements composed into a longer text ------------------------------------------------
@@ -385,11 +406,9 @@ def execute_text(conn: Any, sql: str, args: Sequence[Any]) -> tuple[str | None, 
     that rolls back stays prepared; the caller reports a failed one to :func:`missed`."""
     raw = conn.connection
     form = _prepared_form(sql)
-    state = _prepared_on.get(raw)
-    if state is None:
-        state = _prepared_on[raw] = (set(), set(), [0])
-    prepared, _, misses = state
-    if form is None or misses[0] >= _MAX_MISSES:
+    session = _session(raw)
+    prepared = session.prepared
+    if form is None or session.misses >= MAX_MISSES:
         return None
     prepare = None if form.name in prepared else form.prepare
     prepared.add(form.name)  # sent with this text; :func:`missed` takes it back
@@ -410,9 +429,7 @@ def missed(conn: Any, exc: BaseException) -> bool:
         | _errors.FeatureNotSupported,
     ):
         return False
-    state = _prepared_on.get(conn.connection)
-    if state is not None:
-        if not isinstance(cause, _errors.DuplicatePreparedStatement):
-            state[0].difference_update(_composed)
-        state[2][0] += 1
+    raw = conn.connection
+    if raw in _sessions:
+        lose(raw, set() if isinstance(cause, _errors.DuplicatePreparedStatement) else _composed)
     return True
