@@ -1,7 +1,7 @@
 """SQL the consumers write by hand: the order read, the inbox claim, the follow-up's row.
 
 The claims keep the inbox's unique index the only authority on duplicates.
-:func:`insert_inbox_rows` is the batch path's multi-row ``INSERT ... ON
+:func:`insert_inbox_values` is the batch path's multi-row ``INSERT ... ON
 CONFLICT DO NOTHING RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB);
 :class:`InboxTemplate` the one-row claim the roads without a read send.
 :func:`read_order` is the single path's read of the order: the ORM's own SQL,
@@ -48,9 +48,12 @@ __all__ = [
     "compiled_read",
     "forget_inbox_shape",
     "handed_over",
+    "inbox_names",
     "inbox_partitioned",
     "inbox_preparation",
-    "insert_inbox_rows",
+    "insert_inbox_values",
+    "on_conflict",
+    "plain_type",
     "preparation",
     "queue_follow_up",
     "read_order",
@@ -136,20 +139,8 @@ def _read_plan(model: type[Model], alias: str, lookups: tuple[str, ...]) -> _Rea
 
 def _sample(model: type[Model], name: str) -> Any:
     field = model._meta.pk if name == "pk" else model._meta.get_field(name)
-    return 1 if field.get_internal_type() in _INTEGER_TYPES else "x"
-
-
-_INTEGER_TYPES = {
-    "AutoField",
-    "BigAutoField",
-    "SmallAutoField",
-    "IntegerField",
-    "BigIntegerField",
-    "SmallIntegerField",
-    "PositiveIntegerField",
-    "PositiveBigIntegerField",
-    "PositiveSmallIntegerField",
-}
+    integer = field.get_internal_type() in {kind.__name__ for kind in _INTEGER_FIELDS}
+    return 1 if integer else "x"
 
 
 def compiled_read(model: type[Model], *lookups: str) -> tuple[str, _ReadPlan | None]:
@@ -198,26 +189,6 @@ def read_order(model: type[Model], pk: Any) -> Model | None:
         cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
         row = cursor.fetchone()
     return None if row is None else build(model, alias, plan, row)
-
-
-def _inbox_fields(row: ProcessedMessage) -> list[Field[Any, Any]]:
-    """The fields an inbox INSERT writes (all but the key and database defaults)."""
-    return [
-        f
-        for f in ProcessedMessage._meta.concrete_fields
-        if not f.primary_key and not isinstance(getattr(row, f.attname), DatabaseDefault)
-    ]
-
-
-def _inbox_columns(row: ProcessedMessage) -> tuple[list[Field[Any, Any]], str]:
-    """The inbox INSERT's fields and its quoted column list."""
-    fields = _inbox_fields(row)
-    qn = connection.ops.quote_name
-    return fields, ", ".join(qn(str(f.column)) for f in fields)
-
-
-def _inbox_values(fields: list[Field[Any, Any]], row: ProcessedMessage) -> list[Any]:
-    return [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
 
 
 @dataclass(frozen=True)
@@ -302,8 +273,13 @@ def inbox_template() -> InboxTemplate:
             order_id=None,
             seq=None,
         )
-        fields, _ = _inbox_columns(sample)
-        base = _inbox_values(fields, sample)
+        # Every field but the key and those the database fills in itself.
+        fields = [
+            f
+            for f in ProcessedMessage._meta.concrete_fields
+            if not f.primary_key and not isinstance(getattr(sample, f.attname), DatabaseDefault)
+        ]
+        base = [f.get_db_prep_save(f.pre_save(sample, True), connection) for f in fields]
         attnames = [f.attname for f in fields]
         positions = {name: attnames.index(name) for name in (*PER_MESSAGE, "updated_at")}
         head, tail, casts = _insert_around(fields)
@@ -320,29 +296,24 @@ def _insert_around(fields: Sequence[Field[Any, Any]]) -> tuple[str, str, tuple[s
     CLAIMABLE(v.consumer, v.message_id) ON CONFLICT DO NOTHING``.
     """
     qn = connection.ops.quote_name
-    table, _, _ = _names()
+    table, _, _ = inbox_names()
     columns = ", ".join(qn(str(f.column)) for f in fields)
     if not inbox_partitioned():
-        return f"INSERT INTO {table} ({columns}) VALUES (", f") {_on_conflict()}", ()
+        return f"INSERT INTO {table} ({columns}) VALUES (", f") {on_conflict()}", ()
     casts = tuple(f"::{f.db_type(connection)}" for f in fields)
     return (
         f"INSERT INTO {table} ({columns}) SELECT * FROM (VALUES (",
-        f")) AS v ({columns}) WHERE {_claimable('v')} {_on_conflict()}",
+        f")) AS v ({columns}) WHERE {_claimable('v')} {on_conflict()}",
         casts,
     )
 
 
 def _claimable(alias: str) -> str:
     """``CLAIMABLE(<alias>.consumer, <alias>.message_id)`` for rows named by their columns."""
-    qn = connection.ops.quote_name
-    consumer, message_id = (
-        qn(str(ProcessedMessage._meta.get_field(name).column))  # type: ignore[union-attr]
-        for name in ("consumer", "message_id")
-    )
-    return f"{CLAIMABLE}({alias}.{consumer}, {alias}.{message_id})"
+    return f"{CLAIMABLE}({', '.join(f'{alias}.{c}' for c in _unique_columns())})"
 
 
-def _names() -> tuple[str, str, str]:
+def inbox_names() -> tuple[str, str, str]:
     """Quoted table, primary key and message id column of the inbox."""
     meta = ProcessedMessage._meta
     qn = connection.ops.quote_name
@@ -351,77 +322,42 @@ def _names() -> tuple[str, str, str]:
     return qn(meta.db_table), pk, message_id
 
 
-def _on_conflict() -> str:
+def on_conflict() -> str:
     if inbox_partitioned():
         # No unique index spans the partitions; CLAIMABLE has filtered the rows, and
         # each partition's own unique index is the arbiter.
         return "ON CONFLICT DO NOTHING"
-    return f"ON CONFLICT ({_unique()}) DO NOTHING"
+    return f"ON CONFLICT ({', '.join(_unique_columns())}) DO NOTHING"
 
 
-def _unique() -> str:
-    """The inbox's unique columns, quoted."""
+def _unique_columns() -> list[str]:
+    """The inbox's unique columns (consumer, message id), quoted."""
     qn = connection.ops.quote_name
-    return ", ".join(
+    return [
         qn(str(ProcessedMessage._meta.get_field(name).column))  # type: ignore[union-attr]
         for name in ("consumer", "message_id")
-    )
-
-
-def insert_inbox_rows(rows: Sequence[ProcessedMessage]) -> dict[str, int]:
-    """Insert inbox rows, skipping ids already there; ``{message_id: pk}`` of the new ones."""
-    fields = _inbox_fields(rows[0])
-    return insert_inbox_values(fields, [_inbox_values(fields, row) for row in rows])
+    ]
 
 
 def insert_inbox_values(
     fields: Sequence[Field[Any, Any]], rows: Sequence[Sequence[Any]]
 ) -> dict[str, int]:
-    """:func:`insert_inbox_rows` for rows given as prepared values of ``fields``.
-
-    (:meth:`InboxTemplate.params` builds them without a model instance per row.)
-    """
+    """Insert inbox rows given as prepared values of ``fields`` (as
+    :meth:`InboxTemplate.params` builds them), skipping ids already there;
+    ``{message_id: pk}`` of the new ones. PostgreSQL's batch claims with its arrays
+    (``chunk.claim_postgres``)."""
     qn = connection.ops.quote_name
-    columns = ", ".join(qn(str(f.column)) for f in fields)
-    table, pk, message_id = _names()
-    returning = f"RETURNING {pk}, {message_id}"
-    at = [f.attname for f in fields].index("message_id")
-    chosen = backend()
-    if chosen.arrays:
-        # One array per column: the statement text is the same for any number of
-        # rows, so the driver parses it once, not a placeholder per value per call.
-        arrays: list[list[Any]] = [list(column) for column in zip(*rows, strict=True)]
-        unnest = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
-        claimable = f"AS v ({columns}) WHERE {_claimable('v')} " if inbox_partitioned() else ""
-        sql = (
-            f"INSERT INTO {table} ({columns}) SELECT * FROM unnest({unnest})"
-            f" {claimable}{_on_conflict()} {returning}"
-        )
-        with connection.cursor() as cursor:
-            cursor.execute(sql, arrays)
-            return {mid: pk_ for pk_, mid in cursor.fetchall()}
-    placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    params: list[Any] = [value for row in rows for value in row]
-    # Nothing else is ignored in practice: ids longer than the column never get here.
-    head, tail = chosen.insert_ignoring(table, columns, _unique())
-    tail = f"{tail} {returning}".strip()
-    new: dict[str, int] = {}
+    table, pk, message_id = inbox_names()
+    head, tail = backend().insert_ignoring(
+        table, ", ".join(qn(str(f.column)) for f in fields), ", ".join(_unique_columns())
+    )
+    one = "(" + ", ".join(["%s"] * len(fields)) + ")"
     with connection.cursor() as cursor:
-        if connection.features.can_return_rows_from_bulk_insert:
-            values = ", ".join([placeholder] * len(rows))
-            cursor.execute(f"{head} VALUES {values} {tail}", params)
-            new.update((mid, pk_) for pk_, mid in cursor.fetchall())
-        else:  # an old SQLite without RETURNING: one row at a time, same semantics
-            width = len(fields)
-            for n, row in enumerate(rows):
-                cursor.execute(
-                    f"{head} VALUES {placeholder} {tail}",
-                    params[n * width : (n + 1) * width],
-                )
-                found = cursor.fetchall()
-                if found:
-                    new[row[at]] = found[0][0]
-    return new
+        cursor.execute(
+            f"{head} VALUES {', '.join([one] * len(rows))} {tail} RETURNING {pk}, {message_id}",
+            [value for row in rows for value in row],
+        )
+        return {mid: pk_ for pk_, mid in cursor.fetchall()}
 
 
 #: The outbox fields a follow-up hands over (``FollowUpRow.fields``).
@@ -485,10 +421,6 @@ def handed_over(fields: Mapping[str, Any]) -> bool:
 
 # -- Arguments: a value as the driver takes it ---------------------------------------------
 
-#: The values an inbox column takes as they are (see :func:`inbox_preparation`).
-_PLAIN = frozenset({str, int})
-
-
 #: Django's own fields whose preparation returns a ``str`` (text) or an ``int`` (integers)
 #: as it is.
 _TEXT_FIELDS = frozenset({CharField, TextField})
@@ -507,10 +439,29 @@ _INTEGER_FIELDS = frozenset(
 )
 
 
+#: The methods a field prepares a value with: a subclass that overrides none of them
+#: prepares as the Django field it derives from.
+_PREPARING = ("get_db_prep_save", "get_db_prep_value", "get_prep_value", "to_python")
+
+
+def plain_type(field: Field[Any, Any]) -> type | None:
+    """The value type ``field`` prepares for the database as it is: ``str`` for Django's own
+    text fields, ``int`` for its integer fields, and for a subclass of one that changes none
+    of their preparation (fsm-2's state field); None for any other field."""
+    kind = type(field)
+    for plain, own in ((str, _TEXT_FIELDS), (int, _INTEGER_FIELDS)):
+        if kind in own:
+            return plain
+        base = next((c for c in kind.__mro__ if c in own), None)
+        if base is not None and all(getattr(kind, m) is getattr(base, m) for m in _PREPARING):
+            return plain
+    return None
+
+
 def preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
     """A column's preparation (``get_db_prep_save``), skipped where it returns the value
-    unchanged: a ``str`` for Django's own text fields, an ``int`` for its integer fields, an
-    aware ``datetime`` for its ``DateTimeField`` (PostgreSQL's, the only one served here).
+    unchanged: a value of its :func:`plain_type`, an aware ``datetime`` for Django's
+    ``DateTimeField`` (PostgreSQL's, the only one served here).
     """
     prepare = field.get_db_prep_save
     kind = type(field)
@@ -522,7 +473,7 @@ def preparation(field: Field[Any, Any]) -> Callable[[Any, Any], Any]:
             return prepare(value, conn)
 
         return aware
-    plain = str if kind in _TEXT_FIELDS else int if kind in _INTEGER_FIELDS else None
+    plain = plain_type(field)
     if plain is None:
         return prepare
 
