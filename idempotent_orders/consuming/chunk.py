@@ -16,13 +16,10 @@ from django.db import connection, transaction
 from django.db.models import (
     BooleanField,
     Case,
-    CharField,
     F,
     Field,
-    IntegerField,
     Model,
     Q,
-    TextField,
     Value,
     When,
 )
@@ -38,12 +35,14 @@ from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_e
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
 from idempotent_orders.consuming.sql import (
     CLAIMABLE,
-    _on_conflict,
+    InboxTemplate,
+    inbox_names,
     inbox_partitioned,
     inbox_template,
     insert_inbox_values,
+    on_conflict,
+    plain_type,
 )
-from idempotent_orders.consuming.sql import _names as _inbox_names
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
     AbstractOrder,
@@ -130,55 +129,56 @@ def claim(consumer: str, items: list[Item], known: set[int]) -> dict[str, int]:
             body = serialise(env.as_dict())[:BODY_EXCERPT]
             order_id = None
         rows.append(
-            template.params(
-                {
-                    "consumer": consumer,
-                    "message_id": env.message_id,
-                    "message_type": env.message_type,
-                    "status": str(status),
-                    "outcome": str(outcome),
-                    "order_id": order_id,
-                    "seq": env.seq,
-                    "error": error,
-                    "body": body,
-                    "fingerprint": env.fingerprint,
-                },
-                now,
-            )
+            _inbox_row(template, consumer, env, now, status, outcome, order_id, error, body)
         )
     return insert_inbox_values(template.fields, rows)
 
 
+def _inbox_row(
+    template: InboxTemplate,
+    consumer: str,
+    env: Envelope,
+    now: Any,
+    status: InboxStatus = InboxStatus.DONE,
+    outcome: Outcome = Outcome.APPLIED,
+    order_id: int | None = None,
+    error: str = "",
+    body: str = "",
+) -> list[Any]:
+    """The prepared values of ``env``'s inbox row (:meth:`~.sql.InboxTemplate.params`)."""
+    return template.params(
+        {
+            "consumer": consumer,
+            "message_id": env.message_id,
+            "message_type": env.message_type,
+            "status": str(status),
+            "outcome": str(outcome),
+            "order_id": order_id,
+            "seq": env.seq,
+            "error": error,
+            "body": body,
+            "fingerprint": env.fingerprint,
+        },
+        now,
+    )
+
+
 def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
-    """:func:`_claim` on PostgreSQL in one statement that also looks the orders up.
+    """:func:`claim` on PostgreSQL in one statement that also looks the orders up.
 
     ``INSERT ... SELECT ... FROM unnest(<ids>, <types>, <orders>, <seqs>) ... ON
     CONFLICT DO NOTHING RETURNING id, message_id, order_id``: the columns that
     are the same for every row are one parameter each, the per-message ones one
     array each, and ``order_id`` is the order's own id or NULL when there is no
     such order (``unknown order``: marked here, recorded by :func:`record_outcomes`).
-    Rows go in sorted by message id, as in :func:`_claim`.
+    Rows go in sorted by message id, as in :func:`claim`.
     """
     template = inbox_template()
     fields = template.fields
     qn = connection.ops.quote_name
     ordered = sorted(items, key=lambda i: i.envelope.message_id)
     first = ordered[0].envelope
-    row = template.params(
-        {
-            "consumer": consumer,
-            "message_id": first.message_id,
-            "message_type": first.message_type,
-            "status": str(InboxStatus.DONE),
-            "outcome": str(Outcome.APPLIED),
-            "order_id": first.order_id,
-            "seq": first.seq,
-            "error": "",
-            "body": "",
-            "fingerprint": first.fingerprint,
-        },
-        timezone.now(),
-    )
+    row = _inbox_row(template, consumer, first, timezone.now(), order_id=first.order_id)
     per_row: dict[str, list[Any]] = {
         "fingerprint": [i.envelope.fingerprint for i in ordered],
         "message_id": [i.envelope.message_id for i in ordered],
@@ -209,7 +209,7 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
             )
         else:
             selected.append(f"v.{qn(name)}")
-    table, pk, message_id = _inbox_names()
+    table, pk, message_id = inbox_names()
     order_column = qn(str(ProcessedMessage._meta.get_field("order").column))
     claimable = ""
     if inbox_partitioned():
@@ -218,7 +218,7 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
     sql = (
         f"INSERT INTO {table} ({', '.join(qn(str(f.column)) for f in fields)})"
         f" SELECT {', '.join(selected)} FROM unnest({', '.join(arrays)}) AS v({', '.join(aliases)})"
-        f"{claimable} {_on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
+        f"{claimable} {on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
     )
     by_id = {i.envelope.message_id: i for i in items}
     new: dict[str, int] = {}
@@ -226,7 +226,7 @@ def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
         cursor.execute(sql, params + array_params)
         for pk_, mid, order_id in cursor.fetchall():
             new[mid] = pk_
-            if order_id is None:  # no such order: rejected, as _claim records it
+            if order_id is None:  # no such order: rejected, as claim records it
                 item = by_id[mid]
                 item.outcome, item.reason = Outcome.REJECTED, unknown_order(item.envelope).reason
                 item.order_exists, item.recorded = False, False
@@ -316,7 +316,7 @@ def _update_orders_from_values(
     for f in fields:
         name = f.name
         array = [values.get(name) for values in rows]
-        plain = _plain_type(f)
+        plain = plain_type(f)
         prepared: dict[int, Any] = {}  # the chunk's one updated_at is prepared once
         for n, value in enumerate(array):
             if value is None:
@@ -358,30 +358,6 @@ def _update_orders_from_values(
         raise ConcurrentUpdate(
             f"{len(changed) - written} of {len(changed)} orders changed under us"
         )
-
-
-def _plain_type(field: Field[Any, Any]) -> type | None:
-    """The value type that ``field`` prepares for the database as it is.
-
-    ``str`` for a field that prepares text as Django's ``CharField``/``TextField``
-    do (fsm-2's state field included), ``int`` for one that prepares integers as
-    ``IntegerField`` does; None for any other field (every value is prepared).
-    """
-    field_class: Any = type(field)
-    if field_class.get_db_prep_save is not Field.get_db_prep_save:
-        return None
-    prep = (field_class.get_prep_value, field_class.to_python)
-    if field_class.get_db_prep_value is Field.get_db_prep_value and prep in (
-        (CharField.get_prep_value, CharField.to_python),
-        (TextField.get_prep_value, TextField.to_python),
-    ):
-        return str
-    if field_class.get_db_prep_value is IntegerField.get_db_prep_value and prep == (
-        IntegerField.get_prep_value,
-        IntegerField.to_python,
-    ):
-        return int
-    return None
 
 
 def _concrete(model: type[Model], name: str) -> Field[Any, Any]:
@@ -459,7 +435,9 @@ def record_released(released: list[tuple[Waiting, Verdict | Exception]], errored
                 updated_at=timezone.now(),
             )
             log_failure(entry.consumer, row.message_id, row.order_id, 1, reason, verdict)
-            transaction.on_commit(functools.partial(_released_failed, entry.consumer, row, reason))
+            transaction.on_commit(
+                functools.partial(_released, entry.consumer, row, Outcome.FAILED, reason)
+            )
             continue
         body = {"body": serialise(row.envelope)} if row.message_id in errored else {}
         inbox.update(
@@ -476,34 +454,23 @@ def record_released(released: list[tuple[Waiting, Verdict | Exception]], errored
 
 def _released(consumer: str, row: ParkedMessage, outcome: Outcome, reason: str) -> None:
     """After commit: a parked message released by the chunk, reported as ``release_parked``
-    reports it."""
-    message_released.send(
-        sender=ParkedMessage,
-        consumer=consumer,
-        message_id=row.message_id,
-        order_id=row.order_id,
-        outcome=outcome,
-    )
+    reports it; one that failed is forgotten by the fast path (its redelivery must reach
+    the inbox)."""
+    if outcome is Outcome.FAILED:
+        dedup.forget(consumer, row.message_id)
+    else:
+        message_released.send(
+            sender=ParkedMessage,
+            consumer=consumer,
+            message_id=row.message_id,
+            order_id=row.order_id,
+            outcome=outcome,
+        )
     envelope = row.envelope if isinstance(row.envelope, dict) else {}
     consumed(
         consumer,
         row.message_id,
         outcome,
-        message_type=str(envelope.get("type", "")),
-        order_id=row.order_id,
-        reason=reason,
-    )
-
-
-def _released_failed(consumer: str, row: ParkedMessage, reason: str) -> None:
-    """After commit: a released message that failed is forgotten by the fast path (its
-    redelivery must reach the inbox) and reported, as ``release_parked`` does."""
-    dedup.forget(consumer, row.message_id)
-    envelope = row.envelope if isinstance(row.envelope, dict) else {}
-    consumed(
-        consumer,
-        row.message_id,
-        Outcome.FAILED,
         message_type=str(envelope.get("type", "")),
         order_id=row.order_id,
         reason=reason,

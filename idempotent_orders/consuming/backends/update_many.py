@@ -5,7 +5,7 @@ WHERE (<pk> = :pk AND version = :version) OR ...``: what the ORM's ``filter(...)
 with a ``Case`` of one ``When`` per order sends, without compiling that expression for
 every message of the chunk (at 200 orders the compile cost more than the chunk's
 statements together). Each value is prepared by its own field, as ``update()`` prepares a
-value. PostgreSQL has its own statement (a join to ``VALUES``, in ``chunk.py``).
+value. PostgreSQL has its own statement (``UPDATE ... FROM unnest(<arrays>)``, in ``chunk.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ def update_many(
     """
     if type(model._default_manager).get_queryset is not BaseManager.get_queryset:
         return None
-    if not changed:
-        return 0
     if any(
         hasattr(v, "resolve_expression") for values in changed.values() for v in values.values()
     ):
