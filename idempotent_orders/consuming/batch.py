@@ -1,7 +1,7 @@
 """Consuming many messages at once: one multi-row inbox insert decides every duplicate.
 
 :func:`consume_batch` gives each message the outcome :func:`consume_message`
-would, in far fewer round trips. In one transaction it
+would, in far fewer statements. In one transaction it
 
 1. claims the batch's message ids with one ``INSERT ... ON CONFLICT DO NOTHING
    RETURNING`` (``INSERT IGNORE ... RETURNING`` on MariaDB): the rows returned
@@ -146,10 +146,9 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         # A message type bound to a transition the model lacks: the single path says why.
         # Where the model's save() runs the project's code (history, audit, receivers),
         # every transition is a save() of its own, in arrival order: the single path's.
-        rest = sorted([(i.index, i.envelope) for i in items.values()] + repeats, key=lambda x: x[0])
-        outcomes.update(_one_by_one([(index, messages[index]) for index, _ in rest], consumer))
+        outcomes.update(_one_by_one(messages, _indexes(items, repeats), consumer))
         return outcomes
-    # One look at the fast path for the whole chunk (one Redis round trip at most).
+    # One look at the fast path for the whole chunk (one Redis command at most).
     if items:
         layers = dedup.lookup_many(consumer, list(items))
         known: list[tuple[Envelope, Outcome, str]] = []
@@ -191,13 +190,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
                     len(items),
                     exc_info=True,
                 )
-                rest = sorted(
-                    [(i.index, i.envelope) for i in items.values()] + repeats,
-                    key=lambda x: x[0],
-                )
-                outcomes.update(
-                    _one_by_one([(index, messages[index]) for index, _ in rest], consumer)
-                )
+                outcomes.update(_one_by_one(messages, _indexes(items, repeats), consumer))
                 return outcomes
             else:
                 items = fresh
@@ -225,7 +218,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         dead = {m for m, status, _, _ in found if status == InboxStatus.DEAD}
         if again:
             retried = sorted(items[m].index for m in again)
-            outcomes.update(_one_by_one([(i, messages[i]) for i in retried], consumer))
+            outcomes.update(_one_by_one(messages, retried, consumer))
             for message_id in again:
                 items.pop(message_id)
     reports: list[tuple[Envelope, Outcome, str]] = []
@@ -283,12 +276,18 @@ def _runs_user_code(model: type[Model], items: Any) -> bool | None:
         return None
 
 
-def _one_by_one(messages: list[tuple[int, Any]], consumer: str) -> dict[int, Outcome]:
-    """The single path for each message, in order; a failure is kept and does not stop the rest."""
+def _indexes(items: dict[str, Item], repeats: list[tuple[int, Envelope]]) -> list[int]:
+    """The positions of the chunk's parsed messages, repeats included, in arrival order."""
+    return sorted([i.index for i in items.values()] + [index for index, _ in repeats])
+
+
+def _one_by_one(messages: Sequence[Any], indexes: list[int], consumer: str) -> dict[int, Outcome]:
+    """The single path for the messages at ``indexes``, in order; a failure is kept and
+    does not stop the rest."""
     outcomes: dict[int, Outcome] = {}
-    for index, message in messages:
+    for index in indexes:
         try:
-            outcomes[index] = consume_message(message, consumer=consumer)
+            outcomes[index] = consume_message(messages[index], consumer=consumer)
         except MessageFailed:
             outcomes[index] = Outcome.FAILED
     return outcomes
@@ -543,8 +542,7 @@ def _decide_and_write(
             item.body = serialise(item.envelope.as_dict())
     record_released(released, errored)
     record_outcomes(claimed)
-    # Nothing to announce when nobody listens and no follow-up wants the target
-    # (the same rule as the single path's, see apply_unread.py).
+    # Nothing to announce when nobody listens and no follow-up wants the target.
     # The follow-ups of the whole chunk are written together (the fulfilment
     # follow-up: one multi-row outbox INSERT, one hand-off to the publisher).
     heard: dict[str, bool] = {}

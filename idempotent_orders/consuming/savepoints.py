@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from idempotent_orders.consuming.failures import TRANSIENT
@@ -19,7 +18,7 @@ T = TypeVar("T")
 
 class _Savepoint:
     """A savepoint taken just before the first statement sent while it is installed
-    (``connection.execute_wrapper``): code that sends none costs no round trip."""
+    (``connection.execute_wrapper``): code that sends none sends no SAVEPOINT either."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         self.connection = connection
@@ -37,7 +36,7 @@ class _Savepoint:
 
 
 def guarded(
-    order: AbstractOrder, step: Callable[[], T], connection: BaseDatabaseWrapper | None = None
+    order: AbstractOrder, step: Callable[[], T], connection: BaseDatabaseWrapper
 ) -> T | Exception:
     """Run ``step`` (a message's decision and transition: the project's code) in a
     savepoint of the chunk's transaction; return what it raised instead of raising.
@@ -46,15 +45,13 @@ def guarded(
     registered since), and ``order`` is put back as it was in memory, so the chunk
     goes on and no other message's code runs twice. The savepoint is taken at the
     first statement ``step`` sends through Django's connection, so a body that writes
-    only the order's own fields costs no round trip. An error after which the
+    only the order's own fields sends no SAVEPOINT. An error after which the
     delivery is simply run again (a lost connection, a deadlock) still propagates:
     the whole chunk rolls back.
 
-    ``connection``: the chunk's (the default database's unless given), looked up once
-    by the caller rather than through Django's per-thread proxy for every message.
+    ``connection``: the chunk's, looked up once by the caller rather than through
+    Django's per-thread proxy for every message.
     """
-    if connection is None:
-        connection = connections[DEFAULT_DB_ALIAS]
     before = snapshot_of(order)
     version: int = order.version
     savepoint = _Savepoint(connection)
