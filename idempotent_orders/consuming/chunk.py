@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import (
-    BooleanField,
     Case,
     F,
     Field,
@@ -23,25 +22,19 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.backends import backend
-from idempotent_orders.consuming.backends.postgresql.arrays import array_literal
+from idempotent_orders.consuming.backends.postgresql import arrays
 from idempotent_orders.consuming.backends.update_many import update_many
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
 from idempotent_orders.consuming.sql import (
-    CLAIMABLE,
     InboxTemplate,
-    inbox_names,
-    inbox_partitioned,
     inbox_template,
     insert_inbox_values,
-    on_conflict,
-    plain_type,
 )
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
@@ -146,90 +139,28 @@ def _inbox_row(
     body: str = "",
 ) -> list[Any]:
     """The prepared values of ``env``'s inbox row (:meth:`~.sql.InboxTemplate.params`)."""
-    return template.params(
-        {
-            "consumer": consumer,
-            "message_id": env.message_id,
-            "message_type": env.message_type,
-            "status": str(status),
-            "outcome": str(outcome),
-            "order_id": order_id,
-            "seq": env.seq,
-            "error": error,
-            "body": body,
-            "fingerprint": env.fingerprint,
-        },
-        now,
+    values = env.inbox_fields(consumer)
+    values.update(
+        status=str(status), outcome=str(outcome), order_id=order_id, error=error, body=body
     )
+    return template.params(values, now)
 
 
 def claim_postgres(consumer: str, items: list[Item]) -> dict[str, int]:
-    """:func:`claim` on PostgreSQL in one statement that also looks the orders up.
-
-    ``INSERT ... SELECT ... FROM unnest(<ids>, <types>, <orders>, <seqs>) ... ON
-    CONFLICT DO NOTHING RETURNING id, message_id, order_id``: the columns that
-    are the same for every row are one parameter each, the per-message ones one
-    array each, and ``order_id`` is the order's own id or NULL when there is no
-    such order (``unknown order``: marked here, recorded by :func:`record_outcomes`).
-    Rows go in sorted by message id, as in :func:`claim`.
-    """
-    template = inbox_template()
-    fields = template.fields
-    qn = connection.ops.quote_name
+    """:func:`claim` on PostgreSQL, in one statement that also looks the orders up
+    (:func:`~idempotent_orders.consuming.backends.postgresql.arrays.claim`); a message
+    whose order does not exist is marked rejected here, recorded by :func:`record_outcomes`."""
     ordered = sorted(items, key=lambda i: i.envelope.message_id)
     first = ordered[0].envelope
-    row = _inbox_row(template, consumer, first, timezone.now(), order_id=first.order_id)
-    per_row: dict[str, list[Any]] = {
-        "fingerprint": [i.envelope.fingerprint for i in ordered],
-        "message_id": [i.envelope.message_id for i in ordered],
-        "message_type": [i.envelope.message_type for i in ordered],
-        "order_id": [i.envelope.order_id for i in ordered],
-        "seq": [i.envelope.seq for i in ordered],
-    }
-    model = get_order_model()
-    order_table = qn(model._meta.db_table)
-    order_pk = qn(str(model._meta.pk.column if model._meta.pk else "id"))
-    selected: list[str] = []
-    arrays: list[str] = []
-    aliases: list[str] = []
-    params: list[Any] = []
-    array_params: list[Any] = []
-    for pos, f in enumerate(fields):
-        name = f.attname
-        if name not in per_row:
-            selected.append(f"%s::{f.db_type(connection)}")
-            params.append(row[pos])
-            continue
-        arrays.append(f"%s::{f.db_type(connection)}[]")
-        array_params.append(array_literal(per_row[name]))
-        aliases.append(qn(name))
-        if name == "order_id":
-            selected.append(
-                f"(SELECT o.{order_pk} FROM {order_table} AS o WHERE o.{order_pk} = v.{qn(name)})"
-            )
-        else:
-            selected.append(f"v.{qn(name)}")
-    table, pk, message_id = inbox_names()
-    order_column = qn(str(ProcessedMessage._meta.get_field("order").column))
-    claimable = ""
-    if inbox_partitioned():
-        claimable = f" WHERE {CLAIMABLE}(%s, v.{qn('message_id')})"
-        array_params.append(consumer)
-    sql = (
-        f"INSERT INTO {table} ({', '.join(qn(str(f.column)) for f in fields)})"
-        f" SELECT {', '.join(selected)} FROM unnest({', '.join(arrays)}) AS v({', '.join(aliases)})"
-        f"{claimable} {on_conflict()} RETURNING {pk}, {message_id}, {order_column}"
-    )
+    row = _inbox_row(inbox_template(), consumer, first, timezone.now(), order_id=first.order_id)
     by_id = {i.envelope.message_id: i for i in items}
     new: dict[str, int] = {}
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params + array_params)
-        for pk_, mid, order_id in cursor.fetchall():
-            new[mid] = pk_
-            if order_id is None:  # no such order: rejected, as claim records it
-                item = by_id[mid]
-                item.outcome, item.reason = Outcome.REJECTED, unknown_order(item.envelope).reason
-                item.order_exists, item.recorded = False, False
+    for pk, message_id, order_id in arrays.claim(consumer, [i.envelope for i in ordered], row):
+        new[message_id] = pk
+        if order_id is None:
+            item = by_id[message_id]
+            item.outcome, item.reason = Outcome.REJECTED, unknown_order(item.envelope).reason
+            item.order_exists, item.recorded = False, False
     return new
 
 
@@ -240,17 +171,7 @@ def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
     model = get_order_model()
     locked = model._default_manager.select_for_update()
     if backend().arrays:
-        # ``pk = ANY(<one array>)``: ``pk__in`` prepares a parameter per order.
-        qn = connection.ops.quote_name
-        pk = model._meta.pk
-        assert pk is not None
-        column = f"{qn(model._meta.db_table)}.{qn(str(pk.column))}"
-        any_of = RawSQL(
-            f"{column} = ANY(%s::{pk.rel_db_type(connection)}[])",
-            (array_literal(sorted(order_ids)),),
-            output_field=BooleanField(),
-        )
-        locked = locked.filter(any_of)
+        locked = locked.filter(arrays.any_of(model, order_ids))
     else:
         locked = locked.filter(pk__in=order_ids)
     return {o.pk: o for o in locked.order_by("pk")}
@@ -261,9 +182,9 @@ def update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[i
     model = get_order_model()
     names = sorted({name for values in changed.values() for name in values})
     if backend().arrays:
-        _update_orders_from_values(model, changed, read_version, names)
-        return
-    rows = update_many(model, changed, read_version, names)
+        rows: int | None = arrays.update_orders(model, changed, read_version, names)
+    else:
+        rows = update_many(model, changed, read_version, names)
     if rows is None:  # the ORM writes it
         assignments: dict[str, Any] = {
             name: Case(
@@ -285,79 +206,6 @@ def update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[i
         # The rows are locked, so this means a writer ignored the lock (or a
         # database without row locks let one through): start the batch again.
         raise ConcurrentUpdate(f"{len(changed) - rows} of {len(changed)} orders changed under us")
-
-
-def _update_orders_from_values(
-    model: type[Model],
-    changed: Mapping[int, dict[str, Any]],
-    read_version: Mapping[int, int],
-    names: list[str],
-) -> None:
-    """PostgreSQL: the same conditional UPDATE as ``UPDATE ... FROM unnest(<arrays>)``.
-
-    NULL in a row means "unchanged", except in a column that some order of the
-    chunk sets to NULL: a boolean array then says which rows write it.
-
-    Building a CASE per column per order costs more in Python than the
-    statement costs the database; arrays cost next to nothing.
-    """
-    conn = transaction.get_connection()  # not the proxy: it is used once per value
-    qn = conn.ops.quote_name
-    fields = [_concrete(model, name) for name in names]
-    columns = [str(f.column) for f in fields]
-    # One array per column (unnest): the statement text does not grow with the
-    # number of orders, so the driver does not parse a placeholder per value.
-    rows = list(changed.values())
-    ids = list(changed)
-    params: list[Any] = [array_literal(ids), array_literal([read_version[pk] for pk in ids])]
-    # A column some order sets to NULL (a transition body may) carries one more
-    # array, which says per row whether the column is written.
-    nulled: list[str] = []
-    for f in fields:
-        name = f.name
-        array = [values.get(name) for values in rows]
-        plain = plain_type(f)
-        prepared: dict[int, Any] = {}  # the chunk's one updated_at is prepared once
-        for n, value in enumerate(array):
-            if value is None:
-                if name in rows[n] and name not in nulled:
-                    nulled.append(name)
-            elif type(value) is not plain:
-                key = id(value)
-                if key not in prepared:
-                    prepared[key] = f.get_db_prep_save(value, conn)
-                array[n] = prepared[key]
-        params.append(array_literal(array))
-    params += [
-        array_literal(["t" if name in values else "f" for values in rows]) for name in nulled
-    ]
-    table = qn(model._meta.db_table)
-    pk_column = qn(str(model._meta.pk.column if model._meta.pk else "id"))
-    sets = ", ".join(
-        f"{qn(c)} = CASE WHEN v.{qn('set_' + c)} THEN v.{qn('new_' + c)} ELSE o.{qn(c)} END"
-        if f.name in nulled
-        else f"{qn(c)} = COALESCE(v.{qn('new_' + c)}, o.{qn(c)})"
-        for f, c in zip(fields, columns, strict=True)
-    )
-    masks = [str(f.column) for f in fields if f.name in nulled]
-    aliases = ", ".join([qn("new_" + c) for c in columns] + [qn("set_" + c) for c in masks])
-    unnest = ", ".join(
-        ["%s::bigint[]", "%s::bigint[]"]
-        + [f"%s::{f.db_type(conn)}[]" for f in fields]
-        + ["%s::boolean[]"] * len(masks)
-    )
-    sql = (
-        f"UPDATE {table} AS o SET {sets}"
-        f" FROM unnest({unnest}) AS v(id, read_version, {aliases})"
-        f" WHERE o.{pk_column} = v.id AND o.{qn('version')} = v.read_version"
-    )
-    with conn.cursor() as cursor:
-        cursor.execute(sql, params)
-        written = cursor.rowcount
-    if written != len(changed):
-        raise ConcurrentUpdate(
-            f"{len(changed) - written} of {len(changed)} orders changed under us"
-        )
 
 
 def _concrete(model: type[Model], name: str) -> Field[Any, Any]:

@@ -5,7 +5,8 @@ WHERE (<pk> = :pk AND version = :version) OR ...``: what the ORM's ``filter(...)
 with a ``Case`` of one ``When`` per order sends, without compiling that expression for
 every message of the chunk (at 200 orders the compile cost more than the chunk's
 statements together). Each value is prepared by its own field, as ``update()`` prepares a
-value. PostgreSQL has its own statement (``UPDATE ... FROM unnest(<arrays>)``, in ``chunk.py``).
+value. PostgreSQL has its own statement (``UPDATE ... FROM unnest(<arrays>)``,
+:mod:`~idempotent_orders.consuming.backends.postgresql.arrays`).
 """
 
 from __future__ import annotations
