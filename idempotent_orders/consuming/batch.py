@@ -27,12 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import OperationalError, connection, transaction
-from django.db.models import (
-    Case,
-    Model,
-    Value,
-    When,
-)
+from django.db.models import Model
 from django_fsm.signals import pre_transition
 
 from idempotent_orders import dedup, get_order_model, otel
@@ -55,14 +50,15 @@ from idempotent_orders.consuming.decision import (
     Verdict,
     announce_many,
     decide,
+    parked_twice,
     unknown_order,
 )
 from idempotent_orders.consuming.envelope import Envelope, consuming, parse_envelope, serialise
 from idempotent_orders.consuming.failures import (
-    RETRYABLE,
     TRANSIENT,
     MessageFailed,
     is_retryable,
+    redelivered,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
 from idempotent_orders.consuming.payments import Reservation, payment_id, record_spent, spend
@@ -82,7 +78,6 @@ from idempotent_orders.consuming.writing import Spent, on_error_reason, park, sp
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
 from idempotent_orders.models import (
     AbstractOrder,
-    InboxStatus,
     Outcome,
     ParkedMessage,
     ProcessedMessage,
@@ -204,18 +199,14 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         # Dead letters are not run, and not remembered (their requeue must reach us).
         # A message whose id was used before for another message goes there too (kept
         # and flagged by the single path, never counted a duplicate).
-        found = list(
-            ProcessedMessage.objects.filter(consumer=consumer, message_id__in=unclaimed)
-            .annotate(again=Case(When(RETRYABLE, then=Value(True)), default=Value(False)))
-            .values_list("message_id", "status", "again", "fingerprint")
-        )
+        found = redelivered(consumer, unclaimed)
+        dead = {m for m, (retry, _) in found.items() if retry is None}
         again = {
             m
-            for m, status, retry, fingerprint in found
-            if status != InboxStatus.DEAD
-            and (retry or (fingerprint and fingerprint != items[m].envelope.fingerprint))
+            for m, (retry, fingerprint) in found.items()
+            if retry
+            or (m not in dead and fingerprint and fingerprint != items[m].envelope.fingerprint)
         }
-        dead = {m for m, status, _, _ in found if status == InboxStatus.DEAD}
         if again:
             retried = sorted(items[m].index for m in again)
             outcomes.update(_one_by_one(messages, retried, consumer))
@@ -506,9 +497,7 @@ def _decide_and_write(
             if env.seq is not None and any(
                 w.envelope is not None and w.envelope.seq == env.seq for w in queue
             ):
-                # Another message already waits with this (order, seq): a producer bug.
-                item.outcome = Outcome.REJECTED
-                item.reason = f"another message is already parked with seq {env.seq}"
+                item.outcome, item.reason = Outcome.REJECTED, parked_twice(env).reason
                 continue
             queue.append(Waiting(consumer, env, item=item))
         release(order)
@@ -524,9 +513,8 @@ def _decide_and_write(
     parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]
     for item in parked:
         if not park(consumer, item.envelope, orders[item.envelope.order_id], item.reason):
-            # Another message already waits with this (order, seq): a producer bug.
             item.outcome = item.recorded_outcome = Outcome.REJECTED
-            item.reason = f"another message is already parked with seq {item.envelope.seq}"
+            item.reason = parked_twice(item.envelope).reason
     flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
     flag = {pk for pk in flag if not orders[pk].has_parked}
     if flag:
@@ -545,14 +533,8 @@ def _decide_and_write(
     # Nothing to announce when nobody listens and no follow-up wants the target.
     # The follow-ups of the whole chunk are written together (the fulfilment
     # follow-up: one multi-row outbox INSERT, one hand-off to the publisher).
-    heard: dict[str, bool] = {}
-    announced = []
-    for entry in transitions:
-        target = entry[2].target
-        if target not in heard:
-            heard[target] = transition_heard(model, target)
-        if heard[target]:
-            announced.append(entry)
+    heard = {t: transition_heard(model, t) for t in {r.target for _, _, r in transitions}}
+    announced = [entry for entry in transitions if heard[entry[2].target]]
     # fsm-2's post_transition: sent by the model's own methods where they ran; a
     # transition committed without them has no receiver (``runs_user_code``).
     transitions_written(announced, fsm_sent=True)

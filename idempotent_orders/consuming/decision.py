@@ -38,6 +38,7 @@ __all__ = [
     "announce_many",
     "consumed",
     "decide",
+    "parked_twice",
     "unknown_order",
 ]
 
@@ -178,8 +179,12 @@ def unknown_order(envelope: Envelope) -> Verdict:
     return Verdict(Outcome.REJECTED, f"unknown order {envelope.order_id}")
 
 
-#: SQLSTATEs / MySQL error numbers after which the transaction was rolled back
-#: whole (serialization failure, deadlock) and may simply run again.
+def parked_twice(envelope: Envelope) -> Verdict:
+    """The verdict for a message whose (order, seq) another parked message holds already:
+    a producer's bug."""
+    return Verdict(Outcome.REJECTED, f"another message is already parked with seq {envelope.seq}")
+
+
 def consumed(
     consumer: str,
     message_id: str,

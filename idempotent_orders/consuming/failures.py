@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
 from django.db import IntegrityError, InterfaceError, OperationalError, transaction
-from django.db.models import F, Q
+from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
 from idempotent_orders.exceptions import ConcurrentUpdate, IdempotentOrdersError
@@ -31,6 +32,7 @@ __all__ = [
     "failed_body",
     "log_failure",
     "record_failure",
+    "redelivered",
     "retryable",
 ]
 
@@ -60,6 +62,8 @@ RETRYABLE = Q(status=InboxStatus.FAILED) | Q(
 )
 
 
+#: SQLSTATEs / MySQL error numbers after which the transaction was rolled back
+#: whole (serialization failure, deadlock) and may simply run again.
 _RETRYABLE_SQLSTATES = {"40001", "40P01"}
 _RETRYABLE_MYSQL_ERRORS = {1213}
 
@@ -114,25 +118,26 @@ def log_failure(
     )
 
 
-def retryable(consumer: str, message_id: str) -> tuple[bool | None, str]:
-    """What a new delivery of ``message_id`` does, from its inbox row, and the row's
-    fingerprint. True: run it again (failed, or requeued by an operator); None: it is
-    a dead letter (not run, and not remembered as processed); False: it was handled.
+def redelivered(consumer: str, message_ids: Iterable[str]) -> dict[str, tuple[bool | None, str]]:
+    """What a new delivery of each of ``message_ids`` does, from its inbox row, and the
+    row's fingerprint (ids without a row are left out). True: run it again (failed, or
+    requeued by an operator: :data:`RETRYABLE`); None: it is a dead letter (not run, and
+    not remembered as processed); False: it was handled.
     """
-    row = (
-        ProcessedMessage.objects.filter(consumer=consumer, message_id=message_id)
-        .values_list("status", "lease_expires_at", "outcome", "fingerprint")
-        .first()
+    rows = (
+        ProcessedMessage.objects.filter(consumer=consumer, message_id__in=message_ids)
+        .annotate(again=Case(When(RETRYABLE, then=Value(True)), default=Value(False)))
+        .values_list("message_id", "status", "again", "fingerprint")
     )
-    if row is None:
-        return False, ""
-    status, lease, outcome, fingerprint = row
-    if status == InboxStatus.DEAD:
-        return None, fingerprint
-    again = status == InboxStatus.FAILED or (
-        status == InboxStatus.PROCESSING and lease is None and outcome == ""
-    )
-    return again, fingerprint
+    return {
+        message_id: (None if status == InboxStatus.DEAD else bool(again), fingerprint)
+        for message_id, status, again, fingerprint in rows
+    }
+
+
+def retryable(consumer: str, message_id: str) -> tuple[bool | None, str]:
+    """:func:`redelivered` for one message (no row: ``(False, "")``)."""
+    return redelivered(consumer, [message_id]).get(message_id, (False, ""))
 
 
 def record_failure(
