@@ -27,6 +27,7 @@ do from the sync road.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -59,12 +60,8 @@ async def aconsume_message(
     :func:`~idempotent_orders.consuming.single.consume_message` in a worker thread
     (its own transaction); the same outcome, the same exceptions.
     """
-
-    def call() -> Outcome:
-        return consume_message(message, consumer=consumer)
-
     run = sync_to_async(_in_worker_thread, thread_sensitive=thread_sensitive)
-    return await run(call)
+    return await run(functools.partial(consume_message, message, consumer=consumer))
 
 
 async def aconsume_batch(
@@ -74,9 +71,5 @@ async def aconsume_batch(
 
     :func:`~idempotent_orders.consuming.batch.consume_batch` in a worker thread.
     """
-
-    def call() -> list[Outcome]:
-        return consume_batch(messages, consumer=consumer)
-
     run = sync_to_async(_in_worker_thread, thread_sensitive=thread_sensitive)
-    return await run(call)
+    return await run(functools.partial(consume_batch, messages, consumer=consumer))
