@@ -184,7 +184,7 @@ class Migration(migrations.Migration):
                 ('expires_at', models.DateTimeField()),
             ],
             options={
-                'indexes': [models.Index(fields=['principal', 'state', 'expires_at'], name='idempotent__princip_e82f1c_idx'), models.Index(fields=['expires_at'], name='idempotent__expires_2f1d4f_idx')],
+                'indexes': [models.Index(fields=['principal', 'expires_at'], name='idempotent__princip_d86025_idx'), models.Index(fields=['expires_at'], name='idempotent__expires_2f1d4f_idx')],
                 'constraints': [models.UniqueConstraint(fields=('scope', 'key'), name='idempotent_orders_key_scope')],
             },
         ),

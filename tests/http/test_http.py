@@ -1102,6 +1102,39 @@ def test_a_replay_is_one_indexed_read_on_postgresql(alice) -> None:
     assert (again.status_code, again.content) == (201, first.content)
 
 
+def test_storing_the_response_updates_no_indexed_column() -> None:
+    # So that on PostgreSQL the stored response is a heap-only update: no index entry
+    # is written for it, and the response's commit flushes less.
+    from idempotent_orders.http.replay import _STORE_COLUMNS
+
+    meta = IdempotencyKey._meta
+    indexed = {"id"}
+    for index in [*meta.indexes, *meta.constraints]:
+        indexed.update(getattr(index, "fields", ()))
+    assert not indexed & set(_STORE_COLUMNS)
+
+
+@pytest.mark.backends("postgresql")
+def test_the_stored_response_is_a_heap_only_update_on_postgresql(alice: Any) -> None:
+    def updates() -> tuple[int, int]:
+        # Counts not yet flushed to the shared statistics: none is while this test's
+        # transaction is open, so the difference is this request's.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = %s",
+                [IdempotencyKey._meta.db_table],
+            )
+            row = cursor.fetchone()
+        return (row[0], row[1]) if row else (0, 0)
+
+    client = client_for(alice)
+    before = updates()
+    assert post(client, "/api/orders/", key="hot").status_code == 201
+    after = updates()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+    assert post(client, "/api/orders/", key="hot")["Idempotent-Replayed"] == "true"
+
+
 @pytest.mark.backends("postgresql")
 @pytest.mark.django_db(transaction=True)
 def test_a_session_authenticated_replay_writes_and_locks_nothing(alice: Any) -> None:
