@@ -113,6 +113,14 @@ class Asked:
         """Which layer answered; sends ``dedup_answered`` with it, as :func:`lookup` does."""
         return _announce(self._read(), self.consumer, self.message_id)
 
+    def hit(self) -> bool:
+        """Whether Redis holds the key; only a hit is announced here, so the caller may still
+        :meth:`answer` (or :meth:`drop`) any other answer after looking at the message."""
+        if self._read() is not Layer.REDIS_HIT:
+            return False
+        _announce(Layer.REDIS_HIT, self.consumer, self.message_id)
+        return True
+
     def drop(self) -> None:
         """Read Redis's reply and send nothing: the message was not one to look up after all
         (its envelope is invalid)."""
