@@ -96,18 +96,18 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     Parked successors that this message unblocks are released before returning.
     """
     raw_id = message.get("message_id") if isinstance(message, Mapping) else None
-    asked = dedup.ask(consumer, str(raw_id)) if valid_message_id(raw_id) else None
+    layer = dedup.ask(consumer, str(raw_id)) if valid_message_id(raw_id) else None
     # The fast path is the road's first step: a copy of a message handled under this id
     # is answered from the id alone, the rest of the message unread. Only a Redis key
     # written after the whole message was handled (its transaction and the releases
     # below) answers without the database.
-    if asked is not None and asked.hit():
-        reason = "fast path: already processed"
+    if layer is dedup.Layer.REDIS_HIT:
+        dedup.announce(layer, consumer, str(raw_id))
         announce_known(
             consumer,
-            asked.message_id,
+            str(raw_id),
             Outcome.DUPLICATE,
-            reason,
+            "fast path: already processed",
             lambda: _described(message, consumer),
         )
         return Outcome.DUPLICATE
@@ -115,8 +115,6 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         envelope = parse_envelope(message, consumer=consumer)
     except InvalidMessage as exc:
         # Any other answer is announced only for a valid envelope.
-        if asked is not None:
-            asked.drop()
         message_id = raw_id if valid_message_id(raw_id) and not has_nul(raw_id) else None
         message_id = message_id or synthetic_id(message)
         outcome = _reject(
@@ -131,9 +129,9 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         dedup.remember_on_commit(consumer, message_id)
         return outcome
 
-    if asked is None:  # not reached: parse_envelope takes no id that valid_message_id refuses
-        asked = dedup.ask(consumer, envelope.message_id)
-    asked.answer()
+    if layer is None:  # not reached: parse_envelope takes no id that valid_message_id refuses
+        layer = dedup.ask(consumer, envelope.message_id)
+    dedup.announce(layer, consumer, envelope.message_id)
 
     waiting: list[bool] = []
     dead: list[bool] = []
