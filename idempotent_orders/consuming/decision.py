@@ -35,6 +35,7 @@ __all__ = [
     "REFUND",
     "Verdict",
     "announce",
+    "announce_known",
     "announce_many",
     "consumed",
     "decide",
@@ -241,6 +242,32 @@ def announce_many(consumer: str, reports: Sequence[tuple[Envelope, Outcome, str]
         return
     for envelope, outcome, reason in reports:
         announce(consumer, envelope, outcome, reason)
+
+
+def announce_known(
+    consumer: str,
+    message_id: str,
+    outcome: Outcome,
+    reason: str,
+    described: Callable[[], tuple[str, Any]],
+) -> None:
+    """:func:`announce` for a message known by its id alone (a copy the fast path answers):
+    where only :data:`COUNTERS` listen it is counted and the message is read no further;
+    any other receiver gets the type and order ``described()`` reads from it."""
+    counters = _counters_only()
+    if counters is not None:
+        for count in counters:
+            count(consumer, outcome, 1)
+        return
+    message_type, order_id = described()
+    consumed(
+        consumer,
+        message_id,
+        outcome,
+        message_type=message_type,
+        order_id=order_id,
+        reason=reason,
+    )
 
 
 def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:

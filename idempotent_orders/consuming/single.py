@@ -24,6 +24,7 @@ from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.decision import (
     Verdict,
     announce,
+    announce_known,
     consumed,
     decide,
     unknown_order,
@@ -95,14 +96,25 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     Parked successors that this message unblocks are released before returning.
     """
     raw_id = message.get("message_id") if isinstance(message, Mapping) else None
-    # The fast path is asked before the envelope is parsed, so Redis answers while we
-    # parse; its answer is read, announced and used only for a valid envelope.
-    asked = dedup.ask(consumer, str(raw_id)) if valid_message_id(raw_id) else None
+    layer = dedup.ask(consumer, str(raw_id)) if valid_message_id(raw_id) else None
+    # The fast path is the road's first step: a copy of a message handled under this id
+    # is answered from the id alone, the rest of the message unread. Only a Redis key
+    # written after the whole message was handled (its transaction and the releases
+    # below) answers without the database.
+    if layer is dedup.Layer.REDIS_HIT:
+        dedup.announce(layer, consumer, str(raw_id))
+        announce_known(
+            consumer,
+            str(raw_id),
+            Outcome.DUPLICATE,
+            "fast path: already processed",
+            lambda: _described(message, consumer),
+        )
+        return Outcome.DUPLICATE
     try:
         envelope = parse_envelope(message, consumer=consumer)
     except InvalidMessage as exc:
-        if asked is not None:
-            asked.drop()
+        # Any other answer is announced only for a valid envelope.
         message_id = raw_id if valid_message_id(raw_id) and not has_nul(raw_id) else None
         message_id = message_id or synthetic_id(message)
         outcome = _reject(
@@ -117,13 +129,9 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         dedup.remember_on_commit(consumer, message_id)
         return outcome
 
-    if asked is None:  # not reached: parse_envelope takes no id that valid_message_id refuses
-        asked = dedup.ask(consumer, envelope.message_id)
-    if asked.answer() is dedup.Layer.REDIS_HIT:
-        # Only a Redis key written after the whole message was handled (its
-        # transaction and the releases below) answers without the database.
-        announce(consumer, envelope, Outcome.DUPLICATE, "fast path: already processed")
-        return Outcome.DUPLICATE
+    if layer is None:  # not reached: parse_envelope takes no id that valid_message_id refuses
+        layer = dedup.ask(consumer, envelope.message_id)
+    dedup.announce(layer, consumer, envelope.message_id)
 
     waiting: list[bool] = []
     dead: list[bool] = []
@@ -237,6 +245,16 @@ def _database_conflict(consumer: str, message_id: str) -> None:
         consumer=consumer,
         message_id=message_id,
     )
+
+
+def _described(message: Mapping[str, Any], consumer: str) -> tuple[str, Any]:
+    """A copy's type and order as its envelope has them (as the message gives its type,
+    and no order, when it is not a valid one)."""
+    try:
+        envelope = parse_envelope(message, consumer=consumer)
+    except InvalidMessage:
+        return _excerpt(message.get("type")), None
+    return envelope.message_type, envelope.order_id
 
 
 def _excerpt(value: Any) -> str:

@@ -13,7 +13,7 @@ import contextlib
 import enum
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from django.db import DatabaseError, transaction
 
@@ -24,8 +24,8 @@ from idempotent_orders.dedup.redis import RedisLayer, RedisUnavailable
 from idempotent_orders.signals import dedup_answered
 
 __all__ = [
-    "Asked",
     "Layer",
+    "announce",
     "ask",
     "bloom",
     "flush",
@@ -68,7 +68,9 @@ bloom = BloomLayer()
 redis = RedisLayer()
 
 
-def _announce(layer: Layer, consumer: str, message_id: str) -> Layer:
+def announce(layer: Layer, consumer: str, message_id: str) -> Layer:
+    """Send ``dedup_answered`` with what :func:`ask` answered (where only the built-in
+    counter listens, count it without the send)."""
     if _only_counted():
         stats.incr(_COUNTER_NAMES[layer])  # what the one receiver would do, without the send
     else:
@@ -78,67 +80,27 @@ def _announce(layer: Layer, consumer: str, message_id: str) -> Layer:
 
 def lookup(consumer: str, message_id: str) -> Layer:
     """Ask the fast layers about a message; sends ``dedup_answered`` with the answer."""
-    return ask(consumer, message_id).answer()
+    return announce(ask(consumer, message_id), consumer, message_id)
 
 
-class Asked:
-    """A lookup under way (:func:`ask`): the Bloom filter's answer, or Redis's to come."""
-
-    __slots__ = ("_layer", "_reply", "consumer", "message_id")
-
-    def __init__(
-        self,
-        consumer: str,
-        message_id: str,
-        layer: Layer | None,
-        reply: Callable[[], bool] | None = None,
-    ) -> None:
-        self.consumer = consumer
-        self.message_id = message_id
-        self._layer = layer
-        self._reply = reply
-
-    def _read(self) -> Layer:
-        if self._layer is None:
-            reply, self._reply = self._reply, None
-            try:
-                hit = reply() if reply is not None else False
-            except RedisUnavailable:
-                self._layer = Layer.REDIS_DOWN
-            else:
-                self._layer = Layer.REDIS_HIT if hit else Layer.REDIS_MISS
-        return self._layer
-
-    def answer(self) -> Layer:
-        """Which layer answered; sends ``dedup_answered`` with it, as :func:`lookup` does."""
-        return _announce(self._read(), self.consumer, self.message_id)
-
-    def drop(self) -> None:
-        """Read Redis's reply and send nothing: the message was not one to look up after all
-        (its envelope is invalid)."""
-        self._read()
-
-
-def ask(consumer: str, message_id: str) -> Asked:
-    """Begin :func:`lookup`: the Bloom filter answers now; on its "maybe" the Redis GET is
-    sent and not waited for. :meth:`Asked.answer` reads the reply and announces it; until
-    then the caller may do other work (the consumer parses the envelope meanwhile).
-    """
+def ask(consumer: str, message_id: str) -> Layer:
+    """:func:`lookup` without the announcement: the caller announces the answer (:func:`announce`)
+    once it knows the message is one to count (the consumer: a hit, or a valid envelope)."""
     if conf.DEDUP_BLOOM:
         try:
             bloom.refresh()
         except DatabaseError:  # the consumer meets the same error and retries
             logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
         if bloom.warming:
-            return Asked(consumer, message_id, Layer.BLOOM_WARMING)
+            return Layer.BLOOM_WARMING
         if not bloom.might_contain(consumer, message_id):
-            return Asked(consumer, message_id, Layer.BLOOM_NEGATIVE)
+            return Layer.BLOOM_NEGATIVE
     if not redis.enabled:
-        return Asked(consumer, message_id, Layer.DISABLED)
+        return Layer.DISABLED
     try:
-        return Asked(consumer, message_id, None, redis.ask(consumer, message_id))
+        return Layer.REDIS_HIT if redis.contains(consumer, message_id) else Layer.REDIS_MISS
     except RedisUnavailable:
-        return Asked(consumer, message_id, Layer.REDIS_DOWN)
+        return Layer.REDIS_DOWN
 
 
 def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
@@ -186,7 +148,7 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
             stats.incr(_COUNTER_NAMES[layer], count)
     else:
         for message_id in message_ids:
-            _announce(layers[message_id], consumer, message_id)
+            announce(layers[message_id], consumer, message_id)
     return layers
 
 

@@ -36,7 +36,6 @@ is skipped as after an error (system check W010 says so before).
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import threading
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.cache import caches
+from django.core.cache.backends.base import default_key_func
 from django.core.signals import setting_changed
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -80,6 +80,23 @@ class _Target:
     #: The connection pool of a django-redis default (or Sentinel) client: the layer's
     #: own connection is opened with its settings. None: through the cache's methods.
     pool: Any
+    #: A key as the cache stores it, encoded (with ``pool``).
+    raw_key: Callable[[str], bytes] | None = None
+
+
+def _raw_key(cache: Any, pool: Any) -> Callable[[str], bytes]:
+    """How ``cache`` makes and ``pool`` encodes a key: where the cache keeps Django's key
+    function and django-redis's ``make_key``, with its prefix and version joined once."""
+    from django_redis.client import DefaultClient
+
+    encode = pool.get_encoder().encode
+    make_key = cache.client.make_key
+    if cache.key_func is default_key_func and type(cache.client).make_key is (
+        DefaultClient.make_key
+    ):
+        head = f"{cache.key_prefix}:{cache.version}:"
+        return lambda key: encode(head + key)
+    return lambda key: encode(make_key(key))
 
 
 #: Bumped by every ``setting_changed`` (``CACHES``, ``IDEMPOTENT_ORDERS``, ...) and by
@@ -154,7 +171,8 @@ class RedisLayer:
         cache = caches[alias]
         route = self._call("get", self._route, cache)
         pool = None if route is not None else self._call("get", self._pool, cache)
-        target = _Target(alias, cache, route, pool)
+        raw_key = None if pool is None else _raw_key(cache, pool)
+        target = _Target(alias, cache, route, pool, raw_key)
         self._own.target = (version, target)
         return target
 
@@ -177,17 +195,6 @@ class RedisLayer:
 
         What this process queued before is written first, so it is seen.
         """
-        return self.ask(consumer, message_id)()
-
-    def ask(self, consumer: str, message_id: str) -> Callable[[], bool]:
-        """:meth:`contains` in two halves: the GET is sent now, and the function returned
-        reads its reply (raises :class:`RedisUnavailable` as :meth:`contains` does).
-
-        Redis answers while the caller does other work (the consumer parses the
-        envelope). Until the reply is read, anything else sent on this thread's
-        connection drops it first, so a reply is never read as another command's.
-        A cluster or another cache is asked at once; the function returns its answer.
-        """
         self.flush()
         target = self._target()
         key = _key(consumer, message_id)
@@ -195,51 +202,14 @@ class RedisLayer:
             found, unanswered = self._call("get", target.route.lookup, [_raw(target.cache, key)])
             if unanswered:
                 raise RedisUnavailable("its cluster node did not answer")
-            return functools.partial(bool, found)
-        if target.pool is None:
-            return functools.partial(bool, self._call("get", target.cache.get, key))
-        sent = self._call("get", self._post, target, key)
-        return functools.partial(self._call, "get", self._reply, target.pool, *sent)
+            return bool(found)
+        if target.raw_key is None:
+            return bool(self._call("get", target.cache.get, key))
+        return bool(self._call("get", self._get, target, key))
 
-    def _post(self, target: _Target, key: str) -> tuple[bytes, Any]:
-        """Send the GET of ``key`` on this thread's connection, its reply left to
-        :meth:`_reply`: the command and the connection it went on."""
-        for attempt in (1, 2):
-            connection = self._connection(target.pool)
-            try:
-                raw = connection.encoder.encode(target.cache.client.make_key(key))
-                packed = _pack(b"GET", raw)
-                connection.send_packed_command([packed], check_health=False)
-            except (ConnectionError, OSError, RedisConnectionError):
-                self._drop()
-                if attempt == 2:
-                    raise
-                continue
-            except BaseException:
-                self._drop()
-                raise
-            self._own.unread = connection
-            return packed, connection
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
-
-    def _reply(self, pool: Any, packed: bytes, connection: Any) -> bool:
-        """Whether the key exists, from the reply to what :meth:`_post` sent on ``connection``."""
-        own = self._own
-        unread: Any = getattr(own, "unread", None)
-        if unread is not connection:
-            # Dropped meanwhile (another command went out on this thread): ask again.
-            return self._send(pool, packed, read=True) is not None
-        own.unread = None
-        try:
-            return connection.read_response() is not None
-        except (ConnectionError, OSError, RedisConnectionError):
-            # A connection the server closed since its last use fails here; as in
-            # _send, the command goes out once more on a new one.
-            self._drop()
-            return self._send(pool, packed, read=True) is not None
-        except BaseException:
-            self._drop()
-            raise
+    def _get(self, target: _Target, key: str) -> bool:
+        packed = _pack(b"GET", target.raw_key(key))  # type: ignore[misc]
+        return self._send(target.pool, packed, read=True) is not None
 
     def contains_many(self, consumer: str, message_ids: list[str]) -> set[str]:
         """The ids whose key exists, asked with one ``MGET``; raises :class:`RedisUnavailable`
@@ -438,8 +408,6 @@ class RedisLayer:
         most ``DEDUP_REDIS_TIMEOUT``, so no call on it waits longer for Redis.
         """
         own = self._own
-        if getattr(own, "unread", None) is not None:
-            self._drop()  # a reply sent for by ask() and never read: it would answer the next
         current = getattr(own, "current", None)
         pid = os.getpid()
         bound = conf.DEDUP_REDIS_TIMEOUT
@@ -460,7 +428,6 @@ class RedisLayer:
     def _drop(self) -> None:
         current = getattr(self._own, "current", None)
         self._own.current = None
-        self._own.unread = None
         if current is not None and current[2] == os.getpid():
             current[1].disconnect()
 

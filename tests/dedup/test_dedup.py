@@ -758,7 +758,7 @@ def test_lookup_many_counts_each_answer_when_only_the_counter_listens(redis_serv
     dedup.reset()
     stats.reset()
     dedup.remember_many("payments", ["m-1"])
-    with mock.patch.object(dedup, "_announce", side_effect=AssertionError("sent one by one")):
+    with mock.patch.object(dedup, "announce", side_effect=AssertionError("sent one by one")):
         dedup.lookup_many("payments", ["m-1", "m-2", "m-3"])
     counts = stats.local()
     assert counts["layer:redis-hit"] == 1

@@ -54,45 +54,52 @@ def heard() -> Iterator[list[tuple[str, Any]]]:
     message_consumed.disconnect(on_consumed)
 
 
-def _steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record when the GET goes out, when the envelope is parsed and when the reply is read."""
-    order: list[str] = []
-
-    def recorded(name: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            order.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(RedisLayer, "_post", recorded("GET sent", RedisLayer._post))
-    monkeypatch.setattr(RedisLayer, "_reply", recorded("reply read", RedisLayer._reply))
-    monkeypatch.setattr(single, "parse_envelope", recorded("parsed", single.parse_envelope))
-    return order
-
-
 @pytest.mark.django_db(transaction=True)
-def test_redis_answers_a_duplicate_while_its_envelope_is_parsed(
-    make_order, redis_server, heard, monkeypatch
+def test_a_copy_the_fast_path_knows_is_answered_from_its_id_alone(
+    make_order, redis_server, monkeypatch
 ) -> None:
     msg = payment(make_order())
     assert consume_message(msg, consumer="payments") is Outcome.APPLIED
     assert dedup.flush()
-    order = _steps(monkeypatch)
-    heard.clear()
+    stats.reset()
+    # Only the built-in counters listen: the rest of the message is never read.
+    monkeypatch.setattr(single, "parse_envelope", mock.Mock(side_effect=AssertionError("parsed")))
     with CaptureQueriesContext(connection) as queries:
         assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
-    assert order == ["GET sent", "parsed", "reply read"]
     assert len(queries) == 0
-    # Announced as before: the layer once, then the outcome with the fast path's reason.
+    assert stats.local() == {"layer:redis-hit": 1, "outcome:duplicate": 1}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_receiver_hears_a_fast_path_copy_with_its_type_and_order(
+    make_order, redis_server, heard
+) -> None:
+    order = make_order()
+    msg = payment(order)
+    assert consume_message(msg, consumer="payments") is Outcome.APPLIED
+    assert dedup.flush()
+    orders: list[Any] = []
+
+    def on_consumed(sender: Any, order_id: Any, **kwargs: Any) -> None:
+        orders.append(order_id)
+
+    message_consumed.connect(on_consumed)
+    heard.clear()
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
+    finally:
+        message_consumed.disconnect(on_consumed)
+    assert len(queries) == 0
     assert heard == [
         ("layer", "redis-hit"),
         ("consumed", ("duplicate", "fast path: already processed", "payment.succeeded")),
     ]
+    assert orders == [order.pk]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_invalid_copy_of_a_remembered_id_is_answered_as_before(
+def test_an_invalid_copy_of_a_remembered_id_is_a_duplicate_by_its_id(
     make_order, redis_server, heard
 ) -> None:
     order = make_order()
@@ -101,28 +108,20 @@ def test_an_invalid_copy_of_a_remembered_id_is_answered_as_before(
     assert dedup.flush()
     assert dedup.redis.contains("payments", bad["message_id"])  # remembered: Bloom and Redis
     heard.clear()
-    # Its copy sent a GET before the parse found it invalid: the reply is read and
-    # dropped, and the copy takes the rejected road, to the inbox's unique index.
-    assert consume_message(bad, consumer="payments") is Outcome.DUPLICATE
+    # The id was handled: its copy is answered by the fast path, whatever the rest says.
+    with CaptureQueriesContext(connection) as queries:
+        assert consume_message(bad, consumer="payments") is Outcome.DUPLICATE
+    assert len(queries) == 0
     assert heard == [
-        ("layer", "database-conflict"),
-        ("consumed", ("duplicate", "already recorded", "payment.unheard-of")),
+        ("layer", "redis-hit"),
+        ("consumed", ("duplicate", "fast path: already processed", "payment.unheard-of")),
     ]
     assert ProcessedMessage.objects.get(message_id=bad["message_id"]).outcome == "rejected"
-    assert dedup.redis._own.unread is None
-    assert not dedup.redis.contains("payments", "never-seen")
-
-
-def test_a_reply_left_unread_is_never_read_as_the_next_commands(redis_server) -> None:
-    dedup.remember("payments", "known")
-    assert dedup.flush()
-    left = dedup.redis.ask("payments", "known")  # its reply ("1") is never read here
-    # The next command drops the connection with the reply on it; without that it
-    # would read "1" for a key Redis does not hold.
-    assert not dedup.redis.contains("payments", "unknown")
-    assert dedup.redis.contains("payments", "known")
-    assert left() is True  # read late, it asks again on the new connection
-    assert dedup.redis._down_until == 0.0
+    # An invalid message Redis does not know is rejected, its answer not announced.
+    other = {**bad, "message_id": "never-seen"}
+    heard.clear()
+    assert consume_message(other, consumer="payments") is Outcome.REJECTED
+    assert [kind for kind, _ in heard] == ["consumed"]
 
 
 def test_the_cache_is_found_once_per_thread_and_again_when_settings_change(
@@ -179,3 +178,21 @@ def test_with_only_the_counter_listening_the_layer_is_counted_without_a_send() -
         assert dedup.lookup("payments", "maybe") is Layer.DISABLED
         assert dedup.lookup("payments", "never") is Layer.BLOOM_NEGATIVE
     assert stats.local() == {"layer:disabled": 1, "layer:bloom-negative": 1}
+
+
+def _key_function(key: str, key_prefix: str, version: int) -> str:
+    return f"own|{key_prefix}|{version}|{key}"
+
+
+@pytest.mark.parametrize("key_function", [None, f"{__name__}._key_function"])
+def test_a_lookup_asks_for_the_key_the_cache_writes(redis_server, key_function) -> None:
+    dedup_cache = {**settings.CACHES["dedup"], "VERSION": 7}
+    if key_function:
+        dedup_cache["KEY_FUNCTION"] = key_function
+    with override_settings(CACHES={**settings.CACHES, "dedup": dedup_cache}):
+        dedup.remember("payments", "m-1")
+        assert dedup.flush()
+        cache = dedup.redis._target().cache
+        assert cache.get("processed:payments:m-1") == 1  # as the cache itself makes the key
+        assert dedup.redis.contains("payments", "m-1")
+        assert not dedup.redis.contains("payments", "m-2")
