@@ -70,7 +70,11 @@ class AbstractOrder(FSMModelMixin, models.Model):
         guard = self.__dict__.pop(SAVE_GUARD, None)
         if guard is None:
             return super()._do_update(base_qs, *args, **kwargs)
-        updated = super()._do_update(base_qs.filter(**guard), *args, **kwargs)
+        from idempotent_orders.consuming.running import guarded_save_update
+
+        updated = guarded_save_update(base_qs, guard, args, kwargs)
+        if updated is None:  # not a plain UPDATE of plain values: Django's query builds it
+            updated = super()._do_update(base_qs.filter(**guard), *args, **kwargs)
         if not updated:
             raise OrderChanged(f"order {self.pk} changed since it was read")
         return updated
