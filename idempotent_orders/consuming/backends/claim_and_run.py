@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
@@ -273,6 +273,11 @@ def _queue_and_commit(
 _updates: dict[tuple[Any, ...], Any] = {}
 
 
+@cache
+def _by_attname(model: type[Model]) -> dict[str, Field[Any, Any]]:
+    return {f.attname: f for f in model._meta.concrete_fields}
+
+
 def _compile(
     conn: Any,
     model: type[Model],
@@ -335,7 +340,7 @@ def _finish(
     field = state_field(model)
     pk = model._meta.pk
     assert pk is not None
-    by_attname = {f.attname: f for f in model._meta.concrete_fields}
+    by_attname = _by_attname(model)
     args: list[Any] = [field.get_db_prep_save(ran.target, conn)]
     args += [by_attname[n].get_db_prep_save(v, conn) for n, v in ran.values.items()]
     args += [pk.get_db_prep_value(order.pk, conn), field.get_db_prep_value(ran.source, conn)]
