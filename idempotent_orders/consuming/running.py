@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any, Protocol
 
-from django.db import connections, transaction
-from django.db.models import F, Field, Model, QuerySet
+from django.db import transaction
+from django.db.models import F, Field, Model
 from django.db.models.options import Options
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
@@ -675,109 +675,6 @@ def guarded_update_sql(
     ]
     where += [f"{qn(str(f.column))} = %s" for f in conditions]
     return f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
-
-
-@dataclass(frozen=True)
-class _SaveUpdate:
-    """The UPDATE a guarded ``save()`` sends for one shape of row: its SQL, the fields it
-    sets and the fields its guard compares (with the length of an ``__in`` list)."""
-
-    sql: str
-    sets: tuple[Field[Any, Any], ...]
-    where: tuple[tuple[Field[Any, Any], int | None], ...]
-
-
-_save_updates: dict[tuple[Any, ...], _SaveUpdate | None] = {}
-
-
-def guarded_save_update(
-    base_qs: Any, guard: Mapping[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> Any:
-    """What Django's ``Model._do_update(base_qs.filter(**guard), *args)`` returns, sending
-    the same UPDATE (every column ``save()`` passed, ``WHERE <guard> AND pk``) from SQL
-    kept per shape of row instead of a query built and compiled on every ``save()``.
-    None, with nothing sent, where Django's query must build it: a value that is an
-    expression or a model, a field with its own placeholder, ``select_on_save``, values
-    returned by the UPDATE, a base manager with its own queryset or filters, a guard
-    Django would not spell as ``=``/``IN``."""
-    if kwargs or len(args) not in (5, 6):
-        return None
-    using, pk_val, values, _update_fields, forced_update = args[:5]
-    returning = args[5] if len(args) == 6 else None
-    model = base_qs.model
-    meta = model._meta
-    if not values or returning or (meta.select_on_save and not forced_update):
-        return None
-    if type(base_qs) is not QuerySet or base_qs.query.where or base_qs.query.is_sliced:
-        return None
-    if any(
-        hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save")
-        for _, _, v in values
-    ):
-        return None
-    shape = tuple(
-        (k, len(v) if k.endswith("__in") else None)
-        for k, v in guard.items()
-        if not (v is None or (k.endswith("__in") and None in v))
-    )
-    if len(shape) != len(guard):
-        return None  # IS NULL, or an IN list with NULL: Django's lookups spell them
-    key = (model, using, tuple(f for f, _, _ in values), shape)
-    try:
-        update = _save_updates[key]
-    except KeyError:
-        update = _save_updates[key] = _save_update(model, using, [f for f, _, _ in values], shape)
-    if update is None:
-        return None
-    conn = connections[using]
-    params = [f.get_db_prep_save(v, connection=conn) for f, _, v in values]
-    if any(hasattr(p, "as_sql") for p in params):
-        return None
-    for (field, length), value in zip(update.where, guard.values(), strict=True):
-        if length is None:
-            params.append(field.get_db_prep_value(value, conn))
-        else:
-            params += [field.get_db_prep_value(v, conn) for v in value]
-    assert meta.pk is not None
-    params.append(meta.pk.get_db_prep_value(pk_val, conn))
-    with conn.cursor() as cursor:
-        cursor.execute(update.sql, params)
-        rows = cursor.rowcount
-    if len(args) == 6:  # Django 6: the rows updated, each with its returned values (none)
-        return [()] * rows
-    return rows > 0
-
-
-def _save_update(
-    model: type[Model], using: str, fields: Sequence[Field[Any, Any]], shape: Sequence[Any]
-) -> _SaveUpdate | None:
-    meta = model._meta
-    by_name: dict[str, Field[Any, Any]] = {}
-    for f in meta.concrete_fields:
-        by_name[f.name] = by_name[f.attname] = f
-    if any(hasattr(f, "get_placeholder") or f.model is not model for f in fields):
-        return None
-    qn = connections[using].ops.quote_name
-    where: list[tuple[Field[Any, Any], int | None]] = []
-    tests: list[str] = []
-    for key, length in shape:
-        name = key.removesuffix("__in") if length is not None else key
-        field = by_name.get(name)
-        if field is None or "__" in name or field.model is not model:
-            return None
-        column = qn(str(field.column))
-        if length is None:
-            tests.append(f"{column} = %s")
-        elif length:
-            tests.append(f"{column} IN ({', '.join(['%s'] * length)})")
-        else:
-            return None  # an empty IN list matches nothing: Django says so without a query
-        where.append((field, length))
-    assert meta.pk is not None
-    tests.append(f"{qn(str(meta.pk.column))} = %s")
-    sets = ", ".join(f"{qn(str(f.column))} = %s" for f in fields)
-    sql = f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {' AND '.join(tests)}"
-    return _SaveUpdate(sql, tuple(fields), tuple(where))
 
 
 class _Lost(Exception):
