@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models
+from django.db import connections, models
 from django.db.models.functions import Now
 
 from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
@@ -15,6 +17,112 @@ from idempotent_orders.fsm import FSMField, FSMModelMixin, transition
 
 #: Where a guarded ``save()`` keeps its optimistic condition until ``_do_update`` takes it.
 SAVE_GUARD = "_idempotent_orders_guard"
+
+
+@dataclass(frozen=True)
+class _SaveUpdate:
+    """The UPDATE a guarded ``save()`` sends for one shape of row: its SQL, the fields it
+    sets and the fields its guard compares (with the length of an ``__in`` list)."""
+
+    sql: str
+    sets: tuple[models.Field[Any, Any], ...]
+    where: tuple[tuple[models.Field[Any, Any], int | None], ...]
+
+
+_save_updates: dict[tuple[Any, ...], _SaveUpdate | None] = {}
+
+
+def _guarded_update(
+    base_qs: Any, guard: Mapping[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
+    """What Django's ``Model._do_update(base_qs.filter(**guard), *args)`` returns, sending
+    the same UPDATE (every column ``save()`` passed, ``WHERE <guard> AND pk``) from SQL
+    kept per shape of row instead of a query built and compiled on every ``save()``.
+    None, with nothing sent, where Django's query must build it: a value that is an
+    expression or a model, a field with its own placeholder, ``select_on_save``, values
+    returned by the UPDATE, a base manager with its own queryset or filters, a guard
+    Django would not spell as ``=``/``IN``."""
+    if kwargs or len(args) not in (5, 6):
+        return None
+    using, pk_val, values, _update_fields, forced_update = args[:5]
+    returning = args[5] if len(args) == 6 else None
+    model = base_qs.model
+    meta = model._meta
+    if not values or returning or (meta.select_on_save and not forced_update):
+        return None
+    if type(base_qs) is not models.QuerySet or base_qs.query.where or base_qs.query.is_sliced:
+        return None
+    if any(
+        hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save")
+        for _, _, v in values
+    ):
+        return None
+    shape = tuple(
+        (k, len(v) if k.endswith("__in") else None)
+        for k, v in guard.items()
+        if not (v is None or (k.endswith("__in") and None in v))
+    )
+    if len(shape) != len(guard):
+        return None  # IS NULL, or an IN list with NULL: Django's lookups spell them
+    key = (model, using, tuple(f for f, _, _ in values), shape)
+    try:
+        update = _save_updates[key]
+    except KeyError:
+        update = _save_updates[key] = _save_update(model, using, [f for f, _, _ in values], shape)
+    if update is None:
+        return None
+    conn = connections[using]
+    params = [f.get_db_prep_save(v, connection=conn) for f, _, v in values]
+    if any(hasattr(p, "as_sql") for p in params):
+        return None
+    for (field, length), value in zip(update.where, guard.values(), strict=True):
+        if length is None:
+            params.append(field.get_db_prep_value(value, conn))
+        else:
+            params += [field.get_db_prep_value(v, conn) for v in value]
+    assert meta.pk is not None
+    params.append(meta.pk.get_db_prep_value(pk_val, conn))
+    with conn.cursor() as cursor:
+        cursor.execute(update.sql, params)
+        rows = cursor.rowcount
+    if len(args) == 6:  # Django 6: the rows updated, each with its returned values (none)
+        return [()] * rows
+    return rows > 0
+
+
+def _save_update(
+    model: type[models.Model],
+    using: str,
+    fields: Sequence[models.Field[Any, Any]],
+    shape: Sequence[Any],
+) -> _SaveUpdate | None:
+    meta = model._meta
+    by_name: dict[str, models.Field[Any, Any]] = {}
+    for f in meta.concrete_fields:
+        by_name[f.name] = by_name[f.attname] = f
+    if any(hasattr(f, "get_placeholder") or f.model is not model for f in fields):
+        return None
+    qn = connections[using].ops.quote_name
+    where: list[tuple[models.Field[Any, Any], int | None]] = []
+    tests: list[str] = []
+    for key, length in shape:
+        name = key.removesuffix("__in") if length is not None else key
+        field = by_name.get(name)
+        if field is None or "__" in name or field.model is not model:
+            return None
+        column = qn(str(field.column))
+        if length is None:
+            tests.append(f"{column} = %s")
+        elif length:
+            tests.append(f"{column} IN ({', '.join(['%s'] * length)})")
+        else:
+            return None  # an empty IN list matches nothing: Django says so without a query
+        where.append((field, length))
+    assert meta.pk is not None
+    tests.append(f"{qn(str(meta.pk.column))} = %s")
+    sets = ", ".join(f"{qn(str(f.column))} = %s" for f in fields)
+    sql = f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {' AND '.join(tests)}"
+    return _SaveUpdate(sql, tuple(fields), tuple(where))
 
 
 class OrderStatus(models.TextChoices):
@@ -70,7 +178,9 @@ class AbstractOrder(FSMModelMixin, models.Model):
         guard = self.__dict__.pop(SAVE_GUARD, None)
         if guard is None:
             return super()._do_update(base_qs, *args, **kwargs)
-        updated = super()._do_update(base_qs.filter(**guard), *args, **kwargs)
+        updated = _guarded_update(base_qs, guard, args, kwargs)
+        if updated is None:  # not a plain UPDATE of plain values: Django's query builds it
+            updated = super()._do_update(base_qs.filter(**guard), *args, **kwargs)
         if not updated:
             raise OrderChanged(f"order {self.pk} changed since it was read")
         return updated

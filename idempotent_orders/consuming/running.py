@@ -502,6 +502,18 @@ def _tracked(model: type[Model]) -> tuple[Any, ...]:
     )
 
 
+@cache
+def _compared(model: type[Model]) -> tuple[tuple[str, Any], ...]:
+    """The fields :func:`call_transition` compares (state left out): each attname, with
+    the field where it is stamped ``auto_now`` (else None)."""
+    state = state_field(model).attname
+    return tuple(
+        (f.attname, f if getattr(f, "auto_now", False) else None)
+        for f in _tracked(model)
+        if f.attname != state
+    )
+
+
 def snapshot_of(instance: Model) -> dict[str, Any]:
     """The instance's fields, as :func:`call_transition` compares and :func:`restore` sets them."""
     state = instance.__dict__
@@ -560,20 +572,17 @@ def call_transition(
     finally:
         saved = _saves.watched.pop(key, False)
     values: dict[str, Any] = {}
-    state_attname = field.attname
     now = instance.__dict__
     # Where save() commits, it stamps auto_now itself, after its pre_save receivers.
     stamp = not save_hooks(model)
-    for f in _tracked(model):
-        if f.attname == state_attname:
-            continue
-        value = now.get(f.attname, _DEFERRED)
+    for attname, stamped in _compared(model):
+        value = now.get(attname, _DEFERRED)
         if value is _DEFERRED:
             continue
-        if stamp and getattr(f, "auto_now", False):
-            values[f.attname] = f.pre_save(instance, False)
-        elif value != before.get(f.attname, _DEFERRED):
-            values[f.attname] = value
+        if stamp and stamped is not None:
+            values[attname] = stamped.pre_save(instance, False)
+        elif value != before.get(attname, _DEFERRED):
+            values[attname] = value
     return Ran(name, source, field.get_state(instance), values, returned, error, saved)
 
 

@@ -373,12 +373,17 @@ FOLLOW_UP_FIELDS = (
 
 
 def queue_follow_up(
-    conn: Any, queued: Sequence[str], ref: Callable[[str, Field[Any, Any]], str]
+    conn: Any,
+    queued: Sequence[str],
+    ref: Callable[[str, Field[Any, Any]], str],
+    *,
+    after_moved: bool = True,
 ) -> str:
     """``queued AS (INSERT INTO <outbox> ... SELECT ... WHERE EXISTS (moved) ON CONFLICT
     (message_id) DO NOTHING RETURNING id)``: a follow-up's row as ``publish_on_commit``
     writes it (the ``queued`` fields as arguments, ``ref(source, field)`` placing one,
-    the model's defaults as literals, the database's own defaults left to it)."""
+    the model's defaults as literals, the database's own defaults left to it).
+    ``after_moved=False``: no ``WHERE EXISTS (moved)`` (the order was written already)."""
     meta = OutboxMessage._meta
     sample = OutboxMessage()
     qn = conn.ops.quote_name
@@ -398,9 +403,10 @@ def queue_follow_up(
     pk = meta.pk
     assert pk is not None
     unique = qn(str(meta.get_field("message_id").column))
+    moved = " WHERE EXISTS (SELECT 1 FROM moved)" if after_moved else ""
     return (
         f"queued AS (INSERT INTO {qn(meta.db_table)} ({', '.join(columns)})"
-        f" SELECT {', '.join(selected)} WHERE EXISTS (SELECT 1 FROM moved)"
+        f" SELECT {', '.join(selected)}{moved}"
         f" ON CONFLICT ({unique}) DO NOTHING RETURNING {qn(str(pk.column))} AS id)"
     )
 

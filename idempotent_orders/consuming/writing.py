@@ -15,7 +15,7 @@ and calls :func:`write`; the exceptions here tell it to decide again
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -39,6 +39,7 @@ from idempotent_orders.consuming.failures import (
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus
 from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend
 from idempotent_orders.consuming.running import (
+    FollowUp,
     Ran,
     call_transition,
     commit,
@@ -237,14 +238,21 @@ def settle(
     ran: Ran,
     version: int,
     conditions: Mapping[str, Any],
+    *,
+    last: Callable[[AbstractOrder, Ran], Collection[FollowUp] | None] | None = None,
 ) -> Outcome:
     """Commit what the model's transition did (``ran``, on ``order`` read at ``version``)
     with one conditional UPDATE and announce it: :func:`run`'s second half. Raises
-    Conflict when the order changed; keeps an ``on_error`` body's exception as rejected."""
+    Conflict when the order changed; keeps an ``on_error`` body's exception as rejected.
+
+    ``last``: called once the order is written (its ``save()`` and receivers done), to
+    write the follow-ups' rows and commit in one text; it returns the follow-ups it
+    wrote, or None having sent nothing (they are written here and Django commits)."""
     if not commit(order, ran, version, conditions):
         raise Conflict
     result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
-    transition_written(order, ran.name, result, fsm_sent=True)
+    handed = last(order, ran) if last is not None and ran.error is None else None
+    transition_written(order, ran.name, result, fsm_sent=True, handed=handed or ())
     if ran.error is None:
         return Outcome.APPLIED
     # fsm-2's on_error: the body raised and the order moved to the error state,

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.management import call_command
-from django.db.models.signals import post_save
+from django.db.models import F, QuerySet
+from django.db.models.signals import post_save, pre_save
 
 from idempotent_orders import get_order_model
 from idempotent_orders.consuming import current_message, registry
-from idempotent_orders.consuming.running import keeps_parked_flag, road, save_hooks
+from idempotent_orders.consuming.graph import TransitionStatus
+from idempotent_orders.consuming.running import (
+    apply_transition,
+    keeps_parked_flag,
+    road,
+    save_hooks,
+)
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import Outcome
 
@@ -73,6 +81,42 @@ def test_a_post_save_receiver_takes_the_save_road(make_order: Any, receiver: lis
     assert receiver == [("paid", message["message_id"])]
     order.refresh_from_db()
     assert (order.status, order.version) == ("paid", 1)
+
+
+def test_the_guarded_save_sends_its_update_without_building_a_query(
+    make_order: Any, receiver: list[Any]
+) -> None:
+    """The guarded ``save()``'s UPDATE is sent from SQL kept per shape of row, not from a
+    queryset built and compiled per message; a value that is an expression goes through
+    Django's query, which spells it. Either way a stale instance's save() matches nothing."""
+    model = get_order_model()
+    built: list[Any] = []
+    update = QuerySet._update
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append(self.model)
+        return update(self, *args, **kwargs)
+
+    def as_expression(sender: Any, instance: Any, **kwargs: Any) -> None:
+        instance.carrier = F("carrier")
+
+    plain, expressed, raced = make_order(), make_order(), make_order()
+    stale = model._default_manager.get(pk=raced.pk)
+    with mock.patch.object(QuerySet, "_update", counted):
+        assert consume_message(payment(plain), consumer="payments") is Outcome.APPLIED
+        assert built == []
+        pre_save.connect(as_expression, sender=model, dispatch_uid="tests.roads.expression")
+        try:
+            assert consume_message(payment(expressed), consumer="payments") is Outcome.APPLIED
+        finally:
+            pre_save.disconnect(sender=model, dispatch_uid="tests.roads.expression")
+        assert built == [model]
+        assert consume_message(payment(raced), consumer="payments") is Outcome.APPLIED
+        # A writer that read the order before the payment: its guarded save() loses.
+        assert apply_transition(stale, "cancel").status is TransitionStatus.CONFLICT
+    for order in (plain, expressed, raced):
+        order.refresh_from_db()
+        assert (order.status, order.version) == ("paid", 1)
 
 
 def test_the_road_follows_the_receivers(make_order: Any) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models.signals import post_save
 from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
@@ -20,6 +21,7 @@ from idempotent_orders import outbox, prepared
 from idempotent_orders.consuming import current_message, registry
 from idempotent_orders.consuming.backends import claim_and_run
 from idempotent_orders.consuming.envelope import parse_envelope
+from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.running import road
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
@@ -30,6 +32,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
+from idempotent_orders.outbox import producer
 from tests.support.messages import payment, shipment, transitions_heard
 from tests.support.round_trips import round_trips
 
@@ -182,8 +185,9 @@ def _declined(*args: Any, **kwargs: Any) -> None:
 def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, fulfil) -> None:
     """A post_save receiver puts the order on the save() road: on PostgreSQL its first text
     is ``BEGIN``, the claim with the spent payment and the read; then the model's own
-    ``save()`` (its UPDATE) and ``COMMIT``: two round trips fewer than the usual road, and
-    the receiver sees the same as there."""
+    ``save()`` (its UPDATE), and the follow-up's outbox row with ``COMMIT`` in one text:
+    two round trips fewer than the usual road (three with a follow-up), and the receiver
+    sees the same as there."""
     config = {
         **settings.IDEMPOTENT_ORDERS,
         "FULFIL_AFTER_PAYMENT": fulfil,
@@ -231,14 +235,19 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
                 merged_trips = trips()
         finally:
             post_save.disconnect(sender=Order, dispatch_uid="test-save-road")
-    assert merged_trips == usual_trips - 2  # the read and the driver's own BEGIN
+    # The read and the driver's own BEGIN; with a follow-up, its row's own round trip.
+    assert merged_trips == usual_trips - (3 if fulfil else 2)
     # BEGIN, the claim with the spent payment and the read; save()'s UPDATE; the
-    # receiver's own SELECT; the follow-up's outbox row; COMMIT.
-    assert merged_trips == (5 if fulfil else 4)
+    # receiver's own SELECT; the follow-up's outbox row with COMMIT (or COMMIT alone).
+    assert merged_trips == 4
     assert texts[0].startswith('"BEGIN; ')
     assert texts[0].count("EXECUTE idempotent_orders_") == 2  # the claim, the read
     assert texts[1].startswith(f'"UPDATE "{Order._meta.db_table}" SET ')
-    assert texts[-1] == '"COMMIT"'
+    if fulfil:
+        assert f'INSERT INTO "{OutboxMessage._meta.db_table}"' in "".join(texts[2:])
+        assert texts[-1].endswith('; COMMIT"'), texts
+    else:
+        assert texts[-1] == '"COMMIT"'
     assert len(seen) == 2
     assert seen[0] == seen[1]
     assert seen[1]["fields"]["status"] == OrderStatus.PAID
@@ -255,6 +264,92 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
         assert SpentPayment.objects.get(payment_id=f"pay-{order.pk}").order_id == order.pk
         queued = OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count()
         assert queued == (1 if fulfil else 0)
+
+
+@contextmanager
+def _outbox_refused() -> Iterator[None]:
+    """A trigger that refuses every outbox row (a constraint of the project's, say)."""
+    table = connection.ops.quote_name(OutboxMessage._meta.db_table)
+    with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            cursor.execute(
+                f"CREATE TRIGGER io_test_refuse BEFORE INSERT ON {table} FOR EACH ROW"
+                " SIGNAL SQLSTATE '23000' SET MESSAGE_TEXT = 'outbox refused', MYSQL_ERRNO = 1048"
+            )
+            undo = ["DROP TRIGGER io_test_refuse"]
+        else:
+            cursor.execute(
+                "CREATE FUNCTION io_test_refuse() RETURNS trigger LANGUAGE plpgsql AS"
+                " $$ BEGIN RAISE EXCEPTION 'outbox refused' USING ERRCODE = 'check_violation';"
+                " END $$"
+            )
+            cursor.execute(
+                f"CREATE TRIGGER io_test_refuse BEFORE INSERT ON {table}"
+                " FOR EACH ROW EXECUTE FUNCTION io_test_refuse()"
+            )
+            undo = [f"DROP TRIGGER io_test_refuse ON {table}", "DROP FUNCTION io_test_refuse()"]
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            for statement in undo:
+                cursor.execute(statement)
+
+
+@pytest.mark.backends("postgresql", "mysql")
+@pytest.mark.django_db(transaction=True)
+def test_the_save_road_sends_the_follow_up_with_commit_and_a_refused_row_undoes_all(
+    make_order,
+) -> None:
+    """On the save() road the follow-up's outbox row goes in the text that commits, after
+    the model's ``save()`` and its ``post_save`` receivers; ``on_commit`` callbacks run after
+    the commit. A row the database refuses stops that text before ``COMMIT``: the order,
+    the claim and the spent payment are rolled back with it."""
+    config = {**settings.IDEMPOTENT_ORDERS, "FULFIL_AFTER_PAYMENT": True}
+    events: list[tuple[str, Any]] = []
+
+    def watch(sender: Any, instance: Any, **kwargs: Any) -> None:
+        events.append(("post_save", connection.in_atomic_block))
+        transaction.on_commit(lambda: events.append(("on_commit", connection.in_atomic_block)))
+
+    published: list[int] = []
+    with override_settings(IDEMPOTENT_ORDERS=config):
+        assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+        applied, refused = make_order(), make_order()
+        post_save.connect(watch, sender=Order, weak=False, dispatch_uid="test-save-road-row")
+        publish = mock.patch.object(
+            producer, "_publish_after_commit", lambda pk, db, keyed=False: published.append(pk)
+        )
+        try:
+            texts: list[str] = []
+            with publish, round_trips(texts) as trips:
+                assert consume_message(payment(applied), consumer="payments") is Outcome.APPLIED
+                trips()
+            failed_texts: list[str] = []
+            with _outbox_refused(), round_trips(failed_texts) as trips:
+                with pytest.raises(MessageFailed):
+                    consume_message(payment(refused), consumer="payments")
+                trips()
+        finally:
+            post_save.disconnect(sender=Order, dispatch_uid="test-save-road-row")
+    for sent, order in ((texts, applied), (failed_texts, refused)):
+        queued = [t for t in sent if f"fulfil-{order.pk}" in t]  # the outbox row's id
+        assert len(queued) == 1, sent
+        assert queued[0].rstrip('"').endswith("; COMMIT"), sent
+    row = OutboxMessage.objects.get(message_id=f"fulfil-{applied.pk}")
+    assert published == [row.pk]
+    # The receiver in the transaction, its on_commit callback after it (twice: the refused
+    # message's receiver ran too, and its callback never did).
+    assert events == [("post_save", True), ("on_commit", False), ("post_save", True)]
+    applied.refresh_from_db()
+    refused.refresh_from_db()
+    assert (applied.status, applied.version) == (OrderStatus.PAID, 1)
+    assert (refused.status, refused.version) == (OrderStatus.PENDING_PAYMENT, 0)
+    assert not OutboxMessage.objects.filter(message_id=f"fulfil-{refused.pk}").exists()
+    assert not SpentPayment.objects.filter(order_id=refused.pk).exists()
+    inbox = ProcessedMessage.objects.get(consumer="payments", order_id=refused.pk)
+    assert inbox.outcome != Outcome.APPLIED
+    assert "outbox refused" in inbox.error
 
 
 def _own_validator(order: Any, payload: Any) -> dict[str, Any]:

@@ -35,8 +35,10 @@ Where the model's ``save()`` runs the project's code
 ``post_save`` receivers, a history package, triggers), the first text is the same and
 the write is the usual road's:
 :func:`~idempotent_orders.consuming.writing.settle`, the model's own ``save()`` with the
-version guard, whatever its receivers write, the follow-up, then Django's ``COMMIT``.
-Only the read and the opening are saved; the project's code runs as on the usual road.
+version guard and whatever its receivers write; then the follow-up's outbox row and
+``COMMIT`` go in one text (:meth:`Texts.queue`), where the one follow-up hands its row
+over (else Django's ``COMMIT`` after the follow-ups' own writes). The project's code runs
+as on the usual road, in the transaction; ``on_commit`` callbacks run after the commit.
 Where the app keeps no ``has_parked`` flag (triggers watch the order), the caller looks
 for parked successors after commit, as after the usual road.
 
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from functools import cache, partial
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections
@@ -142,6 +145,13 @@ class Texts:
         message id was queued already). Raises :class:`Conflict` when the order moved."""
         raise NotImplementedError
 
+    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+        """Send the follow-up's outbox row of ``queued`` fields and ``COMMIT`` as one text,
+        the order written already by the model's own ``save()``; the row's id (None: its
+        message id was queued already). An insert that fails stops the text before
+        ``COMMIT``."""
+        raise NotImplementedError
+
 
 def can_claim_and_run(conn: Any) -> bool:
     """Whether :func:`claim_and_run` may run on ``conn`` now: a backend with two texts
@@ -194,9 +204,10 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
             version: int = order.version
             ran = call_transition(order, name, verdict.kwargs, fields=verdict.values)
             # Where the project's code runs on save(), the model's own save() commits it
-            # (running.commit), as on the usual road; the rest of the road is the same.
+            # (running.commit), as on the usual road; the follow-up's row goes with COMMIT.
             if save_hooks(model) or not _finish(order, ran, version, conditions, conn, cursor):
-                return settle(envelope, consumer, order, ran, version, conditions)
+                last = partial(_queue_and_commit, conn, cursor)
+                return settle(envelope, consumer, order, ran, version, conditions, last=last)
             return Outcome.APPLIED
     except (Declined, Conflict):
         return None
@@ -230,7 +241,41 @@ def _claim_and_read(
     return order  # type: ignore[return-value]
 
 
+def _follow_up(
+    model: type[Model], pk: Any, ran: Ran
+) -> tuple[bool, tuple[FollowUp, FollowUpRow] | None]:
+    """Whether ``COMMIT`` may go with the last text (no follow-up writes on its own after
+    it), and the one follow-up whose outbox row that text writes, if any."""
+    rows = follow_up_rows(model, pk, ran.name, ran.target)
+    handed: tuple[FollowUp, FollowUpRow] | None = None
+    if rows and len(rows) == 1 and handed_over(rows[0][1].fields):
+        handed = rows[0]
+    return rows is not None and (not rows or handed is not None), handed
+
+
+def _queue_and_commit(
+    conn: Any, cursor: Any, order: AbstractOrder, ran: Ran
+) -> tuple[FollowUp, ...] | None:
+    """After the model's ``save()`` and its receivers: the follow-up's outbox row and
+    ``COMMIT`` in one text (:meth:`Texts.queue`); the follow-up it wrote, or None with
+    nothing sent (several follow-ups, or one that writes its own row: Django commits)."""
+    _, handed = _follow_up(type(order), order.pk, ran)
+    if handed is None:
+        return None
+    texts = backend(conn).texts()
+    assert texts is not None
+    queued_id = texts.queue(conn, cursor, dict(handed[1].fields))
+    if queued_id is not None:  # None: the message was queued already
+        handed[1].written(conn.alias, queued_id)
+    return (handed[0],)
+
+
 _updates: dict[tuple[Any, ...], Any] = {}
+
+
+@cache
+def _by_attname(model: type[Model]) -> dict[str, Field[Any, Any]]:
+    return {f.attname: f for f in model._meta.concrete_fields}
 
 
 def _compile(
@@ -282,12 +327,7 @@ def _finish(
     if any(hasattr(v, "resolve_expression") or isinstance(v, Model) for v in ran.values.values()):
         return False
     model = type(order)
-    rows = follow_up_rows(model, order.pk, ran.name, ran.target)
-    handed: tuple[FollowUp, FollowUpRow] | None = None
-    if rows and len(rows) == 1 and handed_over(rows[0][1].fields):
-        handed = rows[0]
-    # COMMIT goes with the UPDATE unless a follow-up writes on its own after it.
-    commit = rows is not None and (not rows or handed is not None)
+    commit, handed = _follow_up(model, order.pk, ran)
     key = (conn.alias, model, tuple(ran.values), tuple(conditions), handed is not None, commit)
     try:
         update = _updates[key]
@@ -300,7 +340,7 @@ def _finish(
     field = state_field(model)
     pk = model._meta.pk
     assert pk is not None
-    by_attname = {f.attname: f for f in model._meta.concrete_fields}
+    by_attname = _by_attname(model)
     args: list[Any] = [field.get_db_prep_save(ran.target, conn)]
     args += [by_attname[n].get_db_prep_save(v, conn) for n, v in ran.values.items()]
     args += [pk.get_db_prep_value(order.pk, conn), field.get_db_prep_value(ran.source, conn)]

@@ -9,7 +9,8 @@ each one multi-statement text (mysqlclient's ``CLIENT.MULTI_STATEMENTS``, as
 2. ``UPDATE <order> ... WHERE pk AND state AND version AND ...; <guard>; [INSERT IGNORE
    <outbox>]; COMMIT``: the guard fails (a scalar subquery of two rows) when the UPDATE
    matched no row, so ``COMMIT`` never runs; the road rolls back and the usual road
-   decides again.
+   decides again. On the save() road, the model's ``save()`` having written the order:
+   ``INSERT IGNORE <outbox>; COMMIT``.
 
 Django's ``atomic`` block around them switches the session's autocommit off on entry
 and on again on exit, a round trip each, and commits with a round trip of its own:
@@ -170,4 +171,16 @@ class MySQLTexts(Texts):
             raise
         if update.commit:
             conn.connection.commit = _committed
+        return queued_id
+
+    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+        texts = _texts_for()
+        args = [f.get_db_prep_save(queued[f.name], conn) for f in texts.queued]
+        with conn.wrap_database_errors:
+            cursor.execute(f"{texts.queue}; COMMIT", [*args, *texts.queued_defaults])
+            # One row inserted, and its id (0 rows: the message id was in the outbox already).
+            queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+            while cursor.nextset():
+                pass
+        conn.connection.commit = _committed
         return queued_id

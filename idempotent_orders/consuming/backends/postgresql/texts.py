@@ -7,7 +7,8 @@
    queued AS (INSERT <outbox> <the follow-up's row> ...) SELECT 1 / count(moved), ...;
    COMMIT``: an order that moved since the read makes the division fail on purpose,
    so ``COMMIT`` never runs, the transaction rolls back and the usual road decides
-   again.
+   again. On the save() road, the model's ``save()`` having written the order: ``WITH
+   queued AS (INSERT <outbox> ...) SELECT id; COMMIT``.
 
 Each statement of the two texts runs as a prepared statement of the session, its
 arguments as literals of an ``EXECUTE`` (``PREPARE`` goes in the text that first needs
@@ -275,3 +276,38 @@ class PostgreSQLTexts(Texts):
                 raise Conflict from None  # rolled back whole: the usual road runs it again
             raise
         return row[1] if queued is not None else None
+
+    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+        sql, fields = _queue_text(conn)
+        args = [f.get_db_prep_save(queued[f.name], conn) for f in fields]
+        try:
+            for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], _COMMIT)):
+                cursor.nextset()
+            row = cursor.fetchone()
+        except (ProgrammingError, NotSupportedError) as exc:
+            if missed(conn, exc):
+                raise Conflict from None  # rolled back whole: the usual road runs it again
+            raise
+        return None if row is None else row[0]
+
+
+_queue_texts: dict[str, tuple[str, tuple[Field[Any, Any], ...]]] = {}
+
+
+def _queue_text(conn: Any) -> tuple[str, tuple[Field[Any, Any], ...]]:
+    """:meth:`PostgreSQLTexts.queue`'s statement (one row: the new row's id, or NULL) and
+    the outbox fields it takes, in order."""
+    found = _queue_texts.get(conn.alias)
+    if found is None:
+        outbox: list[Field[Any, Any]] = []
+
+        def ref(source: str, field: Field[Any, Any]) -> str:
+            outbox.append(field)
+            return "%s"
+
+        queue = queue_follow_up(conn, FOLLOW_UP_FIELDS, ref, after_moved=False)
+        found = _queue_texts[conn.alias] = (
+            f"WITH {queue} SELECT (SELECT id FROM queued)",
+            tuple(outbox),
+        )
+    return found
