@@ -1,5 +1,5 @@
-"""PostgreSQL: one statement for a message with nothing of the project's to run, two round
-trips for one that runs the project's code, arrays for a batch's columns."""
+"""PostgreSQL: one statement for a message with nothing of the project's to run, two texts
+for one that runs the project's code, arrays for a batch's columns."""
 
 from __future__ import annotations
 
