@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
-from django.db.models import CharField, Model, TextField
+from django.db.models import CharField, Field, Model, TextField
 
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
@@ -45,7 +45,7 @@ from idempotent_orders.consuming.running import (
 )
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 
-__all__ = ["Plan", "Shape", "fits", "plan", "shape", "written"]
+__all__ = ["Plan", "Shape", "field_of", "fits", "plan", "shape", "written"]
 
 
 @dataclass(frozen=True)
@@ -152,17 +152,17 @@ def plan(envelope: Envelope, model: type[Model], *, several: bool = False) -> Pl
     return Plan(name, found, fields, tests, payment_id(envelope), read, rows)
 
 
-def written(
-    model: type[Model],
-    p: Plan,
-    row: Sequence[Any],
-    *,
-    source: str | None = None,
-    alias: str = DEFAULT_DB_ALIAS,
-) -> None:
+def field_of(model: type[Model], name: str) -> Field[Any, Any]:
+    """The model's concrete field ``name`` (a column the roads without a read write or test)."""
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+def written(model: type[Model], p: Plan, row: Sequence[Any], source: str | None = None) -> None:
     """Tell the project's listeners that ``p`` was applied: ``row`` is the order as written
     (the read's columns); ``source`` the state it left, where the shape has several."""
-    order = build(model, alias, p.read, row)
+    order = build(model, DEFAULT_DB_ALIAS, p.read, row)
     if source is None:
         (source,) = p.shape.sources
     result = TransitionResult(
