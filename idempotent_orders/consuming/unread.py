@@ -19,13 +19,14 @@ SQLite, several, the one the order left read in the same transaction for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import CharField, Field, Model, TextField
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
     TransitionResult,
@@ -45,7 +46,7 @@ from idempotent_orders.consuming.running import (
 )
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 
-__all__ = ["Plan", "Shape", "field_of", "fits", "plan", "shape", "written"]
+__all__ = ["Plan", "Shape", "field_of", "fits", "plan", "shape", "update_sql", "written"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,52 @@ def field_of(model: type[Model], name: str) -> Field[Any, Any]:
     field = model._meta.get_field(name)
     assert isinstance(field, Field)
     return field
+
+
+def update_sql(
+    model: type[Model],
+    place: Callable[[str, Field[Any, Any]], str],
+    sources: int,
+    values: Sequence[str],
+    tests: Sequence[tuple[str, bool]],
+    seq: bool,
+    conn: Any,
+) -> str:
+    """The UPDATE of a road without a read: ``SET`` the target state, the version and
+    ``values``; ``WHERE`` the "apply" of :func:`~idempotent_orders.consuming.decision.decide`
+    as column tests: the primary key, the state among the ``sources``, no parked message,
+    the previous ``seq``, the rule's ``tests`` (``(field name, empty allowed)``).
+
+    ``place(role, field)`` writes each value's placeholder, in the order of the text:
+    ``target``, ``value:<name>``, ``pk``, ``source:<n>``, ``previous_seq``, ``test:<name>``.
+    """
+    qn, bytewise = conn.ops.quote_name, backend(conn).bytewise
+    meta = model._meta
+    assert meta.pk is not None
+    state_column = state_field(model)
+    state = qn(str(state_column.column))
+    version = qn(str(field_of(model, "version").column))
+    sets = [f"{state} = {place('target', state_column)}", f"{version} = {version} + 1"]
+    for name in values:
+        field = field_of(model, name)
+        sets.append(f"{qn(str(field.column))} = {place(f'value:{name}', field)}")
+    states = [bytewise(state, place(f"source:{n}", state_column)) for n in range(sources)]
+    where = [
+        f"{qn(str(meta.pk.column))} = {place('pk', meta.pk)}",
+        states[0] if sources == 1 else f"({' OR '.join(states)})",
+        f"{qn(str(field_of(model, 'has_parked').column))} = FALSE",
+    ]
+    if seq:
+        last_seq = field_of(model, "last_seq")
+        where.append(f"{qn(str(last_seq.column))} = {place('previous_seq', last_seq)}")
+    for name, empty in tests:
+        field = field_of(model, name)
+        column = qn(str(field.column))
+        value = place(f"test:{name}", field)
+        text = isinstance(field, CharField | TextField)
+        test = bytewise(column, value) if text else f"{column} = {value}"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+    return f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
 
 
 def written(model: type[Model], p: Plan, row: Sequence[Any], source: str | None = None) -> None:

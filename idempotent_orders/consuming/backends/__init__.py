@@ -90,9 +90,9 @@ class Backend:
         ``conflict`` columns are taken: ``f"{head} VALUES (...) {tail}"``."""
         return f"INSERT INTO {table} ({columns})", f"ON CONFLICT ({conflict}) DO NOTHING"
 
-    def bytewise(self, column: str) -> str:
-        """``column = %s`` compared byte for byte, whatever the column's collation."""
-        return f"{column} = %s"
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        """``column = value`` compared byte for byte, whatever the column's collation."""
+        return f"{column} = {value}"
 
     def connection_lost(self, error: Exception) -> bool:
         """Whether ``error`` says the connection went away (a statement sent may have

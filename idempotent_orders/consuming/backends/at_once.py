@@ -43,7 +43,7 @@ from django.db import (
     connection,
     connections,
 )
-from django.db.models import CharField, DecimalField, Field, Model, TextField
+from django.db.models import DecimalField, Field, Model
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends import backend
@@ -54,7 +54,7 @@ from idempotent_orders.consuming.payments import spent_table
 from idempotent_orders.consuming.rules import Test
 from idempotent_orders.consuming.running import written_values
 from idempotent_orders.consuming.sql import FOLLOW_UP_FIELDS, inbox_template
-from idempotent_orders.consuming.unread import field_of, plan, written
+from idempotent_orders.consuming.unread import field_of, plan, update_sql, written
 from idempotent_orders.models import OutboxMessage, Outcome
 from idempotent_orders.signals import order_transitioned
 
@@ -393,31 +393,17 @@ def _update(
     assert meta.pk is not None
     qn = conn.ops.quote_name
     chosen = backend(conn)
-    bytewise = chosen.bytewise
-    state = qn(str(state_field(model).column))
-    version = qn(str(field_of(model, "version").column))
-    sets = [f"{state} = %s", f"{version} = {version} + 1"]
-    value_fields = [field_of(model, name) for name in values]
-    sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
-    pk = qn(str(meta.pk.column))
-    states = [bytewise(state) for _ in range(sources)]
-    where = [f"{pk} = %s", states[0] if sources == 1 else f"({' OR '.join(states)})"]
-    where.append(f"{qn(str(field_of(model, 'has_parked').column))} = FALSE")
-    if seq:
-        where.append(f"{qn(str(field_of(model, 'last_seq').column))} = %s")
-    test_fields = []
-    for field_name, _, empty in tests:
-        field = field_of(model, field_name)
-        column = qn(str(field.column))
-        text = isinstance(field, CharField | TextField)
-        test = bytewise(column) if text else f"{column} = %s"
-        where.append(f"({column} = '' OR {test})" if empty else test)
-        test_fields.append(field)
-    table = qn(meta.db_table)
-    sql = f"UPDATE {table} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+    tested = [(name, empty) for name, _, empty in tests]
+    sql = update_sql(model, lambda role, field: "%s", sources, values, tested, seq, conn)
+    table, pk = qn(meta.db_table), qn(str(meta.pk.column))
     lock = " FOR UPDATE" if chosen.at_once_in_one_text else ""
-    source = f"SELECT {state} FROM {table} WHERE {pk} = %s{lock}"
-    return _Update(sql, tuple(value_fields), tuple(test_fields), source)
+    source = f"SELECT {qn(str(state_field(model).column))} FROM {table} WHERE {pk} = %s{lock}"
+    return _Update(
+        sql,
+        tuple(field_of(model, name) for name in values),
+        tuple(field_of(model, name) for name, _, _ in tests),
+        source,
+    )
 
 
 def _texts_for() -> _Texts:

@@ -25,8 +25,8 @@ class PostgreSQL(Backend):
     partitions = True
     nulls_last = True
 
-    def bytewise(self, column: str) -> str:
-        return f'{column} = %s COLLATE "C"'
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        return f'{column} = {value} COLLATE "C"'
 
     def connection_lost(self, error: Exception) -> bool:
         if not isinstance(error, (OperationalError, InterfaceError)):

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
-from django.db.models import CharField, DateTimeField, Field, Model, TextField
+from django.db.models import DateTimeField, Field, Model
 from django.utils import timezone
 
 from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.graph import state_field
 from idempotent_orders.consuming.payments import SPENT_FIELDS, spent_table
 from idempotent_orders.consuming.running import written_values
 from idempotent_orders.consuming.sql import (
@@ -47,7 +46,7 @@ from idempotent_orders.consuming.sql import (
     preparation,
     queue_follow_up,
 )
-from idempotent_orders.consuming.unread import Plan, Shape, field_of, plan, written
+from idempotent_orders.consuming.unread import Plan, Shape, plan, update_sql, written
 from idempotent_orders.models import Outcome, SpentPayment
 from idempotent_orders.prepared import PreparedMissing, fetch_one
 from idempotent_orders.signals import order_transitioned
@@ -138,36 +137,24 @@ def _compile(
         else:  # as in every applied message's row: the template's own value
             inserted.append(_literal(conn, base))
     (leaves,) = shape.sources  # one state tested (unread.plan's default)
+    shared = {name for name, _, same in tests if same}
+
+    def place(role: str, field: Field[Any, Any]) -> str:
+        kind, _, name = role.partition(":")
+        if kind in ("target", "source"):
+            return _literal(conn, shape.target if kind == "target" else leaves)
+        if kind == "value":
+            source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
+        elif kind == "test":
+            source = f"set:{name}" if name in shared else f"test:{name}"
+        else:
+            source = {"pk": "order_id"}.get(kind, kind)
+        return args.ref(source, field, preparation(field))
+
+    tested = [(name, empty) for name, empty, _ in tests]
+    update = update_sql(model, place, 1, value_names, tested, seq, conn)
     qn = conn.ops.quote_name
     meta = model._meta
-    table = qn(meta.db_table)
-    state = qn(str(state_field(model).column))
-    pk_field = meta.pk
-    assert pk_field is not None
-    pk = qn(str(pk_field.column))
-    version = qn(str(field_of(model, "version").column))
-    sets = [f"{state} = {_literal(conn, shape.target)}", f"{version} = {version} + 1"]
-    for name in value_names:
-        written = field_of(model, name)
-        source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
-        placeholder = args.ref(source, written, preparation(written))
-        sets.append(f"{qn(str(written.column))} = {placeholder}")
-    where = [
-        f"{pk} = {args.ref('order_id', pk_field, preparation(pk_field))}",
-        f'{state} = {_literal(conn, leaves)} COLLATE "C"',
-        f"{qn(str(field_of(model, 'has_parked').column))} = false",
-    ]
-    if seq:
-        last_seq = field_of(model, "last_seq")
-        column = qn(str(last_seq.column))
-        where.append(f"{column} = {args.ref('previous_seq', last_seq, preparation(last_seq))}")
-    for name, empty, shared in tests:
-        tested = field_of(model, name)
-        column = qn(str(tested.column))
-        collate = ' COLLATE "C"' if isinstance(tested, CharField | TextField) else ""
-        source = f"set:{name}" if shared else f"test:{name}"
-        test = f"{column} = {args.ref(source, tested, preparation(tested))}{collate}"
-        where.append(f"({column} = '' OR {test})" if empty else test)
     by_attname = {f.attname: f for f in meta.concrete_fields}
     # Without anyone to hand the order to, the statement returns none of it.
     returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames) or "1"
@@ -186,7 +173,7 @@ def _compile(
             f" SELECT {', '.join(refs)} WHERE EXISTS (SELECT 1 FROM claim)"
             f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1),"
         )
-        where.append("EXISTS (SELECT 1 FROM spent)")
+        update += " AND EXISTS (SELECT 1 FROM spent)"
     outbox, queued_id = "", ""
     if queued:
         outbox = ", " + queue_follow_up(
@@ -195,8 +182,7 @@ def _compile(
         queued_id = " (SELECT id FROM queued),"
     sql = (
         f"WITH claim AS ({template.insert(inserted)} RETURNING 1),{spent}"
-        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
-        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim)"
+        f" moved AS ({update} AND EXISTS (SELECT 1 FROM claim)"
         f" RETURNING {returning}){outbox}"
         " SELECT c.n, CASE WHEN c.n = 1 THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END,"
         f"{queued_id} moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
