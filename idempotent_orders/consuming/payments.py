@@ -29,6 +29,7 @@ __all__ = [
     "payment_id",
     "record_spent",
     "spend",
+    "spent_after",
     "spent_by",
     "spent_table",
 ]
@@ -160,13 +161,22 @@ def claim_and_spend_sql(inbox_sql: str) -> str:
     DO NOTHING``) and, when it inserted the row, records the spent payment (four more
     arguments: the payment id, the order, the consumer, the message id). It returns one
     row, ``(claimed, recorded)``, each 0 or 1."""
-    table, columns = spent_table()
     return (
         f"WITH new_inbox AS ({inbox_sql} RETURNING 1),"
-        f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
-        " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
-        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
+        f" {spent_after('new_inbox', ['%s'] * 4)}"
         " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
+    )
+
+
+def spent_after(claim: str, values: Sequence[str]) -> str:
+    """PostgreSQL: the ``spent`` clause of a ``WITH`` that records the payment (``values``:
+    the payment id, the order, the consumer, the message id) when the clause ``claim``
+    inserted the inbox row; a payment spent already inserts nothing."""
+    table, columns = spent_table()
+    return (
+        f"spent AS (INSERT INTO {table} ({', '.join(columns)})"
+        f" SELECT {', '.join(values)} WHERE EXISTS (SELECT 1 FROM {claim})"
+        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
     )
 
 

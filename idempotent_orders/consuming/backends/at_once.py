@@ -107,7 +107,6 @@ _texts: dict[str, _Texts] = {}
 
 def _compile() -> _Texts:
     qn = connection.ops.quote_name
-    mysql = backend().at_once_in_one_text
     template = inbox_template()
     inbox = template.head + ", ".join(["%s"] * len(template.fields)) + ")"
     spent_name, spent_columns = spent_table()
@@ -125,19 +124,11 @@ def _compile() -> _Texts:
         qn(str(f.column))
         for f in (*queued, *(f for f in written if f.name not in FOLLOW_UP_FIELDS))
     )
-    placeholders = ", ".join(["%s"] * len(written))
-    table = qn(ometa.db_table)
-    if mysql:
-        # The lengths were checked (``handed_over``): a repeated message id is all
-        # IGNORE lets through, and then the row that holds it is the message.
-        queue = f"INSERT IGNORE INTO {table} ({columns}) VALUES ({placeholders})"
-    else:
-        unique = qn(str(ometa.get_field("message_id").column))
-        pk = qn(str(ometa.pk.column if ometa.pk else "id"))
-        queue = (
-            f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
-            f" ON CONFLICT ({unique}) DO NOTHING RETURNING {pk}"
-        )
+    # The lengths were checked (``handed_over``): a repeated message id is all a skipped
+    # row can be, and then the row that holds it is the message.
+    unique = qn(str(ometa.get_field("message_id").column))
+    head, tail = backend().insert_ignoring(qn(ometa.db_table), columns, unique)
+    queue = f"{head} VALUES ({', '.join(['%s'] * len(written))}) {tail}".rstrip()
     return _Texts(inbox, spent, queue, queued, defaults)
 
 
@@ -178,8 +169,7 @@ def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any
                     cursor.execute("ROLLBACK")
                     return _DECLINED
                 if step == "queue":
-                    row = cursor.fetchone()
-                    queued_id = None if row is None else row[0]
+                    queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
                 elif step in ("source", "read"):
                     read.append(cursor.fetchone())
             cursor.execute("COMMIT")
@@ -233,8 +223,8 @@ def _mysql(statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any]
                 cursor.execute("; ".join(texts), args)
                 while True:
                     if steps[at] == "queue":
-                        # The INSERT IGNORE's own result: one row inserted, and its id
-                        # (0 rows: the message id was in the outbox already).
+                        # One row inserted, and its id (0 rows: the message id was in
+                        # the outbox already), as on SQLite.
                         queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
                     elif steps[at] in ("source", "read"):
                         read.append(cursor.fetchone())

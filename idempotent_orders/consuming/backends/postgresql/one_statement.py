@@ -35,7 +35,7 @@ from django.db.models import DateTimeField, Field, Model
 from django.utils import timezone
 
 from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.payments import SPENT_FIELDS, spent_table
+from idempotent_orders.consuming.payments import SPENT_FIELDS, spent_after
 from idempotent_orders.consuming.running import written_values
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
@@ -167,12 +167,7 @@ def _compile(
                 (spends, "order_id", "consumer", "message_id"), sfields, strict=True
             )
         ]
-        spent_name, columns = spent_table()
-        spent = (
-            f" spent AS (INSERT INTO {spent_name} ({', '.join(columns)})"
-            f" SELECT {', '.join(refs)} WHERE EXISTS (SELECT 1 FROM claim)"
-            f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1),"
-        )
+        spent = f" {spent_after('claim', refs)},"
         update += " AND EXISTS (SELECT 1 FROM spent)"
     outbox, queued_id = "", ""
     if queued:
