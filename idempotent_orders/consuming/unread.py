@@ -1,20 +1,14 @@
 """A message applied before its order is read: the plan every backend's road without a read
 shares.
 
-Where nothing of the project's runs (no body, no condition, no fsm-2 receiver, nothing on
-``save()``, a built-in :class:`~idempotent_orders.consuming.rules.Rule` as validator) and
-the transition has fixed sources and one target (:func:`shape`),
-:func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
-column tests hold on the order: the state among the sources, ``has_parked``,
-``last_seq`` and the rule's tests. A backend puts them in the WHERE clause of the
-UPDATE it sends with the inbox claim, instead of reading the order first
+Where nothing of the project's runs and the transition has fixed sources and one target
+(:func:`fits`), :func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly
+when a few column tests hold on the order: the state among the sources, ``has_parked``,
+``last_seq`` and the rule's tests. A backend sends them in the WHERE clause of the
+UPDATE (:func:`update_sql`) with the inbox claim
 (:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement` on PostgreSQL,
 one source only; :mod:`~idempotent_orders.consuming.backends.at_once` on MariaDB and
-SQLite, several, the one the order left read in the same transaction for
-:func:`written`). Anything else writes nothing and the message takes the read.
-
-:func:`plan` says whether a message can go so and what it writes and tests;
-:func:`written` tells the project's listeners what a road wrote.
+SQLite). Anything else writes nothing and the message takes the read.
 """
 
 from __future__ import annotations

@@ -265,20 +265,12 @@ def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) ->
 
 
 def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
-    """MariaDB's and SQLite's counterpart of PostgreSQL's one statement
-    (:func:`~idempotent_orders.consuming.backends.postgresql.one_statement.apply_unread`):
-    the message's writes as one transaction of their own, with the tests
-    :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
-    :class:`~idempotent_orders.consuming.rules.Rule`) in the UPDATE's WHERE
-    clause instead of a read of the order first: on MariaDB one text, one round trip; on
-    SQLite the statements straight to the driver between ``BEGIN`` and ``COMMIT``.
+    """Apply ``envelope`` as one transaction of its own, the order untested by a read;
+    None: nothing written, read first.
 
     InnoDB checks the WHERE clause on the row version it locks, and SQLite's transaction
     holds the database's write lock, so the tests hold on the order the UPDATE writes.
-    Text is compared bytewise (``BINARY``; SQLite: ``COLLATE BINARY``), whatever the
-    column's collation, so a test is never looser than the Python validator. Anything
-    else (the tests fail, a duplicate, a spent payment, a value a column refuses) rolls
-    all of it back and returns None: the usual road reads, decides and says why. On
+    Anything the tests, the unique indexes or a column refuse rolls all of it back. On
     APPLIED the inbox row, the transition and its follow-up's outbox row are committed;
     the caller announces the outcome.
     """
