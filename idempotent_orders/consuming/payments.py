@@ -22,13 +22,16 @@ from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
 
 __all__ = [
+    "SPENT_FIELDS",
     "Reservation",
     "claim_and_spend",
     "claim_and_spend_sql",
     "payment_id",
     "record_spent",
     "spend",
+    "spent_after",
     "spent_by",
+    "spent_table",
 ]
 
 
@@ -44,12 +47,19 @@ def payment_id(envelope: Envelope) -> str | None:
     return None
 
 
-def _table() -> tuple[str, list[str]]:
+#: The spent-payment fields a payment's row is written with, in the order of
+#: :func:`spent_table`'s columns.
+SPENT_FIELDS = ("payment_id", "order", "consumer", "message_id")
+
+
+def spent_table() -> tuple[str, list[str]]:
+    """The spent-payment table and its columns, quoted: the payment id (its unique
+    index), the order, the consumer, the message id."""
     qn = connection.ops.quote_name
     meta = SpentPayment._meta
     columns = [
         qn(str(meta.get_field(name).column))  # type: ignore[union-attr]
-        for name in ("payment_id", "order", "consumer", "message_id")
+        for name in SPENT_FIELDS
     ]
     return qn(meta.db_table), columns
 
@@ -60,11 +70,9 @@ def spend(payment: str, order_id: Any, consumer: str, message_id: str) -> Any | 
     Returns None when recorded; otherwise the order the payment was already
     spent on (which may be ``order_id`` itself).
     """
-    table, columns = _table()
-    values = "%s, %s, %s, %s"
-    column = columns[0]
-    head, tail = backend().insert_ignoring(table, ", ".join(columns), column)
-    sql = f"{head} VALUES ({values}) {tail}"
+    table, columns = spent_table()
+    head, tail = backend().insert_ignoring(table, ", ".join(columns), columns[0])
+    sql = f"{head} VALUES (%s, %s, %s, %s) {tail}"
     with connection.cursor() as cursor:
         cursor.execute(sql, [payment, order_id, consumer, message_id])
         if cursor.rowcount == 1:
@@ -100,7 +108,7 @@ def record_spent(
             ignore_conflicts=skip_spent,
         )
         return None
-    table, columns = _table()
+    table, columns = spent_table()
     meta = SpentPayment._meta
     types = [meta.get_field(name).db_type(connection) for name in ("payment_id", "order")]
     sql = (
@@ -117,7 +125,7 @@ def record_spent(
         return {p for (p,) in cursor.fetchall()} if skip_spent else set(payments)
 
 
-#: The claim-and-spend statement's text, by database alias.
+#: The claim-and-spend statement's text, by (database alias, inbox partitioned).
 _claims: dict[tuple[str, bool], str] = {}
 
 
@@ -125,7 +133,7 @@ def claim_and_spend(
     values: Mapping[str, Any], now: Any, payment: str, order_id: Any
 ) -> tuple[bool, Any | None]:
     """PostgreSQL: the inbox row and the spent payment in one statement, in the caller's
-    transaction (one round trip where :func:`spend` after the inbox insert takes two).
+    transaction.
 
     ``values``: the inbox row's per-message columns (as
     :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` takes them; they
@@ -153,13 +161,22 @@ def claim_and_spend_sql(inbox_sql: str) -> str:
     DO NOTHING``) and, when it inserted the row, records the spent payment (four more
     arguments: the payment id, the order, the consumer, the message id). It returns one
     row, ``(claimed, recorded)``, each 0 or 1."""
-    table, columns = _table()
     return (
         f"WITH new_inbox AS ({inbox_sql} RETURNING 1),"
-        f" spent AS (INSERT INTO {table} ({', '.join(columns)})"
-        " SELECT %s, %s, %s, %s WHERE EXISTS (SELECT 1 FROM new_inbox)"
-        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
+        f" {spent_after('new_inbox', ['%s'] * 4)}"
         " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
+    )
+
+
+def spent_after(claim: str, values: Sequence[str]) -> str:
+    """PostgreSQL: the ``spent`` clause of a ``WITH`` that records the payment (``values``:
+    the payment id, the order, the consumer, the message id) when the clause ``claim``
+    inserted the inbox row; a payment spent already inserts nothing."""
+    table, columns = spent_table()
+    return (
+        f"spent AS (INSERT INTO {table} ({', '.join(columns)})"
+        f" SELECT {', '.join(values)} WHERE EXISTS (SELECT 1 FROM {claim})"
+        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
     )
 
 

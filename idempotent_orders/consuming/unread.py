@@ -1,31 +1,26 @@
 """A message applied before its order is read: the plan every backend's road without a read
 shares.
 
-Where nothing of the project's runs (no body, no condition, no fsm-2 receiver, nothing on
-``save()``, a built-in :class:`~idempotent_orders.consuming.rules.Rule` as validator) and
-the transition has fixed sources and one target (:func:`shape`),
-:func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
-column tests hold on the order: the state among the sources, ``has_parked``,
-``last_seq`` and the rule's tests. A backend puts them in the WHERE clause of the
-UPDATE it sends with the inbox claim, instead of reading the order first
+Where nothing of the project's runs and the transition has fixed sources and one target
+(:func:`fits`), :func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly
+when a few column tests hold on the order: the state among the sources, ``has_parked``,
+``last_seq`` and the rule's tests. A backend sends them in the WHERE clause of the
+UPDATE (:func:`update_sql`) with the inbox claim
 (:mod:`~idempotent_orders.consuming.backends.postgresql.one_statement` on PostgreSQL,
 one source only; :mod:`~idempotent_orders.consuming.backends.at_once` on MariaDB and
-SQLite, several, the one the order left read in the same transaction for
-:func:`written`). Anything else writes nothing and the message takes the read.
-
-:func:`plan` says whether a message can go so and what it writes and tests;
-:func:`written` tells the project's listeners what a road wrote.
+SQLite). Anything else writes nothing and the message takes the read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
-from django.db.models import CharField, Model, TextField
+from django.db.models import CharField, Field, Model, TextField
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.graph import (
     TransitionResult,
@@ -45,7 +40,7 @@ from idempotent_orders.consuming.running import (
 )
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 
-__all__ = ["Plan", "Shape", "fits", "plan", "shape", "written"]
+__all__ = ["Plan", "Shape", "field_of", "fits", "plan", "shape", "update_sql", "written"]
 
 
 @dataclass(frozen=True)
@@ -152,17 +147,63 @@ def plan(envelope: Envelope, model: type[Model], *, several: bool = False) -> Pl
     return Plan(name, found, fields, tests, payment_id(envelope), read, rows)
 
 
-def written(
+def field_of(model: type[Model], name: str) -> Field[Any, Any]:
+    """The model's concrete field ``name`` (a column the roads without a read write or test)."""
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field
+
+
+def update_sql(
     model: type[Model],
-    p: Plan,
-    row: Sequence[Any],
-    *,
-    source: str | None = None,
-    alias: str = DEFAULT_DB_ALIAS,
-) -> None:
+    place: Callable[[str, Field[Any, Any]], str],
+    sources: int,
+    values: Sequence[str],
+    tests: Sequence[tuple[str, bool]],
+    seq: bool,
+    conn: Any,
+) -> str:
+    """The UPDATE of a road without a read: ``SET`` the target state, the version and
+    ``values``; ``WHERE`` the "apply" of :func:`~idempotent_orders.consuming.decision.decide`
+    as column tests: the primary key, the state among the ``sources``, no parked message,
+    the previous ``seq``, the rule's ``tests`` (``(field name, empty allowed)``).
+
+    ``place(role, field)`` writes each value's placeholder, in the order of the text:
+    ``target``, ``value:<name>``, ``pk``, ``source:<n>``, ``previous_seq``, ``test:<name>``.
+    """
+    qn, bytewise = conn.ops.quote_name, backend(conn).bytewise
+    meta = model._meta
+    assert meta.pk is not None
+    state_column = state_field(model)
+    state = qn(str(state_column.column))
+    version = qn(str(field_of(model, "version").column))
+    sets = [f"{state} = {place('target', state_column)}", f"{version} = {version} + 1"]
+    for name in values:
+        field = field_of(model, name)
+        sets.append(f"{qn(str(field.column))} = {place(f'value:{name}', field)}")
+    states = [bytewise(state, place(f"source:{n}", state_column)) for n in range(sources)]
+    where = [
+        f"{qn(str(meta.pk.column))} = {place('pk', meta.pk)}",
+        states[0] if sources == 1 else f"({' OR '.join(states)})",
+        f"{qn(str(field_of(model, 'has_parked').column))} = FALSE",
+    ]
+    if seq:
+        last_seq = field_of(model, "last_seq")
+        where.append(f"{qn(str(last_seq.column))} = {place('previous_seq', last_seq)}")
+    for name, empty in tests:
+        field = field_of(model, name)
+        column = qn(str(field.column))
+        value = place(f"test:{name}", field)
+        text = isinstance(field, CharField | TextField)
+        test = bytewise(column, value) if text else f"{column} = {value}"
+        where.append(f"({column} = '' OR {test})" if empty else test)
+    return f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
+
+
+def written(model: type[Model], p: Plan, row: Sequence[Any], source: str | None = None) -> None:
     """Tell the project's listeners that ``p`` was applied: ``row`` is the order as written
     (the read's columns); ``source`` the state it left, where the shape has several."""
-    order = build(model, alias, p.read, row)
+    order = build(model, DEFAULT_DB_ALIAS, p.read, row)
     if source is None:
         (source,) = p.shape.sources
     result = TransitionResult(

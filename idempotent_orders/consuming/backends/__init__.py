@@ -59,7 +59,7 @@ class Backend:
     #: A message's statements go straight to the driver as one transaction of their
     #: own, before its order is read (:mod:`~idempotent_orders.consuming.backends.at_once`).
     at_once = False
-    #: ... and as one text, one round trip (the driver runs multi statements).
+    #: ... and as one text (the driver runs multi statements).
     at_once_in_one_text = False
     #: The most digits a decimal column keeps exactly (None: what it declares).
     exact_decimal_digits: int | None = None
@@ -68,33 +68,21 @@ class Backend:
     two_texts = ""
 
     def __init__(self) -> None:
-        self._roads: tuple[tuple[Any, str], ...] | None = None
+        self._roads: list[tuple[Any, str]] | None = None
         self._texts: list[Any] = []
 
     def texts(self) -> Any:
         """The :class:`~idempotent_orders.consuming.backends.claim_and_run.Texts` that
         ``two_texts`` names (one instance), or None."""
         if not self._texts:
-            found = None
-            if self.two_texts:
-                module, _, name = self.two_texts.partition(":")
-                found = getattr(
-                    importlib.import_module(f"idempotent_orders.consuming.{module}"), name
-                )()
-            self._texts.append(found)
+            self._texts.append(_named(self.two_texts)() if self.two_texts else None)
         return self._texts[0]
 
     def roads_without_read(self) -> list[RoadWithoutRead]:
         """The functions ``without_read`` names (their modules imported once; each function
         looked up by name, so a test may stand in for one)."""
         if self._roads is None:
-            found = []
-            for path in self.without_read:
-                module, _, name = path.partition(":")
-                found.append(
-                    (importlib.import_module(f"idempotent_orders.consuming.{module}"), name)
-                )
-            self._roads = tuple(found)
+            self._roads = [_module(path) for path in self.without_read]
         return [getattr(module, name) for module, name in self._roads]
 
     def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
@@ -102,14 +90,25 @@ class Backend:
         ``conflict`` columns are taken: ``f"{head} VALUES (...) {tail}"``."""
         return f"INSERT INTO {table} ({columns})", f"ON CONFLICT ({conflict}) DO NOTHING"
 
-    def bytewise(self, column: str) -> str:
-        """``column = %s`` compared byte for byte, whatever the column's collation."""
-        return f"{column} = %s"
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        """``column = value`` compared byte for byte, whatever the column's collation."""
+        return f"{column} = {value}"
 
     def connection_lost(self, error: Exception) -> bool:
         """Whether ``error`` says the connection went away (a statement sent may have
         committed), not that the server refused or rolled something back."""
         return False
+
+
+def _module(path: str) -> tuple[Any, str]:
+    """``module:name`` under ``idempotent_orders.consuming``: the module, imported, and the name."""
+    module, _, name = path.partition(":")
+    return importlib.import_module(f"idempotent_orders.consuming.{module}"), name
+
+
+def _named(path: str) -> Any:
+    module, name = _module(path)
+    return getattr(module, name)
 
 
 #: The backend of each vendor Django names (``connection.vendor``).

@@ -2,8 +2,7 @@
 their own, with the decision's tests in the UPDATE.
 
 Where :func:`~idempotent_orders.consuming.unread.plan` finds nothing of the project's to
-run (no ``conditions=``, no body, no fsm-2 receiver, a built-in rule; a follow-up only
-as the outbox row it hands over, see
+run (a follow-up only as the outbox row it hands over, see
 :class:`~idempotent_orders.consuming.running.FollowUpRow`), what the transaction writes
 is known before it starts: the inbox row, the spent payment, the order's UPDATE with the
 tests :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" in its
@@ -14,20 +13,17 @@ transaction holds the write lock). :func:`apply_unread_at_once` sends them toget
 
 - MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
   unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
-  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``: one round trip where the
-  usual road takes the order's read and a round trip a statement in Django's
-  ``atomic``. The server stops at the first statement that fails, so a duplicate (the
-  inbox's unique index), a spent payment (its unique index) or an order the tests
-  refuse (the guard fails when the UPDATE matched no row) never reaches ``COMMIT``;
-  the transaction is rolled back and the usual road
-  (:mod:`~idempotent_orders.consuming.writing`) reads, decides and says why.
+  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``. The server stops at the first
+  statement that fails, so a duplicate (the inbox's unique index), a spent payment (its
+  unique index) or an order the tests refuse (the guard fails when the UPDATE matched no
+  row) never reaches ``COMMIT``; the transaction is rolled back and
+  :mod:`~idempotent_orders.consuming.writing` reads, decides and says why.
 - SQLite: the same statements one after another on the driver's cursor between
-  ``BEGIN`` (with the database's own ``transaction_mode``) and ``COMMIT``, with no ORM
-  or savepoint in between.
+  ``BEGIN`` (with the database's own ``transaction_mode``) and ``COMMIT``.
 
 Taken only outside a caller's transaction (``START TRANSACTION`` would commit it), so
 the after-commit work (the publish of the outbox row, the fast-path mark) runs once
-this returns, as after PostgreSQL's one statement.
+this returns.
 """
 
 from __future__ import annotations
@@ -47,30 +43,22 @@ from django.db import (
     connection,
     connections,
 )
-from django.db.models import CharField, DecimalField, Field, Model, TextField
+from django.db.models import DecimalField, Field, Model
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.consuming.graph import state_field
+from idempotent_orders.consuming.payments import spent_table
 from idempotent_orders.consuming.rules import Test
-from idempotent_orders.consuming.running import (
-    written_values,
-)
-from idempotent_orders.consuming.sql import (
-    FOLLOW_UP_FIELDS,
-    inbox_template,
-)
-from idempotent_orders.consuming.unread import plan, written
-from idempotent_orders.models import OutboxMessage, Outcome, SpentPayment
+from idempotent_orders.consuming.running import written_values
+from idempotent_orders.consuming.sql import FOLLOW_UP_FIELDS, inbox_template
+from idempotent_orders.consuming.unread import field_of, plan, update_sql, written
+from idempotent_orders.models import OutboxMessage, Outcome
 from idempotent_orders.signals import order_transitioned
 
-__all__ = [
-    "AtOnce",
-    "apply_unread_at_once",
-    "can_apply_unread_at_once",
-]
+__all__ = ["apply_unread_at_once", "can_apply_unread_at_once"]
 
 #: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
 #: returning two rows.
@@ -80,22 +68,11 @@ _GUARD_FAILED = 1242
 _MULTI_STATEMENTS = 1 << 16
 
 
-@dataclass(frozen=True)
-class AtOnce:
-    """What one transaction sent at once did. Only ``applied`` committed anything."""
-
-    #: False: the inbox holds the message already (nothing written).
-    claimed: bool = True
-    #: False: the payment id was spent already (rolled back).
-    paid: bool = True
-    #: False: the UPDATE matched no row, its tests refused the order (rolled back).
-    updated: bool = True
-    #: The follow-up's outbox row id; None when its message id was in the outbox already.
-    queued_id: int | None = None
-
-    @property
-    def applied(self) -> bool:
-        return self.claimed and self.paid and self.updated
+#: What a transaction sent at once did: ``(applied, queued id)``. Not applied: a duplicate,
+#: a payment spent already or an order the tests refuse (rolled back, nothing written).
+#: The queued id is the follow-up's outbox row; None when its message id was there already.
+_Sent = tuple[bool, int | None]
+_DECLINED: _Sent = (False, None)
 
 
 def can_apply_unread_at_once() -> bool:
@@ -130,15 +107,10 @@ _texts: dict[str, _Texts] = {}
 
 def _compile() -> _Texts:
     qn = connection.ops.quote_name
-    mysql = backend().at_once_in_one_text
     template = inbox_template()
     inbox = template.head + ", ".join(["%s"] * len(template.fields)) + ")"
-    smeta = SpentPayment._meta
-    spent_columns = ", ".join(
-        qn(str(smeta.get_field(name).column))  # type: ignore[union-attr]
-        for name in ("payment_id", "order", "consumer", "message_id")
-    )
-    spent = f"INSERT INTO {qn(smeta.db_table)} ({spent_columns}) VALUES (%s, %s, %s, %s)"
+    spent_name, spent_columns = spent_table()
+    spent = f"INSERT INTO {spent_name} ({', '.join(spent_columns)}) VALUES (%s, %s, %s, %s)"
     ometa = OutboxMessage._meta
     sample = OutboxMessage()
     written = [f for f in ometa.concrete_fields if not f.primary_key and not f.has_db_default()]
@@ -152,19 +124,11 @@ def _compile() -> _Texts:
         qn(str(f.column))
         for f in (*queued, *(f for f in written if f.name not in FOLLOW_UP_FIELDS))
     )
-    placeholders = ", ".join(["%s"] * len(written))
-    table = qn(ometa.db_table)
-    if mysql:
-        # The lengths were checked (``handed_over``): a repeated message id is all
-        # IGNORE lets through, and then the row that holds it is the message.
-        queue = f"INSERT IGNORE INTO {table} ({columns}) VALUES ({placeholders})"
-    else:
-        unique = qn(str(ometa.get_field("message_id").column))
-        pk = qn(str(ometa.pk.column if ometa.pk else "id"))
-        queue = (
-            f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
-            f" ON CONFLICT ({unique}) DO NOTHING RETURNING {pk}"
-        )
+    # The lengths were checked (``handed_over``): a repeated message id is all a skipped
+    # row can be, and then the row that holds it is the message.
+    unique = qn(str(ometa.get_field("message_id").column))
+    head, tail = backend().insert_ignoring(qn(ometa.db_table), columns, unique)
+    queue = f"{head} VALUES ({', '.join(['%s'] * len(written))}) {tail}".rstrip()
     return _Texts(inbox, spent, queue, queued, defaults)
 
 
@@ -176,9 +140,7 @@ _GUARD = (
 )
 
 
-def _sqlite(
-    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
-) -> AtOnce:
+def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any]) -> _Sent:
     conn = connections[DEFAULT_DB_ALIAS]
     mode = getattr(conn, "transaction_mode", None)
     queued_id: int | None = None
@@ -199,24 +161,23 @@ def _sqlite(
                 try:
                     cursor.execute(sql if watched else _qmark(sql), args)
                 except refused:
-                    if step == "inbox":
-                        return _undone(cursor, AtOnce(claimed=False))
-                    if step == "spent":
-                        return _undone(cursor, AtOnce(paid=False))
-                    raise
+                    if step not in ("inbox", "spent"):
+                        raise
+                    cursor.execute("ROLLBACK")
+                    return _DECLINED
                 if step == "update" and cursor.rowcount != 1:
-                    return _undone(cursor, AtOnce(updated=False))
+                    cursor.execute("ROLLBACK")
+                    return _DECLINED
                 if step == "queue":
-                    row = cursor.fetchone()
-                    queued_id = None if row is None else row[0]
-                elif step in ("source", "read") and read is not None:
+                    queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+                elif step in ("source", "read"):
                     read.append(cursor.fetchone())
             cursor.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(Exception):
                 cursor.execute("ROLLBACK")
             raise
-    return AtOnce(queued_id=queued_id)
+    return True, queued_id
 
 
 _qmarks: dict[str, str] = {}
@@ -230,14 +191,11 @@ def _qmark(sql: str) -> str:
     return found
 
 
-def _undone(cursor: Any, result: AtOnce) -> AtOnce:
-    cursor.execute("ROLLBACK")
-    return result
+#: The failures of a step that mean "declined": ``(MySQL error number, step)``.
+_DECLINING = {(_DUPLICATE_KEY, "inbox"), (_DUPLICATE_KEY, "spent"), (_GUARD_FAILED, "guard")}
 
 
-def _mysql(
-    statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any] | None = None
-) -> AtOnce:
+def _mysql(statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any]) -> _Sent:
     conn = connections[DEFAULT_DB_ALIAS]
     texts = ["START TRANSACTION"]
     args: list[Any] = []
@@ -265,10 +223,10 @@ def _mysql(
                 cursor.execute("; ".join(texts), args)
                 while True:
                     if steps[at] == "queue":
-                        # The INSERT IGNORE's own result: one row inserted, and its id
-                        # (0 rows: the message id was in the outbox already).
+                        # One row inserted, and its id (0 rows: the message id was in
+                        # the outbox already), as on SQLite.
                         queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
-                    elif steps[at] in ("source", "read") and read is not None:
+                    elif steps[at] in ("source", "read"):
                         read.append(cursor.fetchone())
                     if not cursor.nextset():
                         break
@@ -279,14 +237,10 @@ def _mysql(
                 cursor.execute("ROLLBACK")
             code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
             step = steps[at + 1] if at + 1 < len(steps) else ""
-            if code == _DUPLICATE_KEY and step == "inbox":
-                return AtOnce(claimed=False)
-            if code == _DUPLICATE_KEY and step == "spent":
-                return AtOnce(paid=False)
-            if code == _GUARD_FAILED and step == "guard":
-                return AtOnce(updated=False)
+            if (code, step) in _DECLINING:
+                return _DECLINED
             raise  # a lost connection among them: the caller reads back what committed
-    return AtOnce(queued_id=queued_id)
+    return True, queued_id
 
 
 def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) -> Any:
@@ -311,20 +265,12 @@ def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) ->
 
 
 def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
-    """MariaDB's and SQLite's counterpart of PostgreSQL's one statement
-    (:func:`~idempotent_orders.consuming.backends.postgresql.one_statement.apply_unread`):
-    the message's writes as one transaction of their own, with the tests
-    :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" (the same
-    :class:`~idempotent_orders.consuming.rules.Rule`) in the UPDATE's WHERE
-    clause instead of a read of the order first: on MariaDB one text, one round trip; on
-    SQLite the statements straight to the driver between ``BEGIN`` and ``COMMIT``.
+    """Apply ``envelope`` as one transaction of its own, the order untested by a read;
+    None: nothing written, read first.
 
     InnoDB checks the WHERE clause on the row version it locks, and SQLite's transaction
     holds the database's write lock, so the tests hold on the order the UPDATE writes.
-    Text is compared bytewise (``BINARY``; SQLite: ``COLLATE BINARY``), whatever the
-    column's collation, so a test is never looser than the Python validator. Anything
-    else (the tests fail, a duplicate, a spent payment, a value a column refuses) rolls
-    all of it back and returns None: the usual road reads, decides and says why. On
+    Anything the tests, the unique indexes or a column refuse rolls all of it back. On
     APPLIED the inbox row, the transition and its follow-up's outbox row are committed;
     the caller announces the outcome.
     """
@@ -335,6 +281,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if p is None or p.follow_ups is None:
         return None  # read first; or a follow-up writes its own rows: the usual road
     conn = connections[DEFAULT_DB_ALIAS]
+    chosen = backend(conn)
     shape, fields, tests, handed = p.shape, p.fields, p.tests, p.handed
     seq = envelope.seq
     values = written_values(model, {**fields, "last_seq": seq} if seq is not None else fields)
@@ -354,7 +301,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
     if seq is not None:
         args.append(seq - 1)
     for field, (_, value, _) in zip(update.tests, tests, strict=True):
-        sent = _test_value(field, value, backend(conn).exact_decimal_digits)
+        sent = _test_value(field, value, chosen.exact_decimal_digits)
         if sent is None:
             return None
         args.append(field.get_db_prep_save(sent, conn))
@@ -381,8 +328,8 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
     read: list[Any] = []
     try:
-        one_text = backend(conn).at_once_in_one_text
-        done = _mysql(statements, read) if one_text else _sqlite(statements, read)
+        send = _mysql if chosen.at_once_in_one_text else _sqlite
+        applied, queued_id = send(statements, read)
     except (IntegrityError, DataError):
         return None  # rolled back: the usual road decides, and says why
     except OperationalError as exc:
@@ -391,14 +338,14 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
         # Rolled back whole (the inbox row's foreign-key lock and a concurrent UPDATE of
         # the order can cross): the usual road reads, decides and writes it again.
         return None
-    if not done.applied:
+    if not applied:
         return None
-    if handed is not None and done.queued_id is not None:
-        handed[1].written(DEFAULT_DB_ALIAS, done.queued_id)
+    if handed is not None and queued_id is not None:
+        handed[1].written(DEFAULT_DB_ALIAS, queued_id)
     if announced:
         if sources > 1:
             (source,), row = read
-            written(model, p, row, source=source)
+            written(model, p, row, source)
         else:
             written(model, p, read[0])
     return Outcome.APPLIED
@@ -427,43 +374,23 @@ def _update(
     meta = model._meta
     assert meta.pk is not None
     qn = conn.ops.quote_name
-    bytewise = backend(conn).bytewise
-    state = qn(str(state_field(model).column))
-    version = qn(str(_field(model, "version").column))
-    sets = [f"{state} = %s", f"{version} = {version} + 1"]
-    value_fields = [_field(model, name) for name in values]
-    sets += [f"{qn(str(field.column))} = %s" for field in value_fields]
-    pk = qn(str(meta.pk.column))
-    states = [bytewise(state) for _ in range(sources)]
-    where = [f"{pk} = %s", states[0] if sources == 1 else f"({' OR '.join(states)})"]
-    where.append(f"{qn(str(_field(model, 'has_parked').column))} = FALSE")
-    if seq:
-        where.append(f"{qn(str(_field(model, 'last_seq').column))} = %s")
-    test_fields = []
-    for field_name, _, empty in tests:
-        field = _field(model, field_name)
-        column = qn(str(field.column))
-        text = isinstance(field, CharField | TextField)
-        test = bytewise(column) if text else f"{column} = %s"
-        where.append(f"({column} = '' OR {test})" if empty else test)
-        test_fields.append(field)
-    table = qn(meta.db_table)
-    sql = f"UPDATE {table} SET {', '.join(sets)} WHERE {' AND '.join(where)}"
-    lock = " FOR UPDATE" if backend(conn).at_once_in_one_text else ""
-    source = f"SELECT {state} FROM {table} WHERE {pk} = %s{lock}"
-    return _Update(sql, tuple(value_fields), tuple(test_fields), source)
-
-
-def _field(model: type[Model], name: str) -> Field[Any, Any]:
-    field = model._meta.get_field(name)
-    assert isinstance(field, Field)
-    return field
+    chosen = backend(conn)
+    tested = [(name, empty) for name, _, empty in tests]
+    sql = update_sql(model, lambda role, field: "%s", sources, values, tested, seq, conn)
+    table, pk = qn(meta.db_table), qn(str(meta.pk.column))
+    lock = " FOR UPDATE" if chosen.at_once_in_one_text else ""
+    source = f"SELECT {qn(str(state_field(model).column))} FROM {table} WHERE {pk} = %s{lock}"
+    return _Update(
+        sql,
+        tuple(field_of(model, name) for name in values),
+        tuple(field_of(model, name) for name, _, _ in tests),
+        source,
+    )
 
 
 def _texts_for() -> _Texts:
     """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
-    alias = connections[DEFAULT_DB_ALIAS].alias
-    texts = _texts.get(alias)
+    texts = _texts.get(DEFAULT_DB_ALIAS)
     if texts is None:
-        texts = _texts[alias] = _compile()
+        texts = _texts[DEFAULT_DB_ALIAS] = _compile()
     return texts

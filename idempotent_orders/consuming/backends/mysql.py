@@ -28,8 +28,8 @@ class MySQL(Backend):
         # MariaDB >= 10.5 returns only the rows IGNORE let through.
         return f"INSERT IGNORE INTO {table} ({columns})", ""
 
-    def bytewise(self, column: str) -> str:
-        return f"BINARY {column} = %s"
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        return f"BINARY {column} = {value}"
 
     def connection_lost(self, error: Exception) -> bool:
         if not isinstance(error, (OperationalError, InterfaceError)):

@@ -16,5 +16,5 @@ class SQLite(Backend):
     #: are two doubles.
     exact_decimal_digits = 15
 
-    def bytewise(self, column: str) -> str:
-        return f"{column} = %s COLLATE BINARY"
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        return f"{column} = {value} COLLATE BINARY"

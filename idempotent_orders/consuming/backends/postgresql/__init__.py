@@ -1,5 +1,5 @@
-"""PostgreSQL: one statement for a message with nothing of the project's to run, two round
-trips for one that runs the project's code, arrays for a batch's columns."""
+"""PostgreSQL: one statement for a message with nothing of the project's to run, two texts
+for one that runs the project's code, arrays for a batch's columns."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ class PostgreSQL(Backend):
     partitions = True
     nulls_last = True
 
-    def bytewise(self, column: str) -> str:
-        return f'{column} = %s COLLATE "C"'
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        return f'{column} = {value} COLLATE "C"'
 
     def connection_lost(self, error: Exception) -> bool:
         if not isinstance(error, (OperationalError, InterfaceError)):

@@ -1,32 +1,27 @@
-"""The single path's one-statement case on PostgreSQL: decide "apply" in SQL.
+"""PostgreSQL's road without a read: a message's "apply" decided in SQL, in one statement.
 
-A new message normally costs the order read, then its transaction (``BEGIN``, the
-inbox claim, the conditional UPDATE, ``COMMIT``:
-:mod:`~idempotent_orders.consuming.writing`). For the built-in
-message types whose transition has one source and no ``conditions=``,
+For a message :func:`~idempotent_orders.consuming.unread.plan` takes (one source, a
+built-in rule, nothing of the project's to run),
 :func:`~idempotent_orders.consuming.decision.decide` says "apply" exactly when a few
-column tests hold on the order (state, ``has_parked``, ``last_seq``, and the
-validator's comparisons with the order, such as the amount and currency of a
-payment). Those tests go into the UPDATE's WHERE clause instead of a read
-beforehand, and the claim into the same statement, so the message costs one statement,
-committed on its own (prepared once per database session, see
-:func:`~idempotent_orders.prepared.fetch_one`):
+column tests hold on the order (state, ``has_parked``, ``last_seq``, the rule's
+comparisons such as the amount and currency of a payment). Those tests go into the
+UPDATE's WHERE clause, and the claim into the same statement, committed on its own
+(prepared once per database session, see :func:`~idempotent_orders.prepared.fetch_one`):
 
 ``WITH claim AS (INSERT inbox ... ON CONFLICT DO NOTHING),
 moved AS (UPDATE order SET ... WHERE pk AND <the tests> AND the claim happened
 RETURNING the new row)``. A follow-up that hands its outbox row over as data
 (``outbox_row``, see :class:`~idempotent_orders.consuming.running.FollowUpRow`) has it
 written by the same statement (``queued AS (INSERT outbox ... WHERE EXISTS (moved)
-ON CONFLICT (message_id) DO NOTHING)``), so the message stays one statement in
-autocommit; any other follow-up puts the statement in a transaction with it.
+ON CONFLICT (message_id) DO NOTHING)``); any other follow-up puts the statement in a
+transaction with it.
 
 PostgreSQL checks the WHERE clause on the row version it locks (a concurrent
 writer's committed change included), so the tests hold on the order the
-update writes, as a read-then-conditional-update would ensure. Every test is
-at least as strict as the Python validator (text compared bytewise, ``COLLATE
-"C"``); anything else (the tests fail, a duplicate, a value the column cannot
-take) writes nothing and the message takes the usual path: read, decide,
-write. A project's own validator never takes this path.
+update writes. Every test is at least as strict as the Python validator (text
+compared bytewise, ``COLLATE "C"``); anything else (the tests fail, a duplicate, a
+value the column cannot take) writes nothing and the message is read, decided and
+written by :mod:`~idempotent_orders.consuming.writing`.
 """
 
 from __future__ import annotations
@@ -36,35 +31,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
-from django.db.models import (
-    BigIntegerField,
-    CharField,
-    DateTimeField,
-    Field,
-    IntegerField,
-    Model,
-    PositiveBigIntegerField,
-    PositiveIntegerField,
-    TextField,
-)
+from django.db.models import DateTimeField, Field, Model
 from django.utils import timezone
 
 from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.graph import (
-    state_field,
-)
-from idempotent_orders.consuming.running import (
-    written_values,
-)
+from idempotent_orders.consuming.payments import SPENT_FIELDS, spent_after
+from idempotent_orders.consuming.running import written_values
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
     inbox_partitioned,
     inbox_preparation,
     inbox_template,
+    plain_type,
     preparation,
     queue_follow_up,
 )
-from idempotent_orders.consuming.unread import Plan, Shape, plan, written
+from idempotent_orders.consuming.unread import Plan, Shape, plan, update_sql, written
 from idempotent_orders.models import Outcome, SpentPayment
 from idempotent_orders.prepared import PreparedMissing, fetch_one
 from idempotent_orders.signals import order_transitioned
@@ -89,7 +71,8 @@ class _Arguments:
     def ref(self, source: str, field: Field[Any, Any], prepare: _Prepare) -> str:
         # Django's own text, integer and time fields prepare a value the same
         # whatever their options: one argument serves every such column of a type.
-        owner: Any = type(field) if type(field) in _OPTIONLESS else field
+        kind = type(field)
+        owner: Any = kind if kind is DateTimeField or plain_type(field) else field
         key = (source, owner, field.db_type(self._conn))
         n = self._index.get(key)
         if n is None:
@@ -100,18 +83,6 @@ class _Arguments:
 
 #: Prepares an argument's value for the database: ``(value, connection) -> value``.
 _Prepare = Callable[[Any, Any], Any]
-
-_OPTIONLESS = frozenset(
-    {
-        CharField,
-        TextField,
-        DateTimeField,
-        IntegerField,
-        BigIntegerField,
-        PositiveIntegerField,
-        PositiveBigIntegerField,
-    }
-)
 
 
 def _literal(conn: Any, value: Any) -> str:
@@ -166,57 +137,38 @@ def _compile(
         else:  # as in every applied message's row: the template's own value
             inserted.append(_literal(conn, base))
     (leaves,) = shape.sources  # one state tested (unread.plan's default)
+    shared = {name for name, _, same in tests if same}
+
+    def place(role: str, field: Field[Any, Any]) -> str:
+        kind, _, name = role.partition(":")
+        if kind in ("target", "source"):
+            return _literal(conn, shape.target if kind == "target" else leaves)
+        if kind == "value":
+            source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
+        elif kind == "test":
+            source = f"set:{name}" if name in shared else f"test:{name}"
+        else:
+            source = {"pk": "order_id"}.get(kind, kind)
+        return args.ref(source, field, preparation(field))
+
+    tested = [(name, empty) for name, empty, _ in tests]
+    update = update_sql(model, place, 1, value_names, tested, seq, conn)
     qn = conn.ops.quote_name
     meta = model._meta
-    table = qn(meta.db_table)
-    state = qn(str(state_field(model).column))
-    pk_field = meta.pk
-    assert pk_field is not None
-    pk = qn(str(pk_field.column))
-    version = qn(str(meta.get_field("version").column))  # type: ignore[union-attr]
-    sets = [f"{state} = {_literal(conn, shape.target)}", f"{version} = {version} + 1"]
-    for name in value_names:
-        written = _field(model, name)
-        source = {"updated_at": "now", "last_seq": "seq"}.get(name, f"set:{name}")
-        placeholder = args.ref(source, written, preparation(written))
-        sets.append(f"{qn(str(written.column))} = {placeholder}")
-    where = [
-        f"{pk} = {args.ref('order_id', pk_field, preparation(pk_field))}",
-        f'{state} = {_literal(conn, leaves)} COLLATE "C"',
-        f"{qn(str(meta.get_field('has_parked').column))} = false",  # type: ignore[union-attr]
-    ]
-    if seq:
-        last_seq = _field(model, "last_seq")
-        column = qn(str(last_seq.column))
-        where.append(f"{column} = {args.ref('previous_seq', last_seq, preparation(last_seq))}")
-    for name, empty, shared in tests:
-        tested = _field(model, name)
-        column = qn(str(tested.column))
-        collate = ' COLLATE "C"' if isinstance(tested, CharField | TextField) else ""
-        source = f"set:{name}" if shared else f"test:{name}"
-        test = f"{column} = {args.ref(source, tested, preparation(tested))}{collate}"
-        where.append(f"({column} = '' OR {test})" if empty else test)
     by_attname = {f.attname: f for f in meta.concrete_fields}
     # Without anyone to hand the order to, the statement returns none of it.
     returning = ", ".join(qn(str(by_attname[a].column)) for a in attnames) or "1"
     spent = ""
     if spends:
-        smeta = SpentPayment._meta
-        sfields = [smeta.get_field(n) for n in ("payment_id", "order", "consumer", "message_id")]
-        columns = ", ".join(qn(str(f.column)) for f in sfields)  # type: ignore[union-attr]
+        sfields = [SpentPayment._meta.get_field(n) for n in SPENT_FIELDS]
         refs = [
             args.ref(source, f, inbox_preparation(f))  # type: ignore[arg-type]
             for source, f in zip(
                 (spends, "order_id", "consumer", "message_id"), sfields, strict=True
             )
         ]
-        unique = qn(str(sfields[0].column))  # type: ignore[union-attr]
-        spent = (
-            f" spent AS (INSERT INTO {qn(smeta.db_table)} ({columns})"
-            f" SELECT {', '.join(refs)} WHERE EXISTS (SELECT 1 FROM claim)"
-            f" ON CONFLICT ({unique}) DO NOTHING RETURNING 1),"
-        )
-        where.append("EXISTS (SELECT 1 FROM spent)")
+        spent = f" {spent_after('claim', refs)},"
+        update += " AND EXISTS (SELECT 1 FROM spent)"
     outbox, queued_id = "", ""
     if queued:
         outbox = ", " + queue_follow_up(
@@ -225,8 +177,7 @@ def _compile(
         queued_id = " (SELECT id FROM queued),"
     sql = (
         f"WITH claim AS ({template.insert(inserted)} RETURNING 1),{spent}"
-        f" moved AS (UPDATE {table} SET {', '.join(sets)}"
-        f" WHERE {' AND '.join(where)} AND EXISTS (SELECT 1 FROM claim)"
+        f" moved AS ({update} AND EXISTS (SELECT 1 FROM claim)"
         f" RETURNING {returning}){outbox}"
         " SELECT c.n, CASE WHEN c.n = 1 THEN 1 / (SELECT count(*) FROM moved) ELSE 0 END,"
         f"{queued_id} moved.* FROM (SELECT count(*) AS n FROM claim) c LEFT JOIN moved ON true"
@@ -234,33 +185,23 @@ def _compile(
     return _Statement(sql, tuple(args.sources))
 
 
-def _field(model: type[Model], name: str) -> Field[Any, Any]:
-    field = model._meta.get_field(name)
-    assert isinstance(field, Field)
-    return field
-
-
 #: Statements by (database, model, transition, written fields, tests, with seq, announced).
 _statements: dict[tuple[Any, ...], _Statement] = {}
 
 
-def _outside_transaction() -> bool:
-    """Whether :func:`apply_unread` may run now: outside any transaction. Inside a
-    caller's transaction the statement would not be the whole transaction (and its
-    deliberate error would abort the caller's)."""
-    return not connections[DEFAULT_DB_ALIAS].in_atomic_block
-
-
 def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
-    """Apply ``envelope`` in one statement when its verdict is "apply"; None: take the usual path.
+    """Apply ``envelope`` in one statement when its verdict is "apply"; None: read first.
 
-    Declines inside a caller's transaction (:func:`_outside_transaction`).
-    On APPLIED the inbox row and the transition are committed and
-    ``transition_written`` was called (when anyone listens for the order); the caller
-    announces the outcome.
+    Declines inside a caller's transaction: the statement would not be the whole
+    transaction (and its deliberate error would abort the caller's). On APPLIED the inbox
+    row and the transition are committed and ``transition_written`` was called (when
+    anyone listens for the order); the caller announces the outcome.
     """
-    if not _outside_transaction():
-        return None  # a caller's transaction: read first
+    # The wrapper itself, not the ``connection`` proxy: each attribute read
+    # through the proxy costs a context-local lookup.
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.in_atomic_block:
+        return None
     p = plan(envelope, model)
     if p is None:
         return None
@@ -271,9 +212,6 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
     handed = p.handed
     follow_up = p.follow_ups is None
     announced = follow_up or order_transitioned.has_listeners(model)
-    # The wrapper itself, not the ``connection`` proxy: each attribute read
-    # through the proxy costs a context-local lookup.
-    conn = connections[DEFAULT_DB_ALIAS]
     seq = envelope.seq
     shapes = tuple((t[0], t[2], t[0] in fields and fields[t[0]] == t[1]) for t in tests)
     payment = p.payment
