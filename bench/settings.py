@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("IO_TEST_DATABASE", "postgres")
 os.environ.setdefault("IO_TEST_DB_NAME", os.environ.get("BENCH_DB_NAME", "bench_idempotent_orders"))
+# Redis database 0, not the tests' (whose per-test cleanup would walk the bench's keys).
+os.environ.setdefault("IO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 os.environ["IO_WORKER_DB"] = "1"  # open the named database itself, no test_ prefix
 
 from tests.settings import *  # noqa: F403

@@ -30,7 +30,11 @@ WORKER = os.environ.get("IO_WORKER_DB") == "1"
 
 POSTGRES_URL = os.environ.get("IO_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
 MARIADB_URL = os.environ.get("IO_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test")
-REDIS_URL = os.environ.get("IO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The tests' own logical database: each test's cleanup walks the database it runs in, so
+# it must not share one with an application's or a benchmark's keys (database 0). Database 1
+# is the worker tests' Redis broker (tests/support/services.py); tests/support/matrix.py gives
+# each leg running a database of its own from 3 to 14.
+REDIS_URL = os.environ.get("IO_TEST_REDIS_URL", "redis://127.0.0.1:6379/2")
 RABBITMQ_URL = os.environ.get("IO_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 

@@ -20,7 +20,7 @@ from tests.support.messages import payment, shipment
 from tests.support.services import ROOT
 from tests.support.threads import run_threads
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.races]
 
 
 def lifecycle(order: Order) -> list[tuple[str, dict[str, Any]]]:

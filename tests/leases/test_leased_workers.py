@@ -104,6 +104,7 @@ def run_reconciler(limit: int) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.races
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.django_db(transaction=True)
 def test_two_reconcilers_never_double_act(make_order) -> None:

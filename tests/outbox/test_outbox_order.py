@@ -120,6 +120,7 @@ def assert_in_key_order(seen: list[str], keys: dict[str, list[str]]) -> None:
         last[key] = position[mid]
 
 
+@pytest.mark.races
 @pytest.mark.services
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.django_db(transaction=True)

@@ -63,6 +63,7 @@ def test_pending_counts_the_rows_this_run_left_pending(monkeypatch: pytest.Monke
     assert (result.published, result.retried, result.pending) == (2, 1, 1)
 
 
+@pytest.mark.races
 @pytest.mark.services
 @pytest.mark.backends("postgresql", "mysql")
 @pytest.mark.django_db(transaction=True)

@@ -262,6 +262,7 @@ class Consumer(RuleBasedStateMachine):
         assert not report.violations, report.violations
 
 
+@pytest.mark.races
 def test_consumer_state_machine(transactional_db: None) -> None:
     run_state_machine_as_test(Consumer)
 

@@ -6,8 +6,9 @@ machine; with ``CI=true`` they fail the run instead.
 The legs run side by side (``--jobs``, 3 by default): most of a leg's time is spent
 waiting on databases, brokers and worker processes, not on the CPU. Each leg has a
 database and a Redis key prefix of its own (``IO_TEST_DB_NAME`` and
-``IO_TEST_NAMESPACE`` with the leg's suffix), its own browser screenshots folder, and
-its output in a log file; a failed leg's failures are printed. The long runs (marker
+``IO_TEST_NAMESPACE`` with the leg's suffix), a Redis logical database of its own while
+it runs (``IO_TEST_REDIS_URL``), its own browser screenshots folder, and its output in a
+log file; a failed leg's failures are printed. The long runs (marker
 ``heavy``) are a leg of their own; the chaos runs on RabbitMQ (marker
 ``restarts_rabbitmq``) run alone, before the other legs, when they restart the shared
 broker (``IO_CHAOS_RESTART_RABBITMQ=1``, as in CI). ``--dry-run`` lists the legs.
@@ -16,6 +17,7 @@ broker (``IO_CHAOS_RESTART_RABBITMQ=1``, as in CI). ``--dry-run`` lists the legs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import socket
@@ -26,6 +28,9 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Queue
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -40,12 +45,16 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # ``heavy``: the chaos runs, a killed primary, a retry held by the broker) run on Django
 # 5.2's PostgreSQL leg. The browser tests (marker ``browser``: Django's admin pages in
 # Chromium, which change with Django) run on the Django 5.2 legs of PostgreSQL and
-# MariaDB and on Django 6's PostgreSQL leg. The own-model legs (tests/swapped) repeat
-# what the default-model legs of the same Django and database repeat.
+# MariaDB and on Django 6's PostgreSQL leg. The races (marker ``races``: threads and
+# processes racing on the database, relays and reconcilers in parallel, the consume
+# road's property runs) run the same statements the one-at-a-time tests of the same
+# roads run on every leg; what they add is the database's locking and the road's logic,
+# not Django's, so Django 6 runs them on PostgreSQL only. The own-model legs
+# (tests/swapped) repeat what the default-model legs of the same Django and database repeat.
 REPEAT = {
     "postgres": "not heavy and (not workers or workers_on_every_django)",
-    "mariadb": "not workers and not browser and not heavy",
-    "sqlite": "not workers",
+    "mariadb": "not workers and not browser and not heavy and not races",
+    "sqlite": "not workers and not races",
 }
 # The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
 # leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
@@ -100,19 +109,67 @@ SUITES = (
 )
 
 
-#: The Redis the tests use, and the key count above which the matrix warns.
-REDIS_URL = os.environ.get("IO_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The Redis the tests use (tests/settings.py's default). Each test deletes its run's
+#: fast-path keys first, with a SCAN of the whole logical database it runs in: a leg
+#: running gets a database of its own from LEG_REDIS_DBS (0 is the applications' and the
+#: benchmarks', 1 the worker tests' broker, 2 a plain pytest run's, 15 a check test's), so
+#: that SCAN walks that leg's keys only, and the leg's keys are deleted when it ends.
+REDIS_URL = os.environ.get("IO_TEST_REDIS_URL", "redis://127.0.0.1:6379/2")
+LEG_REDIS_DBS = range(3, 15)
+#: Keys in a leg's database that are not its own (another checkout's run, a run that was
+#: killed before it deleted its keys) above which the matrix warns: every test walks them.
 CROWDED_REDIS = 50_000
 
 
-def redis_keys() -> int | None:
-    """How many keys the tests' Redis database holds; None when it cannot be asked."""
-    try:
-        import redis
+def redis_at(db: int) -> str:
+    """REDIS_URL with logical database ``db``."""
+    parts = urlsplit(REDIS_URL)
+    return urlunsplit(parts._replace(path=f"/{db}"))
 
-        return int(redis.Redis.from_url(REDIS_URL, socket_timeout=2).dbsize())
+
+def redis_client(db: int) -> Any:
+    import redis
+
+    return redis.Redis.from_url(redis_at(db), socket_timeout=5)
+
+
+def redis_databases() -> list[int]:
+    """The legs' databases this Redis has (all of them when it does not say); [] unreachable."""
+    try:
+        client = redis_client(0)
+        client.ping()
     except Exception:
-        return None
+        return []
+    try:
+        count = int(client.config_get("databases").get("databases", 16))
+    except Exception:
+        count = 16  # CONFIG is disabled on some managed Redis: the default
+    return [db for db in LEG_REDIS_DBS if db < count]
+
+
+def redis_keys(databases: list[int]) -> dict[int, int]:
+    """How many keys each database holds (those that cannot be asked left out)."""
+    counts = {}
+    for db in databases:
+        with contextlib.suppress(Exception):
+            counts[db] = int(redis_client(db).dbsize())
+    return counts
+
+
+def delete_redis_keys(db: int, namespace: str) -> None:
+    """Delete the keys under a leg's KEY_PREFIX (``namespace:``) in its database."""
+    try:
+        client = redis_client(db)
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=f"{namespace}:*", count=10_000):
+            batch.append(key)
+            if len(batch) >= 5_000:
+                client.delete(*batch)
+                batch.clear()
+        if batch:
+            client.delete(*batch)
+    except Exception as exc:
+        print(f"matrix: could not delete the Redis keys {namespace}:* in database {db}: {exc}")
 
 
 def reachable(host: str, port: int) -> bool:
@@ -180,7 +237,27 @@ def summary_of(log: Path, lines: int = 400) -> str:
     return "\n".join(kept)
 
 
-def run_leg(leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, str]) -> Result:
+def run_leg(
+    leg: Leg,
+    pytest_args: list[str],
+    report_dir: Path,
+    base: dict[str, str],
+    redis_dbs: Queue[int] | None,
+) -> Result:
+    # The legs running at once never outnumber the databases (see main); a database
+    # is another leg's only after this leg's keys are deleted from it.
+    db = redis_dbs.get() if redis_dbs is not None else None
+    try:
+        return run_leg_in(leg, pytest_args, report_dir, base, db)
+    finally:
+        if db is not None and redis_dbs is not None:
+            delete_redis_keys(db, base["namespace"] + leg.suffix)
+            redis_dbs.put(db)
+
+
+def run_leg_in(
+    leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, str], db: int | None
+) -> Result:
     junit = report_dir / f"{leg.key}.xml"
     log = report_dir / f"{leg.key}.log"
     junit.unlink(missing_ok=True)
@@ -190,6 +267,7 @@ def run_leg(leg: Leg, pytest_args: list[str], report_dir: Path, base: dict[str, 
         "IO_TEST_DATABASE": leg.database,
         "IO_TEST_DB_NAME": base["db"] + leg.suffix,
         "IO_TEST_NAMESPACE": base["namespace"] + leg.suffix,
+        **({"IO_TEST_REDIS_URL": redis_at(db)} if db is not None else {}),
         "IO_TEST_SCREENSHOTS": str(report_dir / "screenshots" / leg.key),
         **dict(leg.env),
     }
@@ -368,15 +446,24 @@ def main() -> int:
             )
 
     jobs = max(1, args.jobs)
-    crowded = redis_keys()
-    if crowded is not None and crowded > CROWDED_REDIS:
-        # Each test clears its own keys with a SCAN of the whole database: other keys
-        # (a benchmark's, another checkout's) slow every test down (seen: 14 -> 40 min).
-        print(
-            f"matrix: warning: Redis at {REDIS_URL} holds {crowded:,} keys; each test's "
-            "cleanup scans them all, so the suite runs slower (delete keys left by other runs)",
-            flush=True,
-        )
+    databases = redis_databases()
+    redis_dbs: Queue[int] | None = None
+    if databases:
+        # One database per leg running: more jobs than databases would share them.
+        jobs = min(jobs, len(databases))
+        redis_dbs = Queue()
+        for db in databases:
+            redis_dbs.put(db)
+    for db, count in redis_keys(databases).items():
+        if count > CROWDED_REDIS:
+            # Each test clears its own keys with a SCAN of its leg's whole database: other
+            # keys there slow every test of the leg down (seen in one database: 14 -> 40 min).
+            print(
+                f"matrix: warning: Redis database {db} at {redis_at(db)} holds {count:,} "
+                "keys; each test of the leg that runs there scans them all, so it runs "
+                "slower (delete the keys other runs left there)",
+                flush=True,
+            )
     if args.dry_run:
         for leg in sorted(legs, key=lambda leg: (not leg.exclusive, -leg.estimate)):
             print(
@@ -394,9 +481,11 @@ def main() -> int:
     alone = [leg for leg in legs if leg.exclusive]
     together = sorted((leg for leg in legs if not leg.exclusive), key=lambda leg: -leg.estimate)
     for leg in alone:
-        results.append(run_leg(leg, args.pytest_args, report_dir, base))
+        results.append(run_leg(leg, args.pytest_args, report_dir, base, redis_dbs))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results += pool.map(lambda leg: run_leg(leg, args.pytest_args, report_dir, base), together)
+        results += pool.map(
+            lambda leg: run_leg(leg, args.pytest_args, report_dir, base, redis_dbs), together
+        )
 
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print("\nmatrix legs:")

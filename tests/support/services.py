@@ -345,10 +345,13 @@ class RedisSentinel:
     """A private ``redis-server --sentinel`` watching a :class:`RedisServer` as ``service``
     (its config file, which the sentinel rewrites, in a temporary directory)."""
 
-    def __init__(self, master: RedisServer, service: str = "io") -> None:
+    def __init__(self, master: RedisServer, service: str | None = None) -> None:
         self.master = master
-        self.service = service
         self.port = free_port()
+        # A service name of its own: django-redis keeps a connection pool per LOCATION for
+        # the whole process, and a pool left by an earlier test's sentinel (stopped) would
+        # spend each connection of this one retrying that sentinel first.
+        self.service = service or f"io-{self.port}"
         self.dir = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
