@@ -176,7 +176,7 @@ def purge_outbox_task() -> int:
 
 @shared_task(name="idempotent_orders.surface_overdue_parked")
 def surface_overdue_parked() -> int:
-    """Periodic: mark parked messages that waited too long (see ``PARKED_TIMEOUT``)."""
+    """Periodic: release parked messages that can go ahead, mark those that waited too long."""
     from idempotent_orders.consuming.single import surface_overdue_parked as surface
 
     return len(surface())

@@ -501,19 +501,27 @@ def _release_failed(parked: ParkedMessage, envelope: Envelope, exc: Exception) -
 def surface_overdue_parked(*, timeout: int | None = None) -> list[ParkedMessage]:
     """Release what can go ahead, then mark parked messages older than ``timeout`` overdue.
 
-    The release pass is a backstop for a worker that died between parking a
-    message and re-checking it. Each message is marked once (a conditional
-    UPDATE), and ``parked_overdue`` is sent for it; operators find the rows in
-    the admin under "overdue". Returns the newly marked rows.
+    The release pass is the backstop for a worker that died between a commit and
+    its re-check of the parked messages (its own, or the successors of what it
+    applied). A message parked for a sequence gap is released as soon as the
+    order has reached the seq before it, whatever its age; one parked for a state
+    (no seq) is tried again once it waited ``PARKED_ATTENTION_AFTER``. Each message
+    is then marked overdue once (a conditional UPDATE), and ``parked_overdue`` is
+    sent for it; operators find the rows in the admin under "overdue". Returns
+    the newly marked rows.
     """
-    from django.utils import timezone
+    from django.db.models import F, Q
 
     timeout = conf.PARKED_TIMEOUT if timeout is None else timeout
     now = timezone.now()
     cutoff = now - timedelta(seconds=timeout)
-    old = ParkedMessage.objects.filter(parked_at__lte=cutoff, overdue_at__isnull=True)
-    for order_id in old.values_list("order_id", flat=True).distinct().order_by("order_id"):
+    retry_after = now - timedelta(seconds=min(timeout, conf.PARKED_ATTENTION_AFTER))
+    may_go_ahead = ParkedMessage.objects.filter(overdue_at__isnull=True).filter(
+        Q(seq__lte=F("order__last_seq") + 1) | Q(parked_at__lte=retry_after)
+    )
+    for order_id in may_go_ahead.values_list("order_id", flat=True).distinct().order_by("order_id"):
         release_parked(order_id)
+    old = ParkedMessage.objects.filter(parked_at__lte=cutoff, overdue_at__isnull=True)
     marked: list[ParkedMessage] = []
     for parked in old.order_by("order_id", "seq", "id"):
         if ParkedMessage.objects.filter(pk=parked.pk, overdue_at__isnull=True).update(

@@ -699,15 +699,49 @@ def test_overdue_parked_messages_are_surfaced_once(make_order) -> None:
 
 
 @pytest.mark.django_db
-def test_overdue_pass_releases_what_can_go_ahead(make_order) -> None:
+def test_overdue_pass_releases_a_gap_filled_by_a_worker_that_died_at_once(make_order) -> None:
+    from idempotent_orders.consuming import single
+
     order = make_order()
     early = shipment(order, seq=2)
     assert consume_message(early, consumer="shipping") is Outcome.PARKED
-    # A predecessor committed by a worker that died before releasing its successors.
-    consume_message(payment(order, seq=1), consumer="payments")
-    ParkedMessage.objects.update(parked_at=timezone.now() - timedelta(hours=2))
+    # The predecessor commits in a worker that dies before it releases its successors.
+    with mock.patch.object(single, "release_parked", return_value=[]):
+        assert consume_message(payment(order, seq=1), consumer="payments") is Outcome.APPLIED
+    assert ParkedMessage.objects.filter(message_id=early["message_id"]).exists()
+    # The next pass releases it, long before PARKED_TIMEOUT: its seq can go ahead now.
     assert surface_overdue_parked(timeout=3600) == []
     assert not ParkedMessage.objects.exists()
+    order.refresh_from_db()
+    assert (order.status, order.last_seq) == (S.SHIPPED, 2)
+    row = ProcessedMessage.objects.get(message_id=early["message_id"])
+    assert row.outcome == Outcome.APPLIED
+
+
+@pytest.mark.django_db
+def test_overdue_pass_tries_a_state_parked_message_again_after_the_attention_delay(
+    make_order,
+) -> None:
+    from idempotent_orders.conf import conf
+    from idempotent_orders.consuming import single
+
+    order = make_order()
+    early = shipment(order, "delivered")  # no seq: it waits for the order to be shipped
+    assert consume_message(early, consumer="shipping") is Outcome.PARKED
+    with mock.patch.object(single, "release_parked", return_value=[]):
+        consume_message(payment(order), consumer="payments")
+        consume_message(shipment(order), consumer="shipping")
+    order.refresh_from_db()
+    assert order.status == S.SHIPPED
+    # Without a seq the pass cannot tell it may go ahead: it waits PARKED_ATTENTION_AFTER.
+    assert surface_overdue_parked(timeout=3600) == []
+    assert ParkedMessage.objects.filter(message_id=early["message_id"]).exists()
+    waited = timedelta(seconds=conf.PARKED_ATTENTION_AFTER + 1)
+    ParkedMessage.objects.update(parked_at=timezone.now() - waited)
+    assert surface_overdue_parked(timeout=3600) == []
+    assert not ParkedMessage.objects.exists()
+    order.refresh_from_db()
+    assert order.status == S.COMPLETED
 
 
 # -- checks ------------------------------------------------------------------------

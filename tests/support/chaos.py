@@ -28,6 +28,7 @@ from typing import Any
 
 from django.db import connection
 
+from idempotent_orders.consuming.single import surface_overdue_parked
 from idempotent_orders.models import (
     InboxStatus,
     Order,
@@ -421,8 +422,10 @@ def run_chaos(
             break
         # What Celery beat does in production: a fulfilment step whose worker
         # was killed mid-call is resolved once its (short, see chaos_settings)
-        # lease expires.
+        # lease expires, and a parked message whose releasing worker was killed
+        # after its commit is released once its predecessor is in.
         reconcile()
+        surface_overdue_parked()
         count = ProcessedMessage.objects.count()
         if count != last_count:
             last_count, quiet_since = count, time.monotonic()

@@ -11,8 +11,9 @@ from idempotent_orders.consuming.single import surface_overdue_parked
 
 class Command(BaseCommand):
     help = (
-        "Mark parked messages that waited longer than PARKED_TIMEOUT as overdue "
-        "(sends parked_overdue); run it from cron or use the Celery task."
+        "Release parked messages that can go ahead, then mark those that waited longer "
+        "than PARKED_TIMEOUT as overdue (sends parked_overdue); run it from cron or use "
+        "the Celery task."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
