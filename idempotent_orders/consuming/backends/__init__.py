@@ -7,6 +7,8 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
 
 - ``without_read``: the roads that apply a message before reading its order (a message
   with nothing of the project's to run), tried in order; each returns None to decline;
+- ``send_at_once``: how :mod:`~idempotent_orders.consuming.backends.at_once` sends a
+  message's statements as one transaction (MariaDB and SQLite);
 - ``two_texts``: how a message the roads without a read decline is claimed and read in
   one text, and written and committed in a second
   (:mod:`~idempotent_orders.consuming.backends.claim_and_run`);
@@ -22,18 +24,20 @@ instance is shared by every connection of its vendor.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import connection as default_connection
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils.module_loading import import_string
 
-__all__ = ["Backend", "backend"]
+__all__ = ["Backend", "Statements", "backend"]
 
 #: A road that applies a message before its order is read: ``(envelope, consumer, model)``
 #: to the outcome, or None when it declines (nothing written).
 RoadWithoutRead = Callable[[Any, str, Any], Any]
+#: A message's statements for :meth:`Backend.send_at_once`: ``(step, sql, args)``.
+Statements = Sequence[tuple[str, str, Sequence[Any]]]
 
 
 class Backend:
@@ -56,11 +60,10 @@ class Backend:
     locks_orders_first = False
     #: ``ORDER BY`` puts NULL after every value.
     nulls_last = False
-    #: A message's statements go straight to the driver as one transaction of their
-    #: own, before its order is read (:mod:`~idempotent_orders.consuming.backends.at_once`).
+    #: The road without a read is :mod:`~idempotent_orders.consuming.backends.at_once`'s: a
+    #: message's statements sent as one transaction of their own (:meth:`send_at_once`),
+    #: the state tested against each source of the transition.
     at_once = False
-    #: ... and as one text (the driver runs multi statements).
-    at_once_in_one_text = False
     #: The most digits a decimal column keeps exactly (None: what it declares).
     exact_decimal_digits: int | None = None
     #: How :mod:`~idempotent_orders.consuming.backends.claim_and_run` sends its two texts,
@@ -98,6 +101,20 @@ class Backend:
         """Whether ``error`` says the connection went away (a statement sent may have
         committed), not that the server refused or rolled something back."""
         return False
+
+    def ready_at_once(self, conn: Any) -> bool:
+        """Whether :meth:`send_at_once` may send on ``conn`` (outside any transaction)."""
+        return self.at_once
+
+    def send_at_once(
+        self, conn: Any, statements: Statements, read: list[Any]
+    ) -> tuple[bool, int | None]:
+        """Send ``statements`` (``(step, sql, args)``: ``inbox``, ``spent``, ``source``,
+        ``update``, ``read``, ``queue``) to ``conn``'s driver as one transaction of their
+        own, the rows ``source`` and ``read`` fetch appended to ``read``; ``(applied,
+        the outbox row's id or None)``. Not applied (rolled back, nothing written): the
+        inbox row or the payment was taken, or the UPDATE matched no row."""
+        raise NotImplementedError
 
 
 def _module(path: str) -> tuple[Any, str]:

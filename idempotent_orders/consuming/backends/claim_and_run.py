@@ -25,7 +25,7 @@ how:
   <claim and spend>; <read>``, then ``WITH moved AS (UPDATE ...), queued AS (INSERT
   <outbox> ...) SELECT 1 / count(moved) ...; COMMIT`` (the division fails when the
   UPDATE matched nothing), as prepared statements of the session;
-- MariaDB/MySQL (:mod:`~idempotent_orders.consuming.backends.mysql_texts`): ``START
+- MariaDB/MySQL (:mod:`~idempotent_orders.consuming.backends.mysql`): ``START
   TRANSACTION; SELECT <order> ... FOR UPDATE; INSERT <inbox>; [INSERT <spent>]``, then
   ``UPDATE ...; <guard>; [INSERT IGNORE <outbox>]; COMMIT`` (the guard fails when the
   UPDATE matched nothing), one multi-statement text each.
