@@ -45,15 +45,12 @@ from django.db import (
     OperationalError,
     transaction,
 )
-from django.db.models import Field, Model
+from django.db.models import Field
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends import Backend, Statements
 from idempotent_orders.consuming.backends.at_once import inserts
 from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
-from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.graph import state_field
-from idempotent_orders.consuming.running import guarded_update_sql
 from idempotent_orders.consuming.sql import inbox_template
 
 __all__ = ["MySQL", "MySQLTexts"]
@@ -200,21 +197,17 @@ class MySQLTexts(Texts):
         self,
         conn: Any,
         cursor: Any,
-        envelope: Envelope,
-        consumer: str,
-        payment: str | None,
+        inbox: dict[str, Any],
+        spent: list[Any] | None,
         read: str,
         read_args: Sequence[Any],
     ) -> Sequence[Any]:
         texts = inserts()
         statements = ["START TRANSACTION", f"{read} FOR UPDATE", texts.inbox]
-        args = [
-            *read_args,
-            *inbox_template().params(envelope.inbox_fields(consumer), timezone.now()),
-        ]
-        if payment is not None:
+        args = [*read_args, *inbox_template().params(inbox, timezone.now())]
+        if spent is not None:
             statements.append(texts.spent)
-            args += [payment, envelope.order_id, consumer, envelope.message_id]
+            args += spent
         try:
             with conn.wrap_database_errors:
                 cursor.execute("; ".join(statements), args)
@@ -230,20 +223,8 @@ class MySQLTexts(Texts):
             raise Declined
         return row
 
-    def compile(
-        self,
-        conn: Any,
-        model: type[Model],
-        meta: Any,
-        values: Sequence[Field[Any, Any]],
-        conditions: Sequence[Field[Any, Any]],
-        queued: bool,
-        commit: bool,
-    ) -> _Update:
-        statements = [
-            guarded_update_sql(conn, meta, str(state_field(model).column), values, conditions),
-            _GUARD,
-        ]
+    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> _Update:
+        statements = [update, _GUARD]
         texts = inserts()
         if queued:
             statements.append(texts.queue)
