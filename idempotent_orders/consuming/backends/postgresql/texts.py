@@ -43,7 +43,7 @@ from django.db.models import Field
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
-from idempotent_orders.consuming.payments import claim_and_spend_sql
+from idempotent_orders.consuming.backends.postgresql import claim_and_spend_sql
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
     inbox_partitioned,
