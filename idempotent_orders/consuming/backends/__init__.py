@@ -13,7 +13,8 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
   one text, and written and committed in a second
   (:mod:`~idempotent_orders.consuming.backends.claim_and_run`);
 - the statements' spelling: inserting while skipping duplicates, comparing text
-  bytewise, one array per column (PostgreSQL's ``unnest``);
+  bytewise; a batch chunk's filter of its orders, its one UPDATE of many orders and its
+  spent payments (PostgreSQL's: one array per column, ``unnest``);
 - the features that change the plan: whether a batch locks its orders before it claims,
   where ``ORDER BY`` puts NULL, whether a lost connection may hide a commit.
 
@@ -50,8 +51,8 @@ class Backend:
     #: The roads that skip the order's read, as ``module:function`` under
     #: ``idempotent_orders.consuming``, tried in order (see :meth:`roads_without_read`).
     without_read: tuple[str, ...] = ()
-    #: Statements take one array per column (``unnest``, ``= ANY``), one text for any
-    #: number of rows.
+    #: A batch's claim takes one array per column (``unnest``) and looks its orders up in
+    #: the same statement.
     arrays = False
     #: A message's writes go in one statement (data-modifying ``WITH`` clauses): the
     #: inbox claim and the spent payment (:meth:`claim_and_spend`), or the claim and the

@@ -125,12 +125,7 @@ class Texts:
         raise NotImplementedError
 
     def write(
-        self,
-        conn: Any,
-        cursor: Any,
-        update: Any,
-        args: Sequence[Any],
-        queued: dict[str, Any] | None,
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         """Send ``update`` (from :meth:`compile`) with the UPDATE's ``args`` and the
         follow-up's ``queued`` fields; the outbox row's id (None: none written, its

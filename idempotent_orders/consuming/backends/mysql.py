@@ -233,12 +233,7 @@ class MySQLTexts(Texts):
         return _Update("; ".join(statements), texts.queued, texts.queued_defaults, commit)
 
     def write(
-        self,
-        conn: Any,
-        cursor: Any,
-        update: Any,
-        args: Sequence[Any],
-        queued: dict[str, Any] | None,
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         args = list(args)
         if queued is not None:

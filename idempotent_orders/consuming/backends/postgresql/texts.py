@@ -233,12 +233,7 @@ class PostgreSQLTexts(Texts):
         return _Update(sql, tuple(outbox), commit)
 
     def write(
-        self,
-        conn: Any,
-        cursor: Any,
-        update: Any,
-        args: Sequence[Any],
-        queued: dict[str, Any] | None,
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         sql = update.sql
         args = list(args)
