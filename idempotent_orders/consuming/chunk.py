@@ -27,7 +27,6 @@ from django.utils import timezone
 from idempotent_orders import dedup, get_order_model
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.backends.postgresql import arrays
-from idempotent_orders.consuming.backends.update_many import update_many
 from idempotent_orders.consuming.decision import Verdict, consumed, unknown_order
 from idempotent_orders.consuming.envelope import BODY_EXCERPT, Envelope, parse_envelope, serialise
 from idempotent_orders.consuming.failures import describe, failed_body, log_failure
@@ -169,11 +168,7 @@ def lock_orders(order_ids: set[int]) -> dict[int, AbstractOrder]:
     if not order_ids:
         return {}
     model = get_order_model()
-    locked = model._default_manager.select_for_update()
-    if backend().arrays:
-        locked = locked.filter(arrays.any_of(model, order_ids))
-    else:
-        locked = locked.filter(pk__in=order_ids)
+    locked = model._default_manager.select_for_update().filter(backend().pk_in(model, order_ids))
     return {o.pk: o for o in locked.order_by("pk")}
 
 
@@ -181,10 +176,7 @@ def update_orders(changed: Mapping[int, dict[str, Any]], read_version: Mapping[i
     """One conditional UPDATE of every changed order: ``WHERE (id=:id AND version=:v) OR ...``."""
     model = get_order_model()
     names = sorted({name for values in changed.values() for name in values})
-    if backend().arrays:
-        rows: int | None = arrays.update_orders(model, changed, read_version, names)
-    else:
-        rows = update_many(model, changed, read_version, names)
+    rows = backend().update_orders(model, changed, read_version, names)
     if rows is None:  # the ORM writes it
         assignments: dict[str, Any] = {
             name: Case(

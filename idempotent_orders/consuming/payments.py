@@ -10,26 +10,21 @@ is a duplicate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import connection
 
 from idempotent_orders.consuming.backends import backend
-from idempotent_orders.consuming.backends.postgresql.arrays import array_literal
 from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.models import SpentPayment
 
 __all__ = [
     "SPENT_FIELDS",
     "Reservation",
-    "claim_and_spend",
-    "claim_and_spend_sql",
     "payment_id",
     "record_spent",
     "spend",
-    "spent_after",
     "spent_by",
     "spent_table",
 ]
@@ -94,12 +89,12 @@ def record_spent(
     inserted in the order given, in the caller's transaction.
 
     A payment id spent already fails the insert (``IntegrityError``), unless
-    ``skip_spent``: then it is left as it is. Returns the ids inserted on PostgreSQL
-    (one ``INSERT ... SELECT FROM unnest(<arrays>)``: no model instance per row, and
-    the statement text is the same for any number of rows); None elsewhere, where
-    Django's ``bulk_create`` writes them and cannot tell.
+    ``skip_spent``: then it is left as it is. Returns the ids inserted where the backend
+    writes them in one statement (PostgreSQL's ``unnest``); None where Django's
+    ``bulk_create`` writes them and cannot tell.
     """
-    if not backend().arrays:
+    inserted = backend().record_spent(consumer, rows, skip_spent)
+    if inserted is None:
         SpentPayment.objects.bulk_create(
             [
                 SpentPayment(payment_id=p, order_id=o, consumer=consumer, message_id=m)
@@ -107,77 +102,7 @@ def record_spent(
             ],
             ignore_conflicts=skip_spent,
         )
-        return None
-    table, columns = spent_table()
-    meta = SpentPayment._meta
-    types = [meta.get_field(name).db_type(connection) for name in ("payment_id", "order")]
-    sql = (
-        f"INSERT INTO {table} ({', '.join(columns)})"
-        f" SELECT v.p, v.o, %s, v.m FROM unnest(%s::{types[0]}[], %s::{types[1]}[],"
-        f" %s::{meta.get_field('message_id').db_type(connection)}[]) AS v(p, o, m)"
-    )
-    if skip_spent:
-        sql += f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING {columns[0]}"
-    payments, orders, messages = ([row[n] for row in rows] for n in range(3))
-    params = [consumer, array_literal(payments), array_literal(orders), array_literal(messages)]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return {p for (p,) in cursor.fetchall()} if skip_spent else set(payments)
-
-
-#: The claim-and-spend statement's text, by (database alias, inbox partitioned).
-_claims: dict[tuple[str, bool], str] = {}
-
-
-def claim_and_spend(
-    values: Mapping[str, Any], now: Any, payment: str, order_id: Any
-) -> tuple[bool, Any | None]:
-    """PostgreSQL: the inbox row and the spent payment in one statement, in the caller's
-    transaction.
-
-    ``values``: the inbox row's per-message columns (as
-    :meth:`~idempotent_orders.consuming.sql.InboxTemplate.params` takes them; they
-    include ``consumer`` and ``message_id``). Returns ``(claimed, owner)``:
-    ``claimed`` False when the inbox already holds the message (nothing written);
-    ``owner`` as :func:`spend` returns it (None: recorded).
-    """
-    template = inbox_template()
-    key = (connection.alias, inbox_partitioned())
-    sql = _claims.get(key)
-    if sql is None:
-        sql = _claims[key] = claim_and_spend_sql(template.sql)
-    params = template.params(values, now)
-    consumer, message_id = values["consumer"], values["message_id"]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, payment, order_id, consumer, message_id])
-        claimed, recorded = cursor.fetchone()
-    if not claimed:
-        return False, None
-    return True, None if recorded else spent_by(payment)
-
-
-def claim_and_spend_sql(inbox_sql: str) -> str:
-    """PostgreSQL: the statement that runs ``inbox_sql`` (an inbox ``INSERT ... ON CONFLICT
-    DO NOTHING``) and, when it inserted the row, records the spent payment (four more
-    arguments: the payment id, the order, the consumer, the message id). It returns one
-    row, ``(claimed, recorded)``, each 0 or 1."""
-    return (
-        f"WITH new_inbox AS ({inbox_sql} RETURNING 1),"
-        f" {spent_after('new_inbox', ['%s'] * 4)}"
-        " SELECT (SELECT count(*) FROM new_inbox), (SELECT count(*) FROM spent)"
-    )
-
-
-def spent_after(claim: str, values: Sequence[str]) -> str:
-    """PostgreSQL: the ``spent`` clause of a ``WITH`` that records the payment (``values``:
-    the payment id, the order, the consumer, the message id) when the clause ``claim``
-    inserted the inbox row; a payment spent already inserts nothing."""
-    table, columns = spent_table()
-    return (
-        f"spent AS (INSERT INTO {table} ({', '.join(columns)})"
-        f" SELECT {', '.join(values)} WHERE EXISTS (SELECT 1 FROM {claim})"
-        f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING 1)"
-    )
+    return inserted
 
 
 class Reservation:

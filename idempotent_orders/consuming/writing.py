@@ -37,7 +37,7 @@ from idempotent_orders.consuming.failures import (
     describe,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus
-from idempotent_orders.consuming.payments import claim_and_spend, payment_id, spend
+from idempotent_orders.consuming.payments import payment_id, spend
 from idempotent_orders.consuming.running import (
     FollowUp,
     Ran,
@@ -137,12 +137,12 @@ def write(
             ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
             if not claimed:
                 raise Duplicate  # another delivery ran it meanwhile
-        elif parked is None and payment is not None and backend().one_statement:
+        elif parked is None and payment is not None and (chosen := backend()).one_statement:
             # The claim and the spent payment in one statement (one round trip).
             fields = {"consumer": consumer, "message_id": envelope.message_id, **row}
             fields["message_type"] = envelope.message_type
             try:
-                claimed, owner = claim_and_spend(fields, timezone.now(), payment, order.pk)
+                claimed, owner = chosen.claim_and_spend(fields, timezone.now(), payment, order.pk)
             except IntegrityError:
                 raise Duplicate from None
             if not claimed:

@@ -1,4 +1,5 @@
-"""The batch's one conditional UPDATE of many orders on MariaDB and SQLite, written as SQL."""
+"""The batch's one conditional UPDATE of many orders on MariaDB and SQLite, written as SQL
+(the portable ``Backend.update_orders``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from idempotent_orders.consuming.backends.update_many import update_many
+from idempotent_orders.consuming.backends import Backend
 from idempotent_orders.models import Order, OrderStatus
 
 pytestmark = [pytest.mark.django_db, pytest.mark.backends("sqlite", "mysql")]
@@ -23,7 +24,7 @@ def test_each_order_gets_its_own_values_and_only_at_the_version_read(make_order)
         stale.pk: {"status": OrderStatus.PAID, "payment_id": "p-3"},
     }
     with CaptureQueriesContext(connection) as queries:
-        rows = update_many(
+        rows = Backend().update_orders(
             Order,
             changed,
             {first.pk: 0, second.pk: 0, stale.pk: 0},

@@ -7,11 +7,14 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
 
 - ``without_read``: the roads that apply a message before reading its order (a message
   with nothing of the project's to run), tried in order; each returns None to decline;
+- ``send_at_once``: how :mod:`~idempotent_orders.consuming.backends.at_once` sends a
+  message's statements as one transaction (MariaDB and SQLite);
 - ``two_texts``: how a message the roads without a read decline is claimed and read in
   one text, and written and committed in a second
   (:mod:`~idempotent_orders.consuming.backends.claim_and_run`);
 - the statements' spelling: inserting while skipping duplicates, comparing text
-  bytewise, one array per column (PostgreSQL's ``unnest``);
+  bytewise; a batch chunk's filter of its orders, its one UPDATE of many orders and its
+  spent payments (PostgreSQL's: one array per column, ``unnest``);
 - the features that change the plan: whether a batch locks its orders before it claims,
   where ``ORDER BY`` puts NULL, whether a lost connection may hide a commit.
 
@@ -22,18 +25,23 @@ instance is shared by every connection of its vendor.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from django.db import connection as default_connection
+from django.db import connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Field, Model, Q
+from django.db.models.manager import BaseManager
 from django.utils.module_loading import import_string
 
-__all__ = ["Backend", "backend"]
+__all__ = ["Backend", "Statements", "backend"]
 
 #: A road that applies a message before its order is read: ``(envelope, consumer, model)``
 #: to the outcome, or None when it declines (nothing written).
 RoadWithoutRead = Callable[[Any, str, Any], Any]
+#: A message's statements for :meth:`Backend.send_at_once`: ``(step, sql, args)``.
+Statements = Sequence[tuple[str, str, Sequence[Any]]]
 
 
 class Backend:
@@ -43,11 +51,12 @@ class Backend:
     #: The roads that skip the order's read, as ``module:function`` under
     #: ``idempotent_orders.consuming``, tried in order (see :meth:`roads_without_read`).
     without_read: tuple[str, ...] = ()
-    #: Statements take one array per column (``unnest``, ``= ANY``), one text for any
-    #: number of rows.
+    #: A batch's claim takes one array per column (``unnest``) and looks its orders up in
+    #: the same statement.
     arrays = False
     #: A message's writes go in one statement (data-modifying ``WITH`` clauses): the
-    #: inbox claim and the spent payment, or the claim and the order's UPDATE.
+    #: inbox claim and the spent payment (:meth:`claim_and_spend`), or the claim and the
+    #: order's UPDATE.
     one_statement = False
     #: The inbox may be partitioned by time (then no unique index spans it).
     partitions = False
@@ -56,11 +65,10 @@ class Backend:
     locks_orders_first = False
     #: ``ORDER BY`` puts NULL after every value.
     nulls_last = False
-    #: A message's statements go straight to the driver as one transaction of their
-    #: own, before its order is read (:mod:`~idempotent_orders.consuming.backends.at_once`).
+    #: The road without a read is :mod:`~idempotent_orders.consuming.backends.at_once`'s: a
+    #: message's statements sent as one transaction of their own (:meth:`send_at_once`),
+    #: the state tested against each source of the transition.
     at_once = False
-    #: ... and as one text (the driver runs multi statements).
-    at_once_in_one_text = False
     #: The most digits a decimal column keeps exactly (None: what it declares).
     exact_decimal_digits: int | None = None
     #: How :mod:`~idempotent_orders.consuming.backends.claim_and_run` sends its two texts,
@@ -98,6 +106,103 @@ class Backend:
         """Whether ``error`` says the connection went away (a statement sent may have
         committed), not that the server refused or rolled something back."""
         return False
+
+    def pk_in(self, model: type[Model], ids: set[Any]) -> Any:
+        """The filter of ``model``'s rows whose primary key is one of ``ids``."""
+        return Q(pk__in=ids)
+
+    def update_orders(
+        self,
+        model: type[Model],
+        changed: Mapping[Any, Mapping[str, Any]],
+        read_version: Mapping[Any, int],
+        names: Sequence[str],
+    ) -> int | None:
+        """A batch chunk's one UPDATE of many orders: ``changed`` (per order pk, the new value
+        of each changed field) written to the orders still at their ``read_version``; the
+        number of rows it matched. None (nothing sent) where the ORM must write: a default
+        manager with its own ``get_queryset``, a field of another table (multi-table
+        inheritance), a value that is an expression.
+
+        ``UPDATE <order> SET <column> = CASE <pk> WHEN :pk THEN :value ... ELSE <column>
+        END, ... WHERE (<pk> = :pk AND version = :version) OR ...``: what ``update()`` with
+        a ``Case`` of one ``When`` per order sends, without compiling that expression for
+        every message (at 200 orders the compile cost more than the chunk's statements).
+        """
+        if type(model._default_manager).get_queryset is not BaseManager.get_queryset:
+            return None
+        if any(
+            hasattr(v, "resolve_expression") for values in changed.values() for v in values.values()
+        ):
+            return None  # an expression: the ORM compiles it
+        meta = model._meta
+        pk = meta.pk
+        assert pk is not None
+        fields: list[Field[Any, Any]] = []
+        for name in names:
+            field = meta.get_field(name)
+            if not isinstance(field, Field) or field.model._meta.db_table != meta.db_table:
+                return None
+            fields.append(field)
+        version = meta.get_field("version")
+        assert isinstance(version, Field)
+        if pk.model._meta.db_table != meta.db_table:
+            return None
+        conn = connections[router.db_for_write(model)]
+        qn = conn.ops.quote_name
+        pk_column = qn(str(pk.column))
+        sets: list[str] = []
+        params: list[Any] = []
+        for field in fields:
+            column = qn(str(field.column))
+            arms = []
+            for key, values in changed.items():
+                if field.name in values:
+                    arms.append("WHEN %s THEN %s")
+                    params += [
+                        pk.get_db_prep_value(key, conn),
+                        field.get_db_prep_save(values[field.name], conn),
+                    ]
+            sets.append(f"{column} = CASE {pk_column} {' '.join(arms)} ELSE {column} END")
+        version_column = qn(str(version.column))
+        where = " OR ".join([f"({pk_column} = %s AND {version_column} = %s)"] * len(changed))
+        for key in changed:
+            params += [pk.get_db_prep_value(key, conn), read_version[key]]
+        sql = f"UPDATE {qn(meta.db_table)} SET {', '.join(sets)} WHERE {where}"
+        with conn.cursor() as cursor:
+            cursor.execute(sql, params)
+            return int(cursor.rowcount)
+
+    def record_spent(
+        self, consumer: str, rows: Sequence[tuple[str, Any, str]], skip_spent: bool
+    ) -> set[str] | None:
+        """Record many payments in one statement (see
+        :func:`~idempotent_orders.consuming.payments.record_spent`); the ids inserted, or
+        None with nothing sent (the ORM writes them)."""
+        return None
+
+    def claim_and_spend(
+        self, values: Mapping[str, Any], now: Any, payment: str, order_id: Any
+    ) -> tuple[bool, Any | None]:
+        """With ``one_statement``: the inbox row (``values``, its per-message columns) and
+        the spent payment in one statement, in the caller's transaction; ``(claimed,
+        owner)``: ``claimed`` False when the inbox holds the message already (nothing
+        written), ``owner`` the order the payment was spent on before (None: recorded)."""
+        raise NotImplementedError
+
+    def ready_at_once(self, conn: Any) -> bool:
+        """Whether :meth:`send_at_once` may send on ``conn`` (outside any transaction)."""
+        return self.at_once
+
+    def send_at_once(
+        self, conn: Any, statements: Statements, read: list[Any]
+    ) -> tuple[bool, int | None]:
+        """Send ``statements`` (``(step, sql, args)``: ``inbox``, ``spent``, ``source``,
+        ``update``, ``read``, ``queue``) to ``conn``'s driver as one transaction of their
+        own, the rows ``source`` and ``read`` fetch appended to ``read``; ``(applied,
+        the outbox row's id or None)``. Not applied (rolled back, nothing written): the
+        inbox row or the payment was taken, or the UPDATE matched no row."""
+        raise NotImplementedError
 
 
 def _module(path: str) -> tuple[Any, str]:

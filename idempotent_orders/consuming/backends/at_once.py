@@ -8,18 +8,12 @@ is known before it starts: the inbox row, the spent payment, the order's UPDATE 
 tests :func:`~idempotent_orders.consuming.decision.decide` makes for an "apply" in its
 WHERE clause, and the follow-up's outbox row. A transition of several sources tests the
 state against each; where a receiver hears it, the state the order leaves is read in the
-same transaction, before the UPDATE (``SELECT ... FOR UPDATE`` on MariaDB; SQLite's
-transaction holds the write lock). :func:`apply_unread_at_once` sends them together:
-
-- MariaDB/MySQL: one multi-statement text (mysqlclient enables multi statements
-  unless ``OPTIONS`` turns them off), ``START TRANSACTION; INSERT inbox; INSERT spent;
-  UPDATE order; <guard>; INSERT IGNORE outbox; COMMIT``. The server stops at the first
-  statement that fails, so a duplicate (the inbox's unique index), a spent payment (its
-  unique index) or an order the tests refuse (the guard fails when the UPDATE matched no
-  row) never reaches ``COMMIT``; the transaction is rolled back and
-  :mod:`~idempotent_orders.consuming.writing` reads, decides and says why.
-- SQLite: the same statements one after another on the driver's cursor between
-  ``BEGIN`` (with the database's own ``transaction_mode``) and ``COMMIT``.
+same transaction, before the UPDATE (locked where the database locks a row it reads).
+:func:`apply_unread_at_once` has the backend send them together
+(:meth:`~idempotent_orders.consuming.backends.Backend.send_at_once`: one multi-statement
+text on MariaDB, the driver's statements between ``BEGIN`` and ``COMMIT`` on SQLite); a
+duplicate, a spent payment or an order the tests refuse rolls all of it back, and
+:mod:`~idempotent_orders.consuming.writing` reads, decides and says why.
 
 Taken only outside a caller's transaction (``START TRANSACTION`` would commit it), so
 the after-commit work (the publish of the outbox row, the fast-path mark) runs once
@@ -28,7 +22,6 @@ this returns.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -36,7 +29,6 @@ from typing import Any
 
 from django.db import (
     DEFAULT_DB_ALIAS,
-    DatabaseError,
     DataError,
     IntegrityError,
     OperationalError,
@@ -58,21 +50,7 @@ from idempotent_orders.consuming.unread import field_of, plan, update_sql, writt
 from idempotent_orders.models import OutboxMessage, Outcome
 from idempotent_orders.signals import order_transitioned
 
-__all__ = ["apply_unread_at_once", "can_apply_unread_at_once"]
-
-#: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
-#: returning two rows.
-_DUPLICATE_KEY = 1062
-_GUARD_FAILED = 1242
-#: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
-_MULTI_STATEMENTS = 1 << 16
-
-
-#: What a transaction sent at once did: ``(applied, queued id)``. Not applied: a duplicate,
-#: a payment spent already or an order the tests refuse (rolled back, nothing written).
-#: The queued id is the follow-up's outbox row; None when its message id was there already.
-_Sent = tuple[bool, int | None]
-_DECLINED: _Sent = (False, None)
+__all__ = ["apply_unread_at_once", "can_apply_unread_at_once", "inserts"]
 
 
 def can_apply_unread_at_once() -> bool:
@@ -82,11 +60,7 @@ def can_apply_unread_at_once() -> bool:
     conn = connections[DEFAULT_DB_ALIAS]
     if conn.in_atomic_block or not conn.get_autocommit():
         return False
-    chosen = backend(conn)
-    if not chosen.at_once_in_one_text:
-        return chosen.at_once
-    conn.ensure_connection()
-    return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
+    return backend(conn).ready_at_once(conn)
 
 
 @dataclass(frozen=True)
@@ -103,6 +77,14 @@ class _Texts:
 
 
 _texts: dict[str, _Texts] = {}
+
+
+def inserts() -> _Texts:
+    """The inbox, spent-payment and outbox statements around the UPDATE, compiled once."""
+    texts = _texts.get(DEFAULT_DB_ALIAS)
+    if texts is None:
+        texts = _texts[DEFAULT_DB_ALIAS] = _compile()
+    return texts
 
 
 def _compile() -> _Texts:
@@ -130,117 +112,6 @@ def _compile() -> _Texts:
     head, tail = backend().insert_ignoring(qn(ometa.db_table), columns, unique)
     queue = f"{head} VALUES ({', '.join(['%s'] * len(written))}) {tail}".rstrip()
     return _Texts(inbox, spent, queue, queued, defaults)
-
-
-#: Fails (more than one row in a scalar subquery) unless the UPDATE before it matched
-#: one row: the statements after it, ``COMMIT`` included, never run.
-_GUARD = (
-    "SELECT (SELECT 1 FROM (SELECT 1 AS one UNION ALL SELECT 2) AS io_guard"
-    " WHERE ROW_COUNT() <> 1 AND one > 0)"
-)
-
-
-def _sqlite(statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any]) -> _Sent:
-    conn = connections[DEFAULT_DB_ALIAS]
-    mode = getattr(conn, "transaction_mode", None)
-    queued_id: int | None = None
-    conn.ensure_connection()
-    # Straight to the driver unless something must see the queries (query logging, an
-    # execute wrapper): Django's cursor wrapper costs more than a statement here.
-    watched = conn.queries_logged or conn.execute_wrappers
-    if not watched:
-        conn.validate_thread_sharing()
-    with (
-        conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor,
-        conn.wrap_database_errors,
-    ):
-        cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
-        refused = (IntegrityError, conn.Database.IntegrityError)  # type: ignore[attr-defined]
-        try:
-            for step, sql, args in statements:
-                try:
-                    cursor.execute(sql if watched else _qmark(sql), args)
-                except refused:
-                    if step not in ("inbox", "spent"):
-                        raise
-                    cursor.execute("ROLLBACK")
-                    return _DECLINED
-                if step == "update" and cursor.rowcount != 1:
-                    cursor.execute("ROLLBACK")
-                    return _DECLINED
-                if step == "queue":
-                    queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
-                elif step in ("source", "read"):
-                    read.append(cursor.fetchone())
-            cursor.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(Exception):
-                cursor.execute("ROLLBACK")
-            raise
-    return True, queued_id
-
-
-_qmarks: dict[str, str] = {}
-
-
-def _qmark(sql: str) -> str:
-    """``sql`` with sqlite3's own placeholders (the texts here hold no other ``%``)."""
-    found = _qmarks.get(sql)
-    if found is None:
-        found = _qmarks[sql] = sql.replace("%s", "?")
-    return found
-
-
-#: The failures of a step that mean "declined": ``(MySQL error number, step)``.
-_DECLINING = {(_DUPLICATE_KEY, "inbox"), (_DUPLICATE_KEY, "spent"), (_GUARD_FAILED, "guard")}
-
-
-def _mysql(statements: Sequence[tuple[str, str, Sequence[Any]]], read: list[Any]) -> _Sent:
-    conn = connections[DEFAULT_DB_ALIAS]
-    texts = ["START TRANSACTION"]
-    args: list[Any] = []
-    steps = ["begin"]
-    for step, sql, values in statements:
-        texts.append(sql)
-        args.extend(values)
-        steps.append(step)
-        if step == "update":
-            texts.append(_GUARD)
-            steps.append("guard")
-    texts.append("COMMIT")
-    steps.append("commit")
-    queued_id: int | None = None
-    at = 0
-    # The driver's cursor unless something must see the query, as on SQLite (Django's
-    # wrapper translates errors of its execute only: START TRANSACTION's, none of ours).
-    conn.ensure_connection()
-    watched = conn.queries_logged or conn.execute_wrappers
-    if not watched:
-        conn.validate_thread_sharing()
-    with conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor:
-        try:
-            with conn.wrap_database_errors:
-                cursor.execute("; ".join(texts), args)
-                while True:
-                    if steps[at] == "queue":
-                        # One row inserted, and its id (0 rows: the message id was in
-                        # the outbox already), as on SQLite.
-                        queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
-                    elif steps[at] in ("source", "read"):
-                        read.append(cursor.fetchone())
-                    if not cursor.nextset():
-                        break
-                    at += 1
-        except BaseException as exc:
-            # A statement failed: the ones after it (COMMIT among them) did not run.
-            with contextlib.suppress(Exception):
-                cursor.execute("ROLLBACK")
-            code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
-            step = steps[at + 1] if at + 1 < len(steps) else ""
-            if (code, step) in _DECLINING:
-                return _DECLINED
-            raise  # a lost connection among them: the caller reads back what committed
-    return True, queued_id
 
 
 def _test_value(field: Field[Any, Any], value: Any, exact_digits: int | None) -> Any:
@@ -305,7 +176,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
         if sent is None:
             return None
         args.append(field.get_db_prep_save(sent, conn))
-    texts = _texts_for()
+    texts = inserts()
     now = timezone.now()
     inbox = envelope.inbox_fields(consumer)
     statements: list[tuple[str, str, Sequence[Any]]] = [
@@ -328,8 +199,7 @@ def apply_unread_at_once(envelope: Envelope, consumer: str, model: type[Model]) 
         statements.append(("queue", texts.queue, [*queued, *texts.queued_defaults]))
     read: list[Any] = []
     try:
-        send = _mysql if chosen.at_once_in_one_text else _sqlite
-        applied, queued_id = send(statements, read)
+        applied, queued_id = chosen.send_at_once(conn, statements, read)
     except (IntegrityError, DataError):
         return None  # rolled back: the usual road decides, and says why
     except OperationalError as exc:
@@ -374,11 +244,10 @@ def _update(
     meta = model._meta
     assert meta.pk is not None
     qn = conn.ops.quote_name
-    chosen = backend(conn)
     tested = [(name, empty) for name, _, empty in tests]
     sql = update_sql(model, lambda role, field: "%s", sources, values, tested, seq, conn)
     table, pk = qn(meta.db_table), qn(str(meta.pk.column))
-    lock = " FOR UPDATE" if chosen.at_once_in_one_text else ""
+    lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
     source = f"SELECT {qn(str(state_field(model).column))} FROM {table} WHERE {pk} = %s{lock}"
     return _Update(
         sql,
@@ -386,11 +255,3 @@ def _update(
         tuple(field_of(model, name) for name, _, _ in tests),
         source,
     )
-
-
-def _texts_for() -> _Texts:
-    """The inbox, spent-payment and outbox statements (the UPDATE is the caller's)."""
-    texts = _texts.get(DEFAULT_DB_ALIAS)
-    if texts is None:
-        texts = _texts[DEFAULT_DB_ALIAS] = _compile()
-    return texts

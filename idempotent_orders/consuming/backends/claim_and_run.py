@@ -25,7 +25,7 @@ how:
   <claim and spend>; <read>``, then ``WITH moved AS (UPDATE ...), queued AS (INSERT
   <outbox> ...) SELECT 1 / count(moved) ...; COMMIT`` (the division fails when the
   UPDATE matched nothing), as prepared statements of the session;
-- MariaDB/MySQL (:mod:`~idempotent_orders.consuming.backends.mysql_texts`): ``START
+- MariaDB/MySQL (:mod:`~idempotent_orders.consuming.backends.mysql`): ``START
   TRANSACTION; SELECT <order> ... FOR UPDATE; INSERT <inbox>; [INSERT <spent>]``, then
   ``UPDATE ...; <guard>; [INSERT IGNORE <outbox>]; COMMIT`` (the guard fails when the
   UPDATE matched nothing), one multi-statement text each.
@@ -74,6 +74,7 @@ from idempotent_orders.consuming.running import (
     Ran,
     call_transition,
     follow_up_rows,
+    guarded_update_sql,
     keeps_parked_flag,
     save_hooks,
     transition_written,
@@ -105,40 +106,26 @@ class Texts:
         self,
         conn: Any,
         cursor: Any,
-        envelope: Envelope,
-        consumer: str,
-        payment: str | None,
+        inbox: dict[str, Any],
+        spent: list[Any] | None,
         read: str,
         read_args: Sequence[Any],
     ) -> Sequence[Any]:
-        """The first text: open the transaction, claim ``envelope`` as applied (and spend
-        ``payment``), read the order (``read``); its row. Raises :class:`Declined` for a
-        duplicate, a spent payment, an unknown order, a value a column refuses."""
+        """The first text: open the transaction, claim the message as applied (its inbox
+        row's ``inbox`` fields; and spend the payment: the spent row's ``spent`` values),
+        read the order (``read``); its row. Raises :class:`Declined` for a duplicate, a
+        spent payment, an unknown order, a value a column refuses."""
         raise NotImplementedError
 
-    def compile(
-        self,
-        conn: Any,
-        model: type[Model],
-        meta: Any,
-        values: Sequence[Field[Any, Any]],
-        conditions: Sequence[Field[Any, Any]],
-        queued: bool,
-        commit: bool,
-    ) -> Any:
-        """The second text of one shape of transition: the conditional UPDATE of ``values``
-        (arguments as :func:`~idempotent_orders.consuming.running.guarded_update_sql`
-        takes them), the follow-up's outbox row when ``queued``, ``COMMIT`` when
-        ``commit``; it stops before ``COMMIT`` when the UPDATE matched no row."""
+    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> Any:
+        """The second text of one shape of transition: the conditional ``update``
+        (:func:`~idempotent_orders.consuming.running.guarded_update_sql`), the follow-up's
+        outbox row when ``queued``, ``COMMIT`` when ``commit``; it stops before ``COMMIT``
+        when the UPDATE matched no row."""
         raise NotImplementedError
 
     def write(
-        self,
-        conn: Any,
-        cursor: Any,
-        update: Any,
-        args: Sequence[Any],
-        queued: dict[str, Any] | None,
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         """Send ``update`` (from :meth:`compile`) with the UPDATE's ``args`` and the
         follow-up's ``queued`` fields; the outbox row's id (None: none written, its
@@ -234,7 +221,9 @@ def _claim_and_read(
     read_args = [pk.get_db_prep_value(envelope.order_id, conn)]
     texts = backend(conn).texts()
     assert texts is not None
-    row = texts.claim_and_read(conn, cursor, envelope, consumer, payment, plan.sql, read_args)
+    inbox = envelope.inbox_fields(consumer)
+    spent = None if payment is None else [payment, envelope.order_id, consumer, envelope.message_id]
+    row = texts.claim_and_read(conn, cursor, inbox, spent, plan.sql, read_args)
     order = build(model, conn.alias, plan, row)
     if order.has_parked:  # type: ignore[attr-defined]
         raise Declined  # released after the write by the usual road
@@ -300,15 +289,9 @@ def _compile(
         return None
     texts = backend(conn).texts()
     assert texts is not None
-    return texts.compile(
-        conn,
-        model,
-        meta,
-        [by_attname[n] for n in values],
-        [by_attname[n] for n in conditions],
-        queued,
-        commit,
-    )
+    column = str(state_field(model).column)
+    sets, tests = [by_attname[n] for n in values], [by_attname[n] for n in conditions]
+    return texts.compile(conn, guarded_update_sql(conn, meta, column, sets, tests), queued, commit)
 
 
 def _finish(

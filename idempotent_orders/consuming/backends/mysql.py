@@ -1,16 +1,91 @@
 """MariaDB and MySQL: a message's writes before its order is read, as one multi-statement
-text; a message that runs the project's code in two texts (its read in the first)."""
+text (:meth:`MySQL.send_at_once`); a message that runs the project's code in two texts
+(:class:`MySQLTexts`). Both need mysqlclient's ``CLIENT.MULTI_STATEMENTS`` (on unless
+``OPTIONS`` turns it off).
+
+:meth:`MySQL.send_at_once`: ``START TRANSACTION; INSERT inbox; INSERT spent; UPDATE order;
+<guard>; INSERT IGNORE outbox; COMMIT``. The server stops at the first statement that
+fails, so a duplicate (the inbox's unique index), a spent payment (its unique index) or an
+order the tests refuse (the guard fails when the UPDATE matched no row) never reaches
+``COMMIT``; the transaction is rolled back and the usual road reads, decides and says why.
+
+:class:`MySQLTexts`, the two texts of :mod:`~idempotent_orders.consuming.backends.claim_and_run`:
+
+1. ``START TRANSACTION; SELECT <order> ... FOR UPDATE; INSERT <inbox>; [INSERT
+   <spent payment>]``: the order is locked before the inbox row's foreign key
+   share-locks it (as a batch locks its orders first), and a duplicate or a spent
+   payment fails its unique index, which stops the text;
+2. ``UPDATE <order> ... WHERE pk AND state AND version AND ...; <guard>; [INSERT IGNORE
+   <outbox>]; COMMIT``: the guard fails (a scalar subquery of two rows) when the UPDATE
+   matched no row, so ``COMMIT`` never runs; the road rolls back and the usual road
+   decides again. On the save() road, the model's ``save()`` having written the order:
+   ``INSERT IGNORE <outbox>; COMMIT``.
+
+Django's ``atomic`` block around them switches the session's autocommit off on entry
+and on again on exit, a round trip each, and commits with a round trip of its own:
+here ``START TRANSACTION`` opens the transaction instead (the session's autocommit left
+as it is), and a second text that committed leaves Django's ``COMMIT`` nothing to send.
+Django's own bookkeeping (``on_commit``, savepoints of the project's code) is the
+block's as ever; where the ORM writes instead
+(:func:`~idempotent_orders.consuming.writing.settle`), Django's ``COMMIT`` goes as usual.
+"""
 
 from __future__ import annotations
 
-from django.db import InterfaceError, OperationalError
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from idempotent_orders.consuming.backends import Backend
+from django.db import (
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    transaction,
+)
+from django.db.models import Field
+from django.utils import timezone
 
-__all__ = ["MySQL"]
+from idempotent_orders.consuming.backends import Backend, Statements
+from idempotent_orders.consuming.backends.at_once import inserts
+from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
+from idempotent_orders.consuming.sql import inbox_template
+
+__all__ = ["MySQL", "MySQLTexts"]
 
 #: "Server has gone away" and "lost connection during query".
 _LOST_ERRORS = {2006, 2013}
+#: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
+#: returning two rows.
+_DUPLICATE_KEY = 1062
+_GUARD_FAILED = 1242
+#: The failures of a step that mean "declined": ``(MySQL error number, step)``.
+_DECLINING = {(_DUPLICATE_KEY, "inbox"), (_DUPLICATE_KEY, "spent"), (_GUARD_FAILED, "guard")}
+#: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
+_MULTI_STATEMENTS = 1 << 16
+#: Fails (more than one row in a scalar subquery) unless the UPDATE before it matched
+#: one row: the statements after it, ``COMMIT`` included, never run.
+_GUARD = (
+    "SELECT (SELECT 1 FROM (SELECT 1 AS one UNION ALL SELECT 2) AS io_guard"
+    " WHERE ROW_COUNT() <> 1 AND one > 0)"
+)
+
+
+def _multi_statements(conn: Any) -> bool:
+    """Whether the driver under ``conn`` (connected) runs several statements a text."""
+    return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
+
+
+def _cursor(conn: Any) -> Any:
+    """The driver's cursor of ``conn`` (connected) unless something must see the texts
+    (query logging, an execute wrapper): Django's wrapper translates errors of its own
+    execute only."""
+    if conn.queries_logged or conn.execute_wrappers:
+        return conn.cursor()
+    conn.validate_thread_sharing()
+    return contextlib.closing(conn.connection.cursor())
 
 
 class MySQL(Backend):
@@ -19,10 +94,9 @@ class MySQL(Backend):
         "backends.at_once:apply_unread_at_once",
         "backends.claim_and_run:claim_and_run",
     )
-    two_texts = "backends.mysql_texts:MySQLTexts"
+    two_texts = "backends.mysql:MySQLTexts"
     locks_orders_first = True
     at_once = True
-    at_once_in_one_text = True
 
     def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
         # MariaDB >= 10.5 returns only the rows IGNORE let through.
@@ -35,3 +109,164 @@ class MySQL(Backend):
         if not isinstance(error, (OperationalError, InterfaceError)):
             return False
         return bool(error.args) and error.args[0] in _LOST_ERRORS
+
+    def ready_at_once(self, conn: Any) -> bool:
+        conn.ensure_connection()
+        return _multi_statements(conn)
+
+    def send_at_once(
+        self, conn: Any, statements: Statements, read: list[Any]
+    ) -> tuple[bool, int | None]:
+        texts = ["START TRANSACTION"]
+        args: list[Any] = []
+        steps = ["begin"]
+        for step, sql, values in statements:
+            texts.append(sql)
+            args.extend(values)
+            steps.append(step)
+            if step == "update":
+                texts.append(_GUARD)
+                steps.append("guard")
+        texts.append("COMMIT")
+        steps.append("commit")
+        queued_id: int | None = None
+        at = 0
+        conn.ensure_connection()
+        with _cursor(conn) as cursor:
+            try:
+                with conn.wrap_database_errors:
+                    cursor.execute("; ".join(texts), args)
+                    while True:
+                        if steps[at] == "queue":
+                            # One row inserted, and its id (0 rows: the message id was in
+                            # the outbox already).
+                            queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+                        elif steps[at] in ("source", "read"):
+                            read.append(cursor.fetchone())
+                        if not cursor.nextset():
+                            break
+                        at += 1
+            except BaseException as exc:
+                # A statement failed: the ones after it (COMMIT among them) did not run.
+                with contextlib.suppress(Exception):
+                    cursor.execute("ROLLBACK")
+                code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
+                step = steps[at + 1] if at + 1 < len(steps) else ""
+                if (code, step) in _DECLINING:
+                    return False, None
+                raise  # a lost connection among them: the caller reads back what committed
+        return True, queued_id
+
+
+def _kept(on: bool) -> None:
+    """The session's autocommit, left as it is (``START TRANSACTION`` opens the transaction)."""
+
+
+def _committed() -> None:
+    """Django's ``COMMIT`` after a second text that committed: nothing to send."""
+
+
+@dataclass(frozen=True)
+class _Update:
+    """The second text of one shape of transition (``%s`` arguments)."""
+
+    sql: str
+    queued: tuple[Field[Any, Any], ...]
+    queued_defaults: tuple[Any, ...]
+    commit: bool
+
+
+class MySQLTexts(Texts):
+    """mysqlclient with multi statements on (unless ``OPTIONS`` turned them off)."""
+
+    def ready(self, conn: Any) -> bool:
+        return _multi_statements(conn)
+
+    @contextlib.contextmanager
+    def transaction(self, conn: Any) -> Iterator[Any]:
+        raw = conn.connection
+        raw.autocommit = _kept
+        try:
+            with transaction.atomic(using=conn.alias), _cursor(conn) as cursor:
+                yield cursor
+        finally:
+            raw.__dict__.pop("autocommit", None)
+            raw.__dict__.pop("commit", None)
+
+    def claim_and_read(
+        self,
+        conn: Any,
+        cursor: Any,
+        inbox: dict[str, Any],
+        spent: list[Any] | None,
+        read: str,
+        read_args: Sequence[Any],
+    ) -> Sequence[Any]:
+        texts = inserts()
+        statements = ["START TRANSACTION", f"{read} FOR UPDATE", texts.inbox]
+        args = [*read_args, *inbox_template().params(inbox, timezone.now())]
+        if spent is not None:
+            statements.append(texts.spent)
+            args += spent
+        try:
+            with conn.wrap_database_errors:
+                cursor.execute("; ".join(statements), args)
+                cursor.nextset()
+                row = cursor.fetchone()
+                while cursor.nextset():
+                    pass
+        except (IntegrityError, DataError):
+            # A duplicate, a spent payment, an unknown order, a value a column refuses: the
+            # statements after it did not run; the usual road says why.
+            raise Declined from None
+        if row is None:
+            raise Declined
+        return row
+
+    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> _Update:
+        statements = [update, _GUARD]
+        texts = inserts()
+        if queued:
+            statements.append(texts.queue)
+        if commit:
+            statements.append("COMMIT")
+        return _Update("; ".join(statements), texts.queued, texts.queued_defaults, commit)
+
+    def write(
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
+    ) -> int | None:
+        args = list(args)
+        if queued is not None:
+            args += [f.get_db_prep_save(queued[f.name], conn) for f in update.queued]
+            args += update.queued_defaults
+        queued_id: int | None = None
+        try:
+            with conn.wrap_database_errors:
+                cursor.execute(update.sql, args)  # the UPDATE's result
+                cursor.nextset()  # the guard's
+                if queued is not None:
+                    cursor.nextset()
+                    # The INSERT IGNORE's own result: one row inserted, and its id (0 rows:
+                    # the message id was in the outbox already).
+                    queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+                while cursor.nextset():
+                    pass
+        except DatabaseError as exc:
+            if exc.args and exc.args[0] == _GUARD_FAILED:
+                raise Conflict from None  # the order moved: rolled back, the usual road runs
+            raise
+        if update.commit:
+            conn.connection.commit = _committed
+        return queued_id
+
+    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+        texts = inserts()
+        args = [f.get_db_prep_save(queued[f.name], conn) for f in texts.queued]
+        with conn.wrap_database_errors:
+            cursor.execute(f"{texts.queue}; COMMIT", [*args, *texts.queued_defaults])
+            # One row inserted, and its id (0 rows: the message id was in the outbox already).
+            queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+            while cursor.nextset():
+                pass
+        conn.connection.commit = _committed
+        return queued_id

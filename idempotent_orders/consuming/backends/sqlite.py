@@ -3,7 +3,12 @@ BEGIN and COMMIT."""
 
 from __future__ import annotations
 
-from idempotent_orders.consuming.backends import Backend
+import contextlib
+from typing import Any
+
+from django.db import IntegrityError
+
+from idempotent_orders.consuming.backends import Backend, Statements
 
 __all__ = ["SQLite"]
 
@@ -18,3 +23,56 @@ class SQLite(Backend):
 
     def bytewise(self, column: str, value: str = "%s") -> str:
         return f"{column} = {value} COLLATE BINARY"
+
+    def send_at_once(
+        self, conn: Any, statements: Statements, read: list[Any]
+    ) -> tuple[bool, int | None]:
+        # BEGIN with the database's own ``transaction_mode``; SQLite's transaction holds
+        # the write lock, so the order's state read before the UPDATE needs no lock.
+        mode = getattr(conn, "transaction_mode", None)
+        queued_id: int | None = None
+        conn.ensure_connection()
+        # Straight to the driver unless something must see the queries (query logging, an
+        # execute wrapper): Django's cursor wrapper costs more than a statement here.
+        watched = conn.queries_logged or conn.execute_wrappers
+        if not watched:
+            conn.validate_thread_sharing()
+        with (
+            conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor,
+            conn.wrap_database_errors,
+        ):
+            cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
+            refused = (IntegrityError, conn.Database.IntegrityError)
+            try:
+                for step, sql, args in statements:
+                    try:
+                        cursor.execute(sql if watched else _qmark(sql), args)
+                    except refused:
+                        if step not in ("inbox", "spent"):
+                            raise
+                        cursor.execute("ROLLBACK")
+                        return False, None
+                    if step == "update" and cursor.rowcount != 1:
+                        cursor.execute("ROLLBACK")
+                        return False, None
+                    if step == "queue":
+                        queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+                    elif step in ("source", "read"):
+                        read.append(cursor.fetchone())
+                cursor.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    cursor.execute("ROLLBACK")
+                raise
+        return True, queued_id
+
+
+_qmarks: dict[str, str] = {}
+
+
+def _qmark(sql: str) -> str:
+    """``sql`` with sqlite3's own placeholders (the texts here hold no other ``%``)."""
+    found = _qmarks.get(sql)
+    if found is None:
+        found = _qmarks[sql] = sql.replace("%s", "?")
+    return found

@@ -14,6 +14,7 @@ from django.db.models import BooleanField, Field, Model
 from django.db.models.expressions import RawSQL
 
 from idempotent_orders import get_order_model
+from idempotent_orders.consuming.payments import SPENT_FIELDS, spent_table
 from idempotent_orders.consuming.sql import (
     CLAIMABLE,
     inbox_names,
@@ -22,9 +23,9 @@ from idempotent_orders.consuming.sql import (
     on_conflict,
     plain_type,
 )
-from idempotent_orders.models import ProcessedMessage
+from idempotent_orders.models import ProcessedMessage, SpentPayment
 
-__all__ = ["any_of", "array_literal", "claim", "update_orders"]
+__all__ = ["any_of", "array_literal", "claim", "record_spent", "update_orders"]
 
 
 def array_literal(values: list[Any]) -> Any:
@@ -204,3 +205,23 @@ def update_orders(
     with conn.cursor() as cursor:
         cursor.execute(sql, params)
         return int(cursor.rowcount)
+
+
+def record_spent(consumer: str, rows: Sequence[tuple[str, Any, str]], skip_spent: bool) -> set[str]:
+    """Many spent payments as one ``INSERT ... SELECT FROM unnest(<arrays>)`` (no model
+    instance per row, one text for any number of rows); the ids inserted."""
+    table, columns = spent_table()
+    meta = SpentPayment._meta
+    types = [meta.get_field(name).db_type(connection) for name in SPENT_FIELDS[:2]]
+    sql = (
+        f"INSERT INTO {table} ({', '.join(columns)})"
+        f" SELECT v.p, v.o, %s, v.m FROM unnest(%s::{types[0]}[], %s::{types[1]}[],"
+        f" %s::{meta.get_field('message_id').db_type(connection)}[]) AS v(p, o, m)"
+    )
+    if skip_spent:
+        sql += f" ON CONFLICT ({columns[0]}) DO NOTHING RETURNING {columns[0]}"
+    payments, orders, messages = ([row[n] for row in rows] for n in range(3))
+    params = [consumer, array_literal(payments), array_literal(orders), array_literal(messages)]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {p for (p,) in cursor.fetchall()} if skip_spent else set(payments)

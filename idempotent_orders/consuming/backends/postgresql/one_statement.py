@@ -34,8 +34,9 @@ from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
 from django.db.models import DateTimeField, Field, Model
 from django.utils import timezone
 
+from idempotent_orders.consuming.backends.postgresql import spent_after
 from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.payments import SPENT_FIELDS, spent_after
+from idempotent_orders.consuming.payments import SPENT_FIELDS
 from idempotent_orders.consuming.running import written_values
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,

@@ -39,14 +39,11 @@ from typing import Any
 
 from django.db import DataError, IntegrityError, NotSupportedError, ProgrammingError, transaction
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Field, Model
+from django.db.models import Field
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
-from idempotent_orders.consuming.envelope import Envelope
-from idempotent_orders.consuming.graph import state_field
-from idempotent_orders.consuming.payments import claim_and_spend_sql
-from idempotent_orders.consuming.running import guarded_update_sql
+from idempotent_orders.consuming.backends.postgresql import claim_and_spend_sql
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
     inbox_partitioned,
@@ -187,21 +184,16 @@ class PostgreSQLTexts(Texts):
         self,
         conn: Any,
         cursor: Any,
-        envelope: Envelope,
-        consumer: str,
-        payment: str | None,
+        inbox: dict[str, Any],
+        spent: list[Any] | None,
         read: str,
         read_args: Sequence[Any],
     ) -> Sequence[Any]:
-        claim = _claim(conn, payment is not None)
-        now = timezone.now()
-        per_message = {
-            **envelope.inbox_fields(consumer),
-            "updated_at": claim.updated_at.get_db_prep_save(now, conn),
-        }
+        claim = _claim(conn, spent is not None)
+        now = claim.updated_at.get_db_prep_save(timezone.now(), conn)
+        per_message = {**inbox, "updated_at": now}
         args = [per_message[name] for name in claim.names]
-        if payment is not None:
-            args += [payment, envelope.order_id, consumer, envelope.message_id]
+        args += spent or []
         statements = [
             (claim.sql, _named(claim.sql), args),
             (read, _named(read), read_args),
@@ -225,17 +217,7 @@ class PostgreSQLTexts(Texts):
             raise Declined
         return row
 
-    def compile(
-        self,
-        conn: Any,
-        model: type[Model],
-        meta: Any,
-        values: Sequence[Field[Any, Any]],
-        conditions: Sequence[Field[Any, Any]],
-        queued: bool,
-        commit: bool,
-    ) -> _Update:
-        update = guarded_update_sql(conn, meta, str(state_field(model).column), values, conditions)
+    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> _Update:
         sql = f"WITH moved AS ({update} RETURNING 1)"
         outbox: list[Field[Any, Any]] = []
         if queued:
@@ -251,12 +233,7 @@ class PostgreSQLTexts(Texts):
         return _Update(sql, tuple(outbox), commit)
 
     def write(
-        self,
-        conn: Any,
-        cursor: Any,
-        update: Any,
-        args: Sequence[Any],
-        queued: dict[str, Any] | None,
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         sql = update.sql
         args = list(args)
