@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ class Command(BaseCommand):
             while not state["stopping"]:
                 self._run_once(options)
                 if options["heartbeat_file"] is not None:
-                    options["heartbeat_file"].write_text(f"{time.time():.3f}\n")
+                    _beat(options["heartbeat_file"])
                 if state["stopping"]:
                     break
                 state["waiting"] = True
@@ -80,3 +81,10 @@ class Command(BaseCommand):
             f"pending={result.pending} dead={result.dead}"
         )
         self.stdout.flush()
+
+
+def _beat(path: Path) -> None:
+    """Write the time into ``path`` whole: a probe never reads a half-written file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(f"{time.time():.3f}\n")
+    os.replace(partial, path)
