@@ -156,12 +156,7 @@ def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
 
     yield start
     for workers in started:
-        workers.stop()
-        try:
-            with current_app.connection_for_write() as conn:
-                conn.default_channel.queue_delete(workers.queue)
-        except Exception:
-            pass
+        workers.discard()
     current_app.conf.broker_url = conf_before.get("broker_url")
     current_app.conf.task_default_queue = conf_before.get("task_default_queue")
     reset_broker_pools(current_app)

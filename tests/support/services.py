@@ -542,6 +542,26 @@ class Workers:
     def stop(self) -> None:
         stop_processes(self.procs)
 
+    def discard(self) -> None:
+        """End a test's workers without waiting for a warm shutdown, and leave nothing queued.
+
+        SIGKILL to every worker's process group (what a crash does; the test's checks are
+        done by then), then the private queue is deleted and, on Redis, the messages the
+        killed workers held unacknowledged are forgotten: kombu would otherwise restore
+        them into the deleted queue's key once their visibility timeout passed.
+        """
+        for proc in self.procs:
+            kill_group(proc)
+        from celery import current_app
+
+        try:
+            with current_app.connection_for_write(self.broker_url) as conn:
+                conn.default_channel.queue_delete(self.queue)
+        except Exception:
+            pass
+        if self.broker_url.startswith("redis"):
+            forget_unacked(self.broker_url, self.queue)
+
     def log_tail(self, chars: int = 4000, files: int = 6) -> str:
         return "\n".join(
             f"--- {log}\n{log.read_text(errors='replace')[-chars:]}"
@@ -593,6 +613,27 @@ class BatchConsumers(Workers):
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+
+def forget_unacked(broker_url: str, queue: str) -> int:
+    """Delete the messages of ``queue`` from kombu's Redis ``unacked`` hash and index."""
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(broker_url, socket_timeout=5)
+    tags = []
+    for tag, raw in client.hscan_iter("unacked", count=1000):
+        try:
+            _message, _exchange, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        if routing_key == queue:
+            tags.append(tag)
+    if tags:
+        client.hdel("unacked", *tags)
+        client.zrem("unacked_index", *tags)
+    return len(tags)
 
 
 def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
