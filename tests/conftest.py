@@ -22,6 +22,7 @@ from tests.support.services import (
     ROOT,
     Workers,
     require_service,
+    require_workers_marker,
     reset_broker_pools,
     worker_env,
 )
@@ -127,9 +128,13 @@ def fulfil() -> Iterator[None]:
 
 
 @pytest.fixture
-def celery_workers(transactional_db: None) -> Iterator[Callable[..., Workers]]:
+def celery_workers(
+    transactional_db: None, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Workers]]:
     """Factory: ``celery_workers("redis" | "rabbitmq")`` starts worker processes."""
     from celery import current_app
+
+    require_workers_marker(request)
 
     started: list[Workers] = []
     # Only the keys we change: iterating the whole conf touches every Django

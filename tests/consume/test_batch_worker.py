@@ -19,6 +19,7 @@ from tests.support.services import (
     BROKERS,
     BatchConsumers,
     require_service,
+    require_workers_marker,
     reset_broker_pools,
     wait_until,
     worker_env,
@@ -48,7 +49,10 @@ def test_decode_reads_the_task_message_the_consumer_task_receives() -> None:
 
 
 @pytest.fixture
-def batch_consumers(transactional_db: None) -> Iterator[Callable[..., BatchConsumers]]:
+def batch_consumers(
+    transactional_db: None, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., BatchConsumers]]:
+    require_workers_marker(request)
     started: list[BatchConsumers] = []
     before = (current_app.conf.broker_url, current_app.conf.task_default_queue)
 

@@ -10,8 +10,9 @@ database and a Redis key prefix of its own (``IO_TEST_DB_NAME`` and
 it runs (``IO_TEST_REDIS_URL``), its own browser screenshots folder, and its output in a
 log file; a failed leg's failures are printed. The long runs (marker
 ``heavy``) are a leg of their own; the chaos runs on RabbitMQ (marker
-``restarts_rabbitmq``) run alone, before the other legs, when they restart the shared
-broker (``IO_CHAOS_RESTART_RABBITMQ=1``, as in CI). ``--dry-run`` lists the legs.
+``restarts_rabbitmq``) run first, beside only the legs that run no worker tests and so
+leave RabbitMQ alone, when they restart the shared broker (``IO_CHAOS_RESTART_RABBITMQ=1``,
+as in CI). ``--dry-run`` lists the legs (``alone``, ``beside`` the chaos runs, ``after``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +57,7 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 REPEAT = {
     "postgres": "not heavy and (not workers or workers_on_every_django)",
     "mariadb": "not workers and not browser and not heavy and not races",
-    "sqlite": "not workers and not races",
+    "sqlite": "not workers and not races and not heavy",
 }
 # The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
 # leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
@@ -310,6 +313,71 @@ def run_leg_in(
     return Result(leg, result.returncode, counts, seconds, log)
 
 
+def without_brokers(leg: Leg) -> bool:
+    """Whether a leg leaves RabbitMQ alone: it runs no worker tests (marker ``workers``).
+
+    Every test that talks to RabbitMQ starts workers or batch consumers on it
+    (tests/conftest.py refuses the ``celery_workers`` fixture to a test without the
+    marker); the other tests publish to the in-memory broker.
+    """
+    if leg.exclusive or not leg.selection:
+        return False
+    from itertools import combinations
+
+    from _pytest.mark.expression import Expression
+
+    selected = Expression.compile(leg.selection)
+    others = ("workers_on_every_django", HEAVY, RESTARTS, "races", "browser", "slow", "services")
+    marked = [
+        {"workers", *more} for size in range(len(others) + 1) for more in combinations(others, size)
+    ]
+    return not any(selected.evaluate(_marked_with(markers)) for markers in marked)
+
+
+def _marked_with(markers: set[str]) -> Callable[..., bool]:
+    return lambda name, **_: name in markers
+
+
+def schedule(legs: list[Leg], jobs: int, run: Callable[[Leg], Result]) -> list[Result]:
+    """Run the legs, ``jobs`` at a time, longest first; the exclusive legs one after another.
+
+    While the exclusive legs run (the chaos runs that restart the shared RabbitMQ), the
+    other places run only legs that leave RabbitMQ alone (:func:`without_brokers`); the
+    rest start once the exclusive legs are done.
+    """
+    alone = [leg for leg in legs if leg.exclusive]
+    waiting = sorted((leg for leg in legs if not leg.exclusive), key=lambda leg: -leg.estimate)
+    lock = threading.Lock()
+    alone_done = threading.Event()
+    if not alone:
+        alone_done.set()
+    results: list[Result] = []
+
+    def place(first: list[Leg]) -> None:
+        for leg in first:
+            results.append(run(leg))
+        if first:
+            alone_done.set()
+        while True:
+            with lock:
+                free = alone_done.is_set()
+                leg = next((leg for leg in waiting if free or without_brokers(leg)), None)
+                if leg is not None:
+                    waiting.remove(leg)
+                elif not waiting:
+                    return
+            if leg is None:
+                alone_done.wait()
+                continue
+            results.append(run(leg))
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        places = [pool.submit(place, alone if n == 0 else []) for n in range(jobs)]
+        for done in places:
+            done.result()
+    return results
+
+
 def main() -> int:
     started = time.monotonic()
     parser = argparse.ArgumentParser()
@@ -465,9 +533,19 @@ def main() -> int:
                 flush=True,
             )
     if args.dry_run:
+        chaos_first = any(leg.exclusive for leg in legs)
         for leg in sorted(legs, key=lambda leg: (not leg.exclusive, -leg.estimate)):
+            when = (
+                "alone"
+                if leg.exclusive
+                else "beside"
+                if chaos_first and without_brokers(leg)
+                else "after"
+                if chaos_first
+                else ""
+            )
             print(
-                f"{'alone' if leg.exclusive else f'{jobs} at a time':>12}  {leg.name}  "
+                f"{when:>6}  {leg.name}  "
                 f"(IO_TEST_DB_NAME={base['db']}{leg.suffix}, {leg.settings_module})"
             )
         return 0
@@ -477,15 +555,9 @@ def main() -> int:
         f"matrix: {len(legs)} legs, {jobs} at a time; logs and junit reports in {report_dir}",
         flush=True,
     )
-    results: list[Result] = []
-    alone = [leg for leg in legs if leg.exclusive]
-    together = sorted((leg for leg in legs if not leg.exclusive), key=lambda leg: -leg.estimate)
-    for leg in alone:
-        results.append(run_leg(leg, args.pytest_args, report_dir, base, redis_dbs))
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results += pool.map(
-            lambda leg: run_leg(leg, args.pytest_args, report_dir, base, redis_dbs), together
-        )
+    results = schedule(
+        legs, jobs, lambda leg: run_leg(leg, args.pytest_args, report_dir, base, redis_dbs)
+    )
 
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print("\nmatrix legs:")

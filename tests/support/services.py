@@ -450,6 +450,13 @@ def private_redis_settings(url: str) -> Iterator[None]:
 # --- real Celery workers --------------------------------------------------------------------
 
 
+def require_workers_marker(request: pytest.FixtureRequest) -> None:
+    """Worker tests carry the marker ``workers``: the legs that deselect it run beside the
+    chaos runs that restart the shared RabbitMQ (tests/support/matrix.py)."""
+    if request.node.get_closest_marker("workers") is None:
+        pytest.fail(f"{request.node.nodeid} starts worker processes: mark it `workers`")
+
+
 def worker_env(
     *, broker_url: str, queue: str, settings_module: str | None = None, **extra: str
 ) -> dict[str, str]:

@@ -1,0 +1,65 @@
+"""The test matrix's scheduling (tests/support/matrix.py): which legs run beside the chaos runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from tests.support import matrix
+
+
+def leg(name: str, selection: str, estimate: float = 1, exclusive: bool = False) -> matrix.Leg:
+    return matrix.Leg(
+        name=name,
+        key=name,
+        python=Path("python"),
+        database="postgres",
+        settings_module="tests.settings",
+        selection=selection,
+        suffix="",
+        estimate=estimate,
+        exclusive=exclusive,
+    )
+
+
+def test_only_legs_that_deselect_every_worker_test_leave_rabbitmq_alone() -> None:
+    assert matrix.without_brokers(leg("m", matrix.REPEAT["mariadb"]))
+    assert matrix.without_brokers(leg("s", matrix.REPEAT["sqlite"]))
+    assert matrix.without_brokers(leg("f", matrix.FSM28_SELECTION))
+    # Django 6's PostgreSQL leg still runs the workers marked workers_on_every_django.
+    assert not matrix.without_brokers(leg("p", matrix.REPEAT["postgres"]))
+    assert not matrix.without_brokers(leg("all", ""))
+    assert not matrix.without_brokers(leg("rest", f"not {matrix.HEAVY}"))
+    assert not matrix.without_brokers(leg("chaos", matrix.HEAVY, exclusive=True))
+
+
+def test_while_the_chaos_runs_restart_rabbitmq_only_legs_without_workers_run() -> None:
+    chaos_done = threading.Event()
+    after_chaos: dict[str, bool] = {}
+
+    def run(one: matrix.Leg) -> matrix.Result:
+        after_chaos[one.name] = chaos_done.is_set()
+        time.sleep(1.0 if one.exclusive else 0.05)
+        if one.exclusive:
+            chaos_done.set()
+        return matrix.Result(one, 0, {}, 0.0, Path("log"))
+
+    legs = [
+        leg("workers", "not heavy", estimate=100),
+        leg("quiet-1", matrix.REPEAT["mariadb"], estimate=50),
+        leg("quiet-2", matrix.REPEAT["sqlite"], estimate=40),
+        leg("chaos", matrix.HEAVY, exclusive=True),
+        leg("workers-2", "", estimate=10),
+    ]
+    results = matrix.schedule(legs, 3, run)
+
+    assert sorted(result.leg.name for result in results) == sorted(one.name for one in legs)
+    # The legs without worker tests ran beside the chaos run; the others waited for it.
+    assert after_chaos == {
+        "chaos": False,
+        "quiet-1": False,
+        "quiet-2": False,
+        "workers": True,
+        "workers-2": True,
+    }
