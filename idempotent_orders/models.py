@@ -14,6 +14,7 @@ from django.db.models.functions import Now
 from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
 from idempotent_orders.exceptions import OrderChanged
 from idempotent_orders.fsm import FSMField, FSMModelMixin, transition
+from idempotent_orders.prepared import driver_cursor
 
 #: Where a guarded ``save()`` keeps its optimistic condition until ``_do_update`` takes it.
 SAVE_GUARD = "_idempotent_orders_guard"
@@ -82,12 +83,25 @@ def _guarded_update(
             params += [field.get_db_prep_value(v, conn) for v in value]
     assert meta.pk is not None
     params.append(meta.pk.get_db_prep_value(pk_val, conn))
-    with conn.cursor() as cursor:
-        cursor.execute(update.sql, params)
-        rows = cursor.rowcount
+    rows = _send_update(conn, update.sql, params)
     if len(args) == 6:  # Django 6: the rows updated, each with its returned values (none)
         return [()] * rows
     return rows > 0
+
+
+def _send_update(conn: Any, sql: str, params: Sequence[Any]) -> int:
+    """Send a guarded UPDATE; the rows it matched. On the driver's own cursor where nothing
+    watches the statement (:func:`~idempotent_orders.prepared.driver_cursor`: no execute
+    wrapper, no query logging; and a transaction not marked for rollback, which Django's
+    cursor refuses), with Django's error mapping; else through Django's cursor."""
+    cursor = None if conn.needs_rollback else driver_cursor(conn, in_transaction=True)
+    if cursor is None:
+        with conn.cursor() as wrapped:
+            wrapped.execute(sql, params)
+            return int(wrapped.rowcount)
+    with conn.wrap_database_errors, cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)
 
 
 def _save_update(
