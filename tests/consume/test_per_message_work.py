@@ -207,3 +207,23 @@ def test_the_save_road_with_its_follow_up_applies_on_the_texts(make_order, save_
         assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
     order.refresh_from_db()
     assert order.version == 1
+
+
+def test_a_kept_setting_is_read_again_after_settings_change() -> None:
+    from idempotent_orders.conf import conf
+
+    before = conf.CONFLICT_RETRIES
+    assert before == conf.CONFLICT_RETRIES  # kept
+    with override_settings(
+        IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, "CONFLICT_RETRIES": 77}
+    ):
+        assert conf.CONFLICT_RETRIES == 77
+    assert before == conf.CONFLICT_RETRIES
+
+
+def test_a_list_setting_is_built_afresh_for_every_reader() -> None:
+    from idempotent_orders.conf import conf
+
+    headers = conf.REPLAY_HEADERS
+    headers.append("x-changed-by-a-reader")
+    assert "x-changed-by-a-reader" not in conf.REPLAY_HEADERS
