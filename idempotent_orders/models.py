@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
@@ -32,6 +35,12 @@ class _SaveUpdate:
 
 _save_updates: dict[tuple[Any, ...], _SaveUpdate | None] = {}
 
+#: Types whose values are never an expression, a model or SQL: the checks of every
+#: value skip asking them (a missing attribute costs an exception raised and caught).
+PLAIN_TYPES = frozenset(
+    {str, int, bool, float, Decimal, datetime, date, time, timedelta, UUID, bytes, type(None)}
+)
+
 
 def _guarded_update(
     base_qs: Any, guard: Mapping[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
@@ -54,7 +63,8 @@ def _guarded_update(
     if type(base_qs) is not models.QuerySet or base_qs.query.where or base_qs.query.is_sliced:
         return None
     if any(
-        hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save")
+        type(v) not in PLAIN_TYPES
+        and (hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save"))
         for _, _, v in values
     ):
         return None
@@ -74,7 +84,7 @@ def _guarded_update(
         return None
     conn = connections[using]
     params = [f.get_db_prep_save(v, connection=conn) for f, _, v in values]
-    if any(hasattr(p, "as_sql") for p in params):
+    if any(type(p) not in PLAIN_TYPES and hasattr(p, "as_sql") for p in params):
         return None
     for (field, length), value in zip(update.where, guard.values(), strict=True):
         if length is None:

@@ -82,7 +82,7 @@ from idempotent_orders.consuming.running import (
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 from idempotent_orders.consuming.unread import fits
 from idempotent_orders.consuming.writing import Conflict, settle
-from idempotent_orders.models import AbstractOrder, Outcome
+from idempotent_orders.models import PLAIN_TYPES, AbstractOrder, Outcome
 
 __all__ = ["Conflict", "Declined", "Texts", "can_claim_and_run", "claim_and_run"]
 
@@ -310,7 +310,10 @@ def _finish(
     with nothing sent, where :func:`~idempotent_orders.consuming.writing.settle` must."""
     if ran.error is not None or ran.saved:
         return False
-    if any(hasattr(v, "resolve_expression") or isinstance(v, Model) for v in ran.values.values()):
+    if any(
+        type(v) not in PLAIN_TYPES and (hasattr(v, "resolve_expression") or isinstance(v, Model))
+        for v in ran.values.values()
+    ):
         return False
     model = type(order)
     commit, handed = _follow_up(model, order.pk, ran)
