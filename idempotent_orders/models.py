@@ -62,30 +62,37 @@ def _guarded_update(
         return None
     if type(base_qs) is not models.QuerySet or base_qs.query.where or base_qs.query.is_sliced:
         return None
-    if any(
-        type(v) not in PLAIN_TYPES
-        and (hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save"))
-        for _, _, v in values
-    ):
-        return None
-    shape = tuple(
-        (k, len(v) if k.endswith("__in") else None)
-        for k, v in guard.items()
-        if not (v is None or (k.endswith("__in") and None in v))
-    )
-    if len(shape) != len(guard):
-        return None  # IS NULL, or an IN list with NULL: Django's lookups spell them
-    key = (model, using, tuple(f for f, _, _ in values), shape)
+    fields: list[models.Field[Any, Any]] = []
+    ids: list[int] = []
+    for field, _, value in values:
+        if type(value) not in PLAIN_TYPES and (
+            hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save")
+        ):
+            return None
+        fields.append(field)
+        ids.append(id(field))  # the fields are the model's own, kept by it: ids stay theirs
+    shape: list[tuple[str, int | None]] = []
+    for k, v in guard.items():
+        if v is None:
+            return None  # IS NULL: Django's lookups spell it
+        if k.endswith("__in"):
+            if None in v:
+                return None  # an IN list with NULL: Django's lookups spell it
+            shape.append((k, len(v)))
+        else:
+            shape.append((k, None))
+    key = (model, using, tuple(ids), tuple(shape))
     try:
         update = _save_updates[key]
     except KeyError:
-        update = _save_updates[key] = _save_update(model, using, [f for f, _, _ in values], shape)
+        update = _save_updates[key] = _save_update(model, using, fields, shape)
     if update is None:
         return None
     conn = connections[using]
     params = [f.get_db_prep_save(v, connection=conn) for f, _, v in values]
-    if any(type(p) not in PLAIN_TYPES and hasattr(p, "as_sql") for p in params):
-        return None
+    for param in params:
+        if type(param) not in PLAIN_TYPES and hasattr(param, "as_sql"):
+            return None
     for (field, length), value in zip(update.where, guard.values(), strict=True):
         if length is None:
             params.append(field.get_db_prep_value(value, conn))

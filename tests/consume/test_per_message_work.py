@@ -227,3 +227,29 @@ def test_a_list_setting_is_built_afresh_for_every_reader() -> None:
     headers = conf.REPLAY_HEADERS
     headers.append("x-changed-by-a-reader")
     assert "x-changed-by-a-reader" not in conf.REPLAY_HEADERS
+
+
+@pytest.mark.parametrize(
+    ("guard", "applies"),
+    [
+        ({"version": 0, "last_seq__in": [0, 1]}, True),  # kept per shape: IN of two
+        ({"version": 0, "last_seq__in": [0, None]}, True),  # NULL in the list: Django's query
+        ({"version": 0, "has_parked": None}, False),  # IS NULL: Django's query, no match
+        ({"version": 1, "last_seq": 0}, False),  # kept per shape, no match
+    ],
+)
+def test_every_guard_is_written_by_the_statement_that_spells_it(
+    make_order, guard: dict[str, Any], applies: bool
+) -> None:
+    from idempotent_orders.exceptions import OrderChanged
+
+    order = make_order()
+    order.__dict__[SAVE_GUARD] = dict(guard)
+    order.last_seq = 3
+    if applies:
+        order.save(update_fields=["last_seq"])
+    else:
+        with pytest.raises(OrderChanged):
+            order.save(update_fields=["last_seq"])
+    order.refresh_from_db()
+    assert order.last_seq == (3 if applies else 0)
