@@ -1,4 +1,5 @@
-"""Settings of idempotent_orders, read from ``settings.IDEMPOTENT_ORDERS`` on every access."""
+"""Settings of idempotent_orders, read from ``settings.IDEMPOTENT_ORDERS``: each value once,
+and again after any ``setting_changed`` (``override_settings``)."""
 
 from __future__ import annotations
 
@@ -250,7 +251,8 @@ class Settings:
 
     The ``IDEMPOTENT_ORDERS`` dict is looked up once and again after each
     ``setting_changed`` (``override_settings``), not on every access: reading
-    a Django setting costs more than some of the work it configures.
+    a Django setting costs more than some of the work it configures. :data:`conf`
+    keeps each plain value (a number, a flag, a text) once read, until then too.
     """
 
     _user: dict[str, Any] | None = None
@@ -558,7 +560,43 @@ class Settings:
         return bool(self._get("METRICS_PUBLIC"))
 
 
-conf = Settings()
+#: The types of a setting's value that may be kept once read (a list or a dict is built
+#: afresh for every reader, who may change it).
+_KEPT_TYPES = frozenset({int, bool, str, float, type(None)})
+
+
+class _Kept:
+    """A :class:`Settings` property whose value, once read, is kept on the instance until
+    :meth:`_KeptSettings.forget`: the next read is an attribute of the instance, with no
+    call (the road reads a few dozen settings a message)."""
+
+    __slots__ = ("name", "read")
+
+    def __init__(self, name: str, read: Callable[[Any], Any]) -> None:
+        self.name = name
+        self.read = read
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        value = self.read(instance)
+        if type(value) in _KEPT_TYPES:
+            instance.__dict__[self.name] = value
+        return value
+
+
+class _KeptSettings(Settings):
+    """:class:`Settings` whose values are kept once read, until ``setting_changed``."""
+
+    def forget(self, **kwargs: Any) -> None:
+        self.__dict__.clear()  # the kept values and the settings dict both
+
+
+for _name, _accessor in list(vars(Settings).items()):
+    if isinstance(_accessor, property) and _accessor.fget is not None:
+        setattr(_KeptSettings, _name, _Kept(_name, _accessor.fget))
+
+conf: Settings = _KeptSettings()
 setting_changed.connect(conf.forget, dispatch_uid="idempotent_orders.conf.forget")
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
@@ -14,6 +17,7 @@ from django.db.models.functions import Now
 from idempotent_orders.conf import ORDER_MODEL_SETTING, order_model_label
 from idempotent_orders.exceptions import OrderChanged
 from idempotent_orders.fsm import FSMField, FSMModelMixin, transition
+from idempotent_orders.prepared import driver_cursor
 
 #: Where a guarded ``save()`` keeps its optimistic condition until ``_do_update`` takes it.
 SAVE_GUARD = "_idempotent_orders_guard"
@@ -30,6 +34,12 @@ class _SaveUpdate:
 
 
 _save_updates: dict[tuple[Any, ...], _SaveUpdate | None] = {}
+
+#: Types whose values are never an expression, a model or SQL: the checks of every
+#: value skip asking them (a missing attribute costs an exception raised and caught).
+PLAIN_TYPES = frozenset(
+    {str, int, bool, float, Decimal, datetime, date, time, timedelta, UUID, bytes, type(None)}
+)
 
 
 def _guarded_update(
@@ -52,29 +62,37 @@ def _guarded_update(
         return None
     if type(base_qs) is not models.QuerySet or base_qs.query.where or base_qs.query.is_sliced:
         return None
-    if any(
-        hasattr(v, "resolve_expression") or hasattr(v, "prepare_database_save")
-        for _, _, v in values
-    ):
-        return None
-    shape = tuple(
-        (k, len(v) if k.endswith("__in") else None)
-        for k, v in guard.items()
-        if not (v is None or (k.endswith("__in") and None in v))
-    )
-    if len(shape) != len(guard):
-        return None  # IS NULL, or an IN list with NULL: Django's lookups spell them
-    key = (model, using, tuple(f for f, _, _ in values), shape)
+    fields: list[models.Field[Any, Any]] = []
+    ids: list[int] = []
+    for field, _, value in values:
+        if type(value) not in PLAIN_TYPES and (
+            hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save")
+        ):
+            return None
+        fields.append(field)
+        ids.append(id(field))  # the fields are the model's own, kept by it: ids stay theirs
+    shape: list[tuple[str, int | None]] = []
+    for k, v in guard.items():
+        if v is None:
+            return None  # IS NULL: Django's lookups spell it
+        if k.endswith("__in"):
+            if None in v:
+                return None  # an IN list with NULL: Django's lookups spell it
+            shape.append((k, len(v)))
+        else:
+            shape.append((k, None))
+    key = (model, using, tuple(ids), tuple(shape))
     try:
         update = _save_updates[key]
     except KeyError:
-        update = _save_updates[key] = _save_update(model, using, [f for f, _, _ in values], shape)
+        update = _save_updates[key] = _save_update(model, using, fields, shape)
     if update is None:
         return None
     conn = connections[using]
     params = [f.get_db_prep_save(v, connection=conn) for f, _, v in values]
-    if any(hasattr(p, "as_sql") for p in params):
-        return None
+    for param in params:
+        if type(param) not in PLAIN_TYPES and hasattr(param, "as_sql"):
+            return None
     for (field, length), value in zip(update.where, guard.values(), strict=True):
         if length is None:
             params.append(field.get_db_prep_value(value, conn))
@@ -82,12 +100,25 @@ def _guarded_update(
             params += [field.get_db_prep_value(v, conn) for v in value]
     assert meta.pk is not None
     params.append(meta.pk.get_db_prep_value(pk_val, conn))
-    with conn.cursor() as cursor:
-        cursor.execute(update.sql, params)
-        rows = cursor.rowcount
+    rows = _send_update(conn, update.sql, params)
     if len(args) == 6:  # Django 6: the rows updated, each with its returned values (none)
         return [()] * rows
     return rows > 0
+
+
+def _send_update(conn: Any, sql: str, params: Sequence[Any]) -> int:
+    """Send a guarded UPDATE; the rows it matched. On the driver's own cursor where nothing
+    watches the statement (:func:`~idempotent_orders.prepared.driver_cursor`: no execute
+    wrapper, no query logging; and a transaction not marked for rollback, which Django's
+    cursor refuses), with Django's error mapping; else through Django's cursor."""
+    cursor = None if conn.needs_rollback else driver_cursor(conn, in_transaction=True)
+    if cursor is None:
+        with conn.cursor() as wrapped:
+            wrapped.execute(sql, params)
+            return int(wrapped.rowcount)
+    with conn.wrap_database_errors, cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)
 
 
 def _save_update(

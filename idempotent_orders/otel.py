@@ -183,9 +183,8 @@ def _key(message: Any) -> str:
 
 def _attempt() -> int | None:
     """The running Celery task's attempt (1 for its first run), None outside a task."""
-    from celery import current_task
-
-    request = getattr(current_task, "request", None) if current_task else None
+    task = tracing._current_task
+    request = getattr(task, "request", None) if task else None
     if request is None or getattr(request, "id", None) is None:
         return None
     return int(getattr(request, "retries", 0) or 0) + 1

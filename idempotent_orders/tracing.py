@@ -118,27 +118,38 @@ def _clean(traceparent: str) -> str:
     return value if valid_traceparent(value) else ""
 
 
+#: The context of no trace (one object: a message outside any trace builds none).
+_EMPTY = TraceContext()
+
+_current_task: Any
+try:  # imported once (a proxy: the task running when it is read)
+    from celery import current_task as _current_task
+except ImportError:  # pragma: no cover - celery is a dependency
+    _current_task = None
+
+
 def _from_celery_task() -> TraceContext:
-    try:
-        from celery import current_task
-    except ImportError:  # pragma: no cover - celery is a dependency
-        return TraceContext()
-    task = current_task
+    task = _current_task
     request = getattr(task, "request", None) if task else None
     if request is None:
-        return TraceContext()
-    return from_headers(request)
+        return _EMPTY
+    context = from_headers(request)
+    return context if context else _EMPTY
 
 
 _otel_inject: Any
+_otel_current_span: Any
 try:  # looked up once: a failed import on every call would cost the producer
     from opentelemetry.propagate import inject as _otel_inject
+    from opentelemetry.trace import get_current_span as _otel_current_span
 except ImportError:
-    _otel_inject = None
+    _otel_inject = _otel_current_span = None
 
 
 def _from_opentelemetry() -> str:
-    if _otel_inject is None:
+    """The current span's ``traceparent`` ("" without a valid current span: nothing to
+    propagate, and the propagators are not run)."""
+    if _otel_inject is None or not _otel_current_span().get_span_context().is_valid:
         return ""
     carrier: dict[str, str] = {}
     _otel_inject(carrier)

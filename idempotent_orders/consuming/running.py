@@ -307,11 +307,12 @@ def runs_user_code(model: type[Model], name: str) -> bool:
     or the model's ``save()`` runs something of the project's (:func:`save_hooks`).
     A transition for which this is false may be committed by one SQL statement.
     """
+    # The kept answers first: a signal's receivers are looked up on every call.
     return (
         has_body(model, name)
+        or bool(save_hooks(model))
         or pre_transition.has_listeners(model)
         or post_transition.has_listeners(model)
-        or bool(save_hooks(model))
     )
 
 

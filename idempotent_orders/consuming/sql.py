@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import Any
 
 from django.db import connection, connections
@@ -414,15 +415,25 @@ def queue_follow_up(
 def handed_over(fields: Mapping[str, Any]) -> bool:
     """Whether a statement can write a follow-up's row of ``fields``: the fields it writes,
     each fitting its column (a value too long goes to ``write``, which raises as ever)."""
-    if set(fields) != set(FOLLOW_UP_FIELDS):
+    if fields.keys() != _FOLLOW_UP_NAMES:
         return False
-    meta = OutboxMessage._meta
-    for name in ("message_id", "task_name", "order_key", "traceparent", "correlation_id"):
+    for name, limit in _text_limits():
         value = fields[name]
-        limit = getattr(meta.get_field(name), "max_length", None)
         if value is not None and (not isinstance(value, str) or (limit and len(value) > limit)):
             return False
     return True
+
+
+_FOLLOW_UP_NAMES = frozenset(FOLLOW_UP_FIELDS)
+
+
+@cache
+def _text_limits() -> tuple[tuple[str, int | None], ...]:
+    """The outbox's text columns a follow-up's row fills, each with its ``max_length``
+    (read once: the model's fields do not change)."""
+    meta = OutboxMessage._meta
+    names = ("message_id", "task_name", "order_key", "traceparent", "correlation_id")
+    return tuple((name, getattr(meta.get_field(name), "max_length", None)) for name in names)
 
 
 # -- Arguments: a value as the driver takes it ---------------------------------------------

@@ -188,7 +188,12 @@ class BloomLayer:
     def add(self, consumer: str, message_id: str, when: float | None = None) -> None:
         hashed = stable_hash(_key(consumer, message_id))
         now = time.time()
-        bucket = self._bucket_of(now if when is None else when)
+        if when is None:  # seen now: the current bucket, live by definition
+            bucket = self._bucket_of(now)
+            with self._lock:
+                self._filter(bucket).add(hashed)
+            return
+        bucket = self._bucket_of(when)
         with self._lock:
             if bucket in self._live_buckets(now):
                 self._filter(bucket).add(hashed)

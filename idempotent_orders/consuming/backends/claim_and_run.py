@@ -82,7 +82,7 @@ from idempotent_orders.consuming.running import (
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 from idempotent_orders.consuming.unread import fits
 from idempotent_orders.consuming.writing import Conflict, settle
-from idempotent_orders.models import AbstractOrder, Outcome
+from idempotent_orders.models import PLAIN_TYPES, AbstractOrder, Outcome
 
 __all__ = ["Conflict", "Declined", "Texts", "can_claim_and_run", "claim_and_run"]
 
@@ -171,15 +171,18 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
         # The road without a read's kind: it took the message, or declined it for a
         # reason the order gave (its state, a duplicate, parked messages, a rule's test).
         return None
-    if not can_claim_and_run(conn):
-        return None
+    # The backend's texts, looked up once for the message (as can_claim_and_run does).
     texts = chosen.texts()
-    assert texts is not None
+    if texts is None or conn.in_atomic_block or not conn.get_autocommit():
+        return None
+    conn.ensure_connection()
+    if not texts.ready(conn):
+        return None
     payment = payment_id(envelope)
     try:
         # One cursor for both texts (the project's code in between may use its own).
         with texts.transaction(conn) as cursor:
-            order = _claim_and_read(envelope, consumer, model, conn, cursor, plan, payment)
+            order = _claim_and_read(envelope, consumer, model, conn, cursor, texts, plan, payment)
             verdict = decide(order, envelope)
             if verdict.outcome is not Outcome.APPLIED:
                 raise Declined
@@ -192,8 +195,10 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
             ran = call_transition(order, name, verdict.kwargs, fields=verdict.values)
             # Where the project's code runs on save(), the model's own save() commits it
             # (running.commit), as on the usual road; the follow-up's row goes with COMMIT.
-            if save_hooks(model) or not _finish(order, ran, version, conditions, conn, cursor):
-                last = partial(_queue_and_commit, conn, cursor)
+            if save_hooks(model) or not _finish(
+                order, ran, version, conditions, conn, cursor, texts
+            ):
+                last = partial(_queue_and_commit, conn, cursor, texts)
                 return settle(envelope, consumer, order, ran, version, conditions, last=last)
             return Outcome.APPLIED
     except (Declined, Conflict):
@@ -210,6 +215,7 @@ def _claim_and_read(
     model: type[Model],
     conn: Any,
     cursor: Any,
+    texts: Texts,
     plan: Any,
     payment: str | None,
 ) -> AbstractOrder:
@@ -219,8 +225,6 @@ def _claim_and_read(
     pk = model._meta.pk
     assert pk is not None
     read_args = [pk.get_db_prep_value(envelope.order_id, conn)]
-    texts = backend(conn).texts()
-    assert texts is not None
     inbox = envelope.inbox_fields(consumer)
     spent = None if payment is None else [payment, envelope.order_id, consumer, envelope.message_id]
     row = texts.claim_and_read(conn, cursor, inbox, spent, plan.sql, read_args)
@@ -243,7 +247,7 @@ def _follow_up(
 
 
 def _queue_and_commit(
-    conn: Any, cursor: Any, order: AbstractOrder, ran: Ran
+    conn: Any, cursor: Any, texts: Texts, order: AbstractOrder, ran: Ran
 ) -> tuple[FollowUp, ...] | None:
     """After the model's ``save()`` and its receivers: the follow-up's outbox row and
     ``COMMIT`` in one text (:meth:`Texts.queue`); the follow-up it wrote, or None with
@@ -251,8 +255,6 @@ def _queue_and_commit(
     _, handed = _follow_up(type(order), order.pk, ran)
     if handed is None:
         return None
-    texts = backend(conn).texts()
-    assert texts is not None
     queued_id = texts.queue(conn, cursor, dict(handed[1].fields))
     if queued_id is not None:  # None: the message was queued already
         handed[1].written(conn.alias, queued_id)
@@ -301,13 +303,17 @@ def _finish(
     conditions: Mapping[str, Any],
     conn: Any,
     cursor: Any,
+    texts: Texts,
 ) -> bool:
     """The second text: write what the transition did, queue its follow-up and commit,
     then announce it (its publish and ``order_transitioned`` run after the block). False,
     with nothing sent, where :func:`~idempotent_orders.consuming.writing.settle` must."""
     if ran.error is not None or ran.saved:
         return False
-    if any(hasattr(v, "resolve_expression") or isinstance(v, Model) for v in ran.values.values()):
+    if any(
+        type(v) not in PLAIN_TYPES and (hasattr(v, "resolve_expression") or isinstance(v, Model))
+        for v in ran.values.values()
+    ):
         return False
     model = type(order)
     commit, handed = _follow_up(model, order.pk, ran)
@@ -329,8 +335,6 @@ def _finish(
     args += [pk.get_db_prep_value(order.pk, conn), field.get_db_prep_value(ran.source, conn)]
     args.append(version)
     args += [by_attname[n].get_db_prep_value(v, conn) for n, v in conditions.items()]
-    texts = backend(conn).texts()
-    assert texts is not None
     queued_id = texts.write(
         conn, cursor, update, args, None if handed is None else dict(handed[1].fields)
     )
