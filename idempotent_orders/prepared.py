@@ -34,6 +34,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 
 try:
     from psycopg import ClientCursor as _DriverCursor
@@ -45,6 +46,9 @@ try:
     from psycopg.pq import ExecStatus as _ExecStatus
 except ImportError:  # psycopg2, or no PostgreSQL driver: Django's cursor always
     _Psycopg = _DriverCursor = _errors = _Transformer = None  # type: ignore[assignment,misc]
+
+#: The module of Django's own cursor methods (any other: something patched them).
+_DJANGO_CURSORS = CursorWrapper.__module__
 
 __all__ = [
     "MAX_MISSES",
@@ -94,8 +98,7 @@ def _driver(conn: BaseDatabaseWrapper, *, in_transaction: bool = False) -> Any:
     raw = conn.connection
     if (
         not isinstance(raw, _Psycopg)
-        or conn.execute_wrappers
-        or conn.queries_logged
+        or watched(conn)
         or not (conn.autocommit or (in_transaction and conn.in_atomic_block))
         or (
             getattr(conn, "health_check_enabled", False)
@@ -105,6 +108,20 @@ def _driver(conn: BaseDatabaseWrapper, *, in_transaction: bool = False) -> Any:
         return None
     conn.validate_thread_sharing()
     return raw
+
+
+def watched(conn: BaseDatabaseWrapper) -> bool:
+    """Whether something must see this connection's statements, so that they go through
+    Django's cursor and not the driver's: an execute wrapper, query logging (``DEBUG``
+    or a test capturing queries), or an error tracker, APM agent or toolbar that patched
+    Django's cursor (``CursorWrapper.execute`` replaced, or the connection's ``cursor``)."""
+    return bool(
+        conn.execute_wrappers
+        or conn.queries_logged
+        or getattr(CursorWrapper.execute, "__module__", None) != _DJANGO_CURSORS
+        or getattr(CursorWrapper.executemany, "__module__", None) != _DJANGO_CURSORS
+        or "cursor" in vars(conn)
+    )
 
 
 def _named(args: Sequence[Any]) -> dict[str, Any]:

@@ -74,6 +74,27 @@ def test_query_logging_sees_the_guarded_update_of_save(make_order, save_road) ->
     assert len(_updates_of([q["sql"] for q in captured.captured_queries], save_road)) == 1
 
 
+def test_a_patched_cursor_sees_the_guarded_update_of_save(make_order, save_road) -> None:
+    """Error trackers and APM agents patch ``CursorWrapper.execute`` instead of installing
+    an execute wrapper: then the road sends its statements through Django's cursor too."""
+    from django.db.backends.utils import CursorWrapper
+
+    consume_message(payment(make_order()), consumer="payments")
+    order = make_order()
+    seen: list[str] = []
+    original = CursorWrapper.execute
+
+    def patched_execute(self: Any, sql: str, params: Any = None) -> Any:
+        seen.append(sql)
+        return original(self, sql, params)
+
+    with mock.patch.object(CursorWrapper, "execute", patched_execute):
+        assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
+    assert len(_updates_of(seen, save_road)) == 1, seen
+    order.refresh_from_db()
+    assert (order.version, order.payment_id) == (1, f"pay-{order.pk}")
+
+
 @pytest.mark.backends("postgresql")
 def test_unwatched_the_guarded_update_goes_to_the_drivers_cursor(make_order, save_road) -> None:
     consume_message(payment(make_order()), consumer="payments")

@@ -52,6 +52,7 @@ from idempotent_orders.consuming.backends import Backend, Statements
 from idempotent_orders.consuming.backends.at_once import inserts
 from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
 from idempotent_orders.consuming.sql import inbox_template
+from idempotent_orders.prepared import watched
 
 __all__ = ["MySQL", "MySQLTexts"]
 
@@ -80,9 +81,9 @@ def _multi_statements(conn: Any) -> bool:
 
 def _cursor(conn: Any) -> Any:
     """The driver's cursor of ``conn`` (connected) unless something must see the texts
-    (query logging, an execute wrapper): Django's wrapper translates errors of its own
-    execute only."""
-    if conn.queries_logged or conn.execute_wrappers:
+    (:func:`~idempotent_orders.prepared.watched`): Django's wrapper translates errors of
+    its own execute only."""
+    if watched(conn):
         return conn.cursor()
     conn.validate_thread_sharing()
     return contextlib.closing(conn.connection.cursor())

@@ -9,6 +9,7 @@ from typing import Any
 from django.db import IntegrityError
 
 from idempotent_orders.consuming.backends import Backend, Statements
+from idempotent_orders.prepared import watched
 
 __all__ = ["SQLite"]
 
@@ -32,13 +33,13 @@ class SQLite(Backend):
         mode = getattr(conn, "transaction_mode", None)
         queued_id: int | None = None
         conn.ensure_connection()
-        # Straight to the driver unless something must see the queries (query logging, an
-        # execute wrapper): Django's cursor wrapper costs more than a statement here.
-        watched = conn.queries_logged or conn.execute_wrappers
-        if not watched:
+        # Straight to the driver unless something must see the queries (prepared.watched):
+        # Django's cursor wrapper costs more than a statement here.
+        seen = watched(conn)
+        if not seen:
             conn.validate_thread_sharing()
         with (
-            conn.cursor() if watched else contextlib.closing(conn.connection.cursor()) as cursor,
+            conn.cursor() if seen else contextlib.closing(conn.connection.cursor()) as cursor,
             conn.wrap_database_errors,
         ):
             cursor.execute(f"BEGIN {mode}" if mode else "BEGIN")
@@ -46,7 +47,7 @@ class SQLite(Backend):
             try:
                 for step, sql, args in statements:
                     try:
-                        cursor.execute(sql if watched else _qmark(sql), args)
+                        cursor.execute(sql if seen else _qmark(sql), args)
                     except refused:
                         if step not in ("inbox", "spent"):
                             raise
