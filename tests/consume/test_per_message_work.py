@@ -173,7 +173,8 @@ def test_the_backends_texts_are_looked_up_once_a_message(make_order, save_road) 
 
     with mock.patch.object(Backend, "texts", counted):
         assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
-    assert len(calls) <= 1
+    # SQLite's save() road sends no texts; PostgreSQL's and MariaDB's look them up once.
+    assert len(calls) == (0 if connection.vendor == "sqlite" else 1)
 
 
 def test_no_trace_is_the_one_empty_context_and_runs_no_propagator() -> None:
