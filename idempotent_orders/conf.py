@@ -67,6 +67,9 @@ DEFAULTS: dict[str, Any] = {
     # Longest wait (seconds) for Redis on one fast-path call (connect, lookup, batch write);
     # past it the database answers and Redis is skipped as after an error.
     "DEDUP_REDIS_TIMEOUT": 0.05,
+    # How many ids of messages this process applied, found stale or rejected it keeps,
+    # to answer their copies without asking Redis (0: always ask Redis).
+    "DEDUP_MEMORY": 20_000,
     # Process-local Bloom filter: one per bucket, each sized for CAPACITY ids.
     "DEDUP_BLOOM": True,
     "DEDUP_BLOOM_CAPACITY": 1_000_000,
@@ -350,6 +353,10 @@ class Settings:
     @property
     def DEDUP_REDIS_TIMEOUT(self) -> float:
         return float(self._get("DEDUP_REDIS_TIMEOUT"))
+
+    @property
+    def DEDUP_MEMORY(self) -> int:
+        return int(self._get("DEDUP_MEMORY"))
 
     @property
     def DEDUP_BLOOM(self) -> bool:

@@ -306,6 +306,13 @@ class Outcome(models.TextChoices):
     FAILED = "failed", "failed"
 
 
+#: Outcomes whose inbox row this delivery wrote ``done`` for good: nothing reopens it (an
+#: operator retries or requeues only failed, dead or processing rows), so a process that
+#: saw one commit may answer its copies itself (``dedup.memory``). Not a duplicate the
+#: database found (that row may be parked, and a parked row may fail on release).
+SETTLED_OUTCOMES = frozenset({Outcome.APPLIED, Outcome.STALE, Outcome.REJECTED})
+
+
 class ProcessedMessage(models.Model):
     """The inbox: one row per (consumer, message id), written in the order's transaction.
 

@@ -34,7 +34,7 @@ outbox_dead = Signal()
 #: Arguments: ``consumer``, ``message_id``, ``attempts``, ``error`` (the last one).
 message_dead = Signal()
 #: Sent for every dedup decision, saying which layer answered.
-#: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: bloom-negative,
+#: Arguments: ``layer`` (an ``idempotent_orders.dedup.Layer``: memory-hit, bloom-negative,
 #: bloom-warming, redis-hit, redis-miss, redis-down, disabled, database-conflict),
 #: ``consumer``, ``message_id``.
 #: Sent synchronously in the consuming process (lookups happen before any transaction).

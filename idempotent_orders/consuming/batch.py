@@ -77,6 +77,7 @@ from idempotent_orders.consuming.single import consume_message, release_parked
 from idempotent_orders.consuming.writing import Spent, on_error_reason, park, spent_verdict
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
 from idempotent_orders.models import (
+    SETTLED_OUTCOMES,
     AbstractOrder,
     Outcome,
     ParkedMessage,
@@ -148,7 +149,7 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
         layers = dedup.lookup_many(consumer, list(items))
         known: list[tuple[Envelope, Outcome, str]] = []
         for message_id, layer in layers.items():
-            if layer is dedup.Layer.REDIS_HIT:
+            if layer in dedup.KNOWN:
                 item = items.pop(message_id)
                 known.append((item.envelope, Outcome.DUPLICATE, "fast path: already processed"))
                 outcomes[item.index] = Outcome.DUPLICATE
@@ -251,7 +252,8 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
     # Remembered last, as the single path does: a worker that dies before this
     # point leaves no fast-path key, so the redelivery reaches the database.
     remembered = [m for m in items if m not in dead]
-    transaction.on_commit(lambda: dedup.remember_many(consumer, remembered))
+    kept = [m for m in remembered if m in claimed_ids and items[m].outcome in SETTLED_OUTCOMES]
+    transaction.on_commit(lambda: dedup.remember_many(consumer, remembered, settled=kept))
     return outcomes
 
 

@@ -59,6 +59,7 @@ from idempotent_orders.consuming.writing import (
 )
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
+    SETTLED_OUTCOMES,
     AbstractOrder,
     InboxStatus,
     Outcome,
@@ -98,10 +99,10 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     raw_id = message.get("message_id") if isinstance(message, Mapping) else None
     layer = dedup.ask(consumer, str(raw_id)) if valid_message_id(raw_id) else None
     # The fast path is the road's first step: a copy of a message handled under this id
-    # is answered from the id alone, the rest of the message unread. Only a Redis key
-    # written after the whole message was handled (its transaction and the releases
-    # below) answers without the database.
-    if layer is dedup.Layer.REDIS_HIT:
+    # is answered from the id alone, the rest of the message unread. Only this process's
+    # memory of a message it settled, or a Redis key written after the whole message was
+    # handled (its transaction and the releases below), answers without the database.
+    if layer in dedup.KNOWN:
         dedup.announce(layer, consumer, str(raw_id))
         announce_known(
             consumer,
@@ -126,7 +127,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             reason=exc.message,
             body=serialise(message)[:BODY_EXCERPT],
         )
-        dedup.remember_on_commit(consumer, message_id)
+        dedup.remember_on_commit(consumer, message_id, settled=outcome in SETTLED_OUTCOMES)
         return outcome
 
     if layer is None:  # not reached: parse_envelope takes no id that valid_message_id refuses
@@ -150,7 +151,9 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         if applied is not None:
             announce(consumer, envelope, applied, "")
             if keeps_parked_flag(get_order_model()):
-                dedup.remember_on_commit(consumer, envelope.message_id)
+                dedup.remember_on_commit(
+                    consumer, envelope.message_id, settled=applied in SETTLED_OUTCOMES
+                )
                 return applied
             # No flag says whether a message waits for this one (database triggers watch
             # the order): look below, as after the usual road.
@@ -164,7 +167,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
             raise  # nothing of this delivery was committed: it is retried as it is
         announce(consumer, envelope, settled, "read back after the connection dropped")
         release_parked(envelope.order_id)
-        dedup.remember_on_commit(consumer, envelope.message_id)
+        dedup.remember_on_commit(consumer, envelope.message_id, settled=settled in SETTLED_OUTCOMES)
         return settled
     except Exception as exc:
         # A bug in a body, condition, receiver or validator, or a constraint the
@@ -202,7 +205,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
     # key, so the redelivery reaches the database and releases successors itself.
     # A dead letter is not remembered: its requeue must reach the database.
     if not dead:
-        dedup.remember_on_commit(consumer, envelope.message_id)
+        dedup.remember_on_commit(consumer, envelope.message_id, settled=outcome in SETTLED_OUTCOMES)
     return outcome
 
 

@@ -1,10 +1,11 @@
-"""Advisory fast path in front of the inbox's unique index: Bloom filter, then Redis.
+"""Advisory fast path in front of the inbox's unique index: this process's memory of
+what it settled, then a Bloom filter, then Redis.
 
-``lookup()`` says which layer answered; only :attr:`Layer.REDIS_HIT` lets the
-caller skip the database. A Bloom positive alone never drops a message, and a
-Redis outage or flush only sends messages to the database, whose unique index
-stays the only authority. ``remember()`` is called once a message's work
-(its transaction and the release of the successors it unblocked) is done.
+``lookup()`` says which layer answered; only a layer of :data:`KNOWN` (this process's
+memory, or a Redis key) lets the caller skip the database. A Bloom positive alone never
+drops a message, and a Redis outage or flush only sends messages to the database,
+whose unique index stays the only authority. ``remember()`` is called once a message's
+work (its transaction and the release of the successors it unblocked) is done.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from django.db import DatabaseError, transaction
 from idempotent_orders import stats
 from idempotent_orders.conf import conf
 from idempotent_orders.dedup.bloom import BloomLayer
+from idempotent_orders.dedup.memory import MemoryLayer
 from idempotent_orders.dedup.redis import RedisLayer, RedisUnavailable
 from idempotent_orders.signals import dedup_answered
 
 __all__ = [
+    "KNOWN",
     "Layer",
     "announce",
     "ask",
@@ -31,6 +34,7 @@ __all__ = [
     "flush",
     "lookup",
     "lookup_many",
+    "memory",
     "redis",
     "remember",
     "remember_many",
@@ -51,6 +55,9 @@ class Layer(enum.StrEnum):
     #: database restored or failed over) would drop the message as a duplicate, and
     #: only a loaded filter's "maybe" (an id the inbox had) may send a lookup to Redis.
     BLOOM_WARMING = "bloom-warming"
+    #: This process applied the message (or found it stale, or rejected it) itself, within
+    #: its Redis key's lifetime: a duplicate, no query and no Redis round trip.
+    MEMORY_HIT = "memory-hit"
     #: Bloom said "maybe" and Redis holds the ``processed:`` key: a duplicate, no query.
     REDIS_HIT = "redis-hit"
     #: Bloom said "maybe" (a false positive, or the key expired or was flushed).
@@ -63,7 +70,11 @@ class Layer(enum.StrEnum):
     DATABASE_CONFLICT = "database-conflict"
 
 
+#: The answers that let the caller skip the database: the message is a duplicate.
+KNOWN = frozenset({Layer.MEMORY_HIT, Layer.REDIS_HIT})
+
 #: This process's layers. Module-level so every consumer in the process shares them.
+memory = MemoryLayer()
 bloom = BloomLayer()
 redis = RedisLayer()
 
@@ -86,6 +97,8 @@ def lookup(consumer: str, message_id: str) -> Layer:
 def ask(consumer: str, message_id: str) -> Layer:
     """:func:`lookup` without the announcement: the caller announces the answer (:func:`announce`)
     once it knows the message is one to count (the consumer: a hit, or a valid envelope)."""
+    if memory.contains(consumer, message_id):
+        return Layer.MEMORY_HIT
     if conf.DEDUP_BLOOM:
         try:
             bloom.refresh()
@@ -104,13 +117,19 @@ def ask(consumer: str, message_id: str) -> Layer:
 
 
 def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
-    """:func:`lookup` for several messages: the Bloom filter is refreshed at most
-        once and Redis is asked once (one ``MGET``; on a cluster one per slot, sent to
-    every master at once) about the ids the filter may hold.
-        ``dedup_answered`` is sent for each message, as :func:`lookup` sends it.
+    """:func:`lookup` for several messages: after this process's memory, the Bloom filter
+    is refreshed at most once and Redis is asked once (one ``MGET``; on a cluster one per
+    slot, sent to every master at once) about the ids the filter may hold.
+    ``dedup_answered`` is sent for each message, as :func:`lookup` sends it.
     """
     layers: dict[str, Layer] = {}
-    maybe: list[str] = list(message_ids)
+    maybe: list[str] = []
+    for message_id in message_ids:
+        if memory.contains(consumer, message_id):
+            layers[message_id] = Layer.MEMORY_HIT
+        else:
+            maybe.append(message_id)
+    asked = maybe
     if conf.DEDUP_BLOOM and maybe:
         try:
             bloom.refresh()
@@ -118,10 +137,10 @@ def lookup_many(consumer: str, message_ids: Sequence[str]) -> dict[str, Layer]:
             logger.warning("could not refresh the dedup Bloom filter", exc_info=True)
         maybe = []
         if bloom.warming:
-            layers.update(dict.fromkeys(message_ids, Layer.BLOOM_WARMING))
+            layers.update(dict.fromkeys(asked, Layer.BLOOM_WARMING))
         else:
-            found = bloom.might_contain_many(consumer, message_ids)
-            for message_id, might in zip(message_ids, found, strict=True):
+            found = bloom.might_contain_many(consumer, asked)
+            for message_id, might in zip(asked, found, strict=True):
                 if might:
                     maybe.append(message_id)
                 else:
@@ -170,11 +189,15 @@ def _only_counted() -> bool:
 
 def seen(consumer: str, message_id: str) -> bool:
     """True only when a message is known, for certain, to have been processed."""
-    return lookup(consumer, message_id) is Layer.REDIS_HIT
+    return lookup(consumer, message_id) in KNOWN
 
 
-def remember(consumer: str, message_id: str) -> None:
-    """Record a processed message in the fast layers (call after commit)."""
+def remember(consumer: str, message_id: str, *, settled: bool = False) -> None:
+    """Record a processed message in the fast layers (call after commit); ``settled``:
+    its inbox row is done for good (``models.SETTLED_OUTCOMES``), so this process's
+    memory keeps it too."""
+    if settled:
+        memory.add_many(consumer, (message_id,))
     if conf.DEDUP_BLOOM:
         bloom.add(consumer, message_id)
     if redis.enabled:
@@ -183,10 +206,13 @@ def remember(consumer: str, message_id: str) -> None:
             redis.add(consumer, message_id)
 
 
-def remember_many(consumer: str, message_ids: list[str]) -> None:
-    """:func:`remember` for several messages, with one Redis send (call after commit)."""
+def remember_many(consumer: str, message_ids: list[str], *, settled: Sequence[str] = ()) -> None:
+    """:func:`remember` for several messages, with one Redis send (call after commit);
+    ``settled``: those of them whose inbox row is done for good."""
     if not message_ids:
         return
+    if settled:
+        memory.add_many(consumer, settled)
     if conf.DEDUP_BLOOM:
         bloom.add_many(consumer, message_ids)
     if redis.enabled:
@@ -194,21 +220,23 @@ def remember_many(consumer: str, message_ids: list[str]) -> None:
             redis.add_many(consumer, message_ids)
 
 
-def remember_on_commit(consumer: str, message_id: str) -> None:
+def remember_on_commit(consumer: str, message_id: str, *, settled: bool = False) -> None:
     """:func:`remember` once the current transaction commits (at once outside one).
 
     Consumers call it last, after releasing parked successors: a worker that
     dies before this point leaves no fast-path key, so the redelivery reaches
     the database and releases the successors itself.
     """
-    transaction.on_commit(lambda: remember(consumer, message_id))
+    transaction.on_commit(lambda: remember(consumer, message_id, settled=settled))
 
 
 def forget(consumer: str, message_id: str) -> None:
     """Take back what :func:`remember` said of ``message_id`` (its Redis key): a message
     recorded as handled (parked) whose release failed is delivered to the database again.
     The Bloom filter keeps it (a "maybe" only sends the lookup on to Redis and the database).
+    No process's memory holds it: a parked message is not settled.
     """
+    memory.discard(consumer, message_id)
     if redis.enabled:
         redis.discard(consumer, message_id)
 
@@ -222,6 +250,7 @@ def flush(timeout: float = 10.0) -> bool:
 
 
 def reset() -> None:
-    """Forget this process's Bloom filters and Redis back-off (tests, worker start)."""
+    """Forget this process's memory, Bloom filters and Redis back-off (tests, worker start)."""
+    memory.clear()
     bloom.clear()
     redis.reset()

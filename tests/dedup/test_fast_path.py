@@ -36,6 +36,19 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(params=["memory-hit", "redis-hit"])
+def copy_layer(request: pytest.FixtureRequest) -> str:
+    """Where the copy arrives: at the process that handled the message (its memory
+    answers), or at another one (Redis answers)."""
+    return str(request.param)
+
+
+def reach(copy_layer: str) -> None:
+    """Send the copy where ``copy_layer`` says (another process: this one forgets)."""
+    if copy_layer == "redis-hit":
+        dedup.memory.clear()
+
+
 @pytest.fixture
 def heard() -> Iterator[list[tuple[str, Any]]]:
     """What ``dedup_answered`` and ``message_consumed`` said, in order."""
@@ -56,28 +69,30 @@ def heard() -> Iterator[list[tuple[str, Any]]]:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_copy_the_fast_path_knows_is_answered_from_its_id_alone(
-    make_order, redis_server, monkeypatch
+    make_order, redis_server, monkeypatch, copy_layer
 ) -> None:
     msg = payment(make_order())
     assert consume_message(msg, consumer="payments") is Outcome.APPLIED
     assert dedup.flush()
+    reach(copy_layer)
     stats.reset()
     # Only the built-in counters listen: the rest of the message is never read.
     monkeypatch.setattr(single, "parse_envelope", mock.Mock(side_effect=AssertionError("parsed")))
     with CaptureQueriesContext(connection) as queries:
         assert consume_message(msg, consumer="payments") is Outcome.DUPLICATE
     assert len(queries) == 0
-    assert stats.local() == {"layer:redis-hit": 1, "outcome:duplicate": 1}
+    assert stats.local() == {f"layer:{copy_layer}": 1, "outcome:duplicate": 1}
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_receiver_hears_a_fast_path_copy_with_its_type_and_order(
-    make_order, redis_server, heard
+    make_order, redis_server, heard, copy_layer
 ) -> None:
     order = make_order()
     msg = payment(order)
     assert consume_message(msg, consumer="payments") is Outcome.APPLIED
     assert dedup.flush()
+    reach(copy_layer)
     orders: list[Any] = []
 
     def on_consumed(sender: Any, order_id: Any, **kwargs: Any) -> None:
@@ -92,7 +107,7 @@ def test_a_receiver_hears_a_fast_path_copy_with_its_type_and_order(
         message_consumed.disconnect(on_consumed)
     assert len(queries) == 0
     assert heard == [
-        ("layer", "redis-hit"),
+        ("layer", copy_layer),
         ("consumed", ("duplicate", "fast path: already processed", "payment.succeeded")),
     ]
     assert orders == [order.pk]
@@ -100,20 +115,21 @@ def test_a_receiver_hears_a_fast_path_copy_with_its_type_and_order(
 
 @pytest.mark.django_db(transaction=True)
 def test_an_invalid_copy_of_a_remembered_id_is_a_duplicate_by_its_id(
-    make_order, redis_server, heard
+    make_order, redis_server, heard, copy_layer
 ) -> None:
     order = make_order()
     bad = {**payment(order), "type": "payment.unheard-of"}
     assert consume_message(bad, consumer="payments") is Outcome.REJECTED
     assert dedup.flush()
     assert dedup.redis.contains("payments", bad["message_id"])  # remembered: Bloom and Redis
+    reach(copy_layer)
     heard.clear()
     # The id was handled: its copy is answered by the fast path, whatever the rest says.
     with CaptureQueriesContext(connection) as queries:
         assert consume_message(bad, consumer="payments") is Outcome.DUPLICATE
     assert len(queries) == 0
     assert heard == [
-        ("layer", "redis-hit"),
+        ("layer", copy_layer),
         ("consumed", ("duplicate", "fast path: already processed", "payment.unheard-of")),
     ]
     assert ProcessedMessage.objects.get(message_id=bad["message_id"]).outcome == "rejected"
