@@ -14,7 +14,8 @@ the order model, as section 1's save() road row runs it).
 
 ``--duplicates``: where a duplicate's time goes instead, on the default configuration
 (``bench.consumer.default_configuration``, as section 1 runs it; ``--batch``: through
-``consume_batch``, new messages and copies alike). ``BENCH_RUNS`` (3)
+``consume_batch``, new messages and copies alike; ``--elsewhere``: the copies arrive as
+at another process, this one's memory of them forgotten, so Redis answers). ``BENCH_RUNS`` (3)
 rounds of N new messages then their N copies, each round timed without wrappers
 (the ratio of a copy's rate to a new message's, round by round and its median), then
 the last round's copies once more with each step wrapped: its share of a duplicate's
@@ -356,6 +357,7 @@ def _print(elapsed: float, kind: str, total: bool = True) -> None:
 #: A name this version of the road lacks is skipped (run the same file on older code).
 DUPLICATE_STEPS = (
     ("idempotent_orders.consuming.single", "", "parse_envelope", "parse the envelope"),
+    ("idempotent_orders.dedup", "memory", "contains", "this process's memory: lookup"),
     ("idempotent_orders.dedup", "bloom", "refresh", "Bloom filter: refresh"),
     ("idempotent_orders.dedup", "bloom", "might_contain", "Bloom filter: lookup"),
     ("idempotent_orders.dedup.redis", "RedisLayer", "flush", "Redis: this process's keys first"),
@@ -381,9 +383,11 @@ def _patch_duplicate_steps() -> None:
             setattr(owner, attr, _timed(step, getattr(owner, attr)))
 
 
-def run_duplicates(cprofile: bool, use_batch: bool) -> None:
+def run_duplicates(cprofile: bool, use_batch: bool, elsewhere: bool = False) -> None:
     """``--duplicates``: duplicates against new messages, round by round, then the steps;
-    with ``--batch`` both through ``consume_batch`` (``BENCH_BATCH_SIZE`` a call)."""
+    with ``--batch`` both through ``consume_batch`` (``BENCH_BATCH_SIZE`` a call); with
+    ``--elsewhere`` the copies arrive as at another process (this one's memory forgets
+    them first), so Redis answers them."""
     import statistics
 
     from django.test import override_settings
@@ -408,6 +412,8 @@ def run_duplicates(cprofile: bool, use_batch: bool) -> None:
             new = time.perf_counter() - start
             flush_publisher()  # the follow-ups' publishing is not a duplicate's time
             dedup.flush()
+            if elsewhere:
+                dedup.memory.clear()
             before = stats.local()
             start, cpu = time.perf_counter(), time.thread_time()
             road(messages)
@@ -432,14 +438,22 @@ def run_duplicates(cprofile: bool, use_batch: bool) -> None:
 
             profiler = cProfile.Profile()
             profiler.enable()
+        if elsewhere:
+            dedup.memory.clear()
         start = time.perf_counter()
         road(messages)
         elapsed = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
         note = ", ".join(differences(config)) or "none"
+    answered_by = (
+        "at another process: Bloom 'maybe', Redis hit"
+        if elsewhere
+        else "at the process that applied them: its memory"
+    )
     print(
-        f"\n{model.__name__}, {road.__name__}, {N} duplicates (Bloom 'maybe', Redis hit),"
+        f"\n{model.__name__}, {road.__name__}, {N} duplicates"
+        f" ({answered_by}),"
         f" default configuration (PostgreSQL); settings not at their defaults: {note}"
     )
     print(
@@ -468,7 +482,7 @@ def run_duplicates(cprofile: bool, use_batch: bool) -> None:
 def main() -> None:
     setup()
     if "--duplicates" in sys.argv:
-        run_duplicates("--cprofile" in sys.argv, "--batch" in sys.argv)
+        run_duplicates("--cprofile" in sys.argv, "--batch" in sys.argv, "--elsewhere" in sys.argv)
         return
     from django.conf import settings
     from django.test import override_settings
