@@ -27,38 +27,12 @@ from idempotent_orders.dedup import Layer
 from idempotent_orders.dedup.bloom import BloomLayer, stable_hash
 from idempotent_orders.dedup.redis import RedisUnavailable
 from idempotent_orders.models import OrderStatus, Outcome, ParkedMessage, ProcessedMessage
-from idempotent_orders.signals import dedup_answered, parked_overdue
+from idempotent_orders.signals import parked_overdue
 from tests.support.messages import payment, shipment
+from tests.support.overrides import settings_with
 from tests.support.services import ROOT, RedisServer, private_redis_settings
 
 S = OrderStatus
-
-
-def settings_with(**values: Any) -> override_settings:
-    from django.conf import settings
-
-    return override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **values})
-
-
-@pytest.fixture
-def layers() -> Iterator[list[str]]:
-    answered: list[str] = []
-
-    def record(sender: Any, layer: Layer, **kwargs: Any) -> None:
-        answered.append(layer.value)
-
-    dedup_answered.connect(record)
-    yield answered
-    dedup_answered.disconnect(record)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    with private_redis_settings(server.url):
-        yield server
-    server.stop()
 
 
 # -- Bloom layer -------------------------------------------------------------------

@@ -12,22 +12,16 @@ from unittest import mock
 
 import pytest
 from django.core.cache import caches
-from django.test import override_settings
 from django.utils import timezone
 
 from idempotent_orders import dedup
 from idempotent_orders.dedup import Layer
 from idempotent_orders.dedup.bloom import BloomLayer, snapshot_key
 from idempotent_orders.models import ProcessedMessage
+from tests.support.overrides import settings_with
 from tests.support.services import RedisServer, private_redis_settings
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def settings_with(**values: Any) -> override_settings:
-    from django.conf import settings
-
-    return override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **values})
 
 
 @pytest.fixture

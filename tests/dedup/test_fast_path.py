@@ -23,17 +23,6 @@ from idempotent_orders.dedup.redis import RedisLayer
 from idempotent_orders.models import Outcome, ProcessedMessage
 from idempotent_orders.signals import dedup_answered, message_consumed
 from tests.support.messages import payment
-from tests.support.services import RedisServer, private_redis_settings
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    with private_redis_settings(server.url):
-        dedup.reset()
-        yield server
-    server.stop()
 
 
 @pytest.fixture(params=["memory-hit", "redis-hit"])

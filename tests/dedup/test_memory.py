@@ -5,50 +5,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from django.conf import settings
 from django.db import connection
-from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from idempotent_orders import dedup
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.single import consume_message
-from idempotent_orders.dedup import Layer, memory
+from idempotent_orders.dedup import memory
 from idempotent_orders.dedup.memory import MemoryLayer
 from idempotent_orders.models import Outcome, ProcessedMessage
-from idempotent_orders.signals import dedup_answered
 from tests.support.messages import payment
-from tests.support.services import RedisServer, private_redis_settings
-
-
-def settings_with(**values: Any) -> override_settings:
-    return override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **values})
-
-
-@pytest.fixture
-def layers() -> Iterator[list[str]]:
-    answered: list[str] = []
-
-    def record(sender: Any, layer: Layer, **kwargs: Any) -> None:
-        answered.append(layer.value)
-
-    dedup_answered.connect(record)
-    yield answered
-    dedup_answered.disconnect(record)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    with private_redis_settings(server.url):
-        dedup.reset()
-        yield server
-    server.stop()
-    dedup.reset()
+from tests.support.overrides import settings_with
 
 
 @pytest.fixture
