@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from time import monotonic
 
@@ -29,7 +30,9 @@ class MemoryLayer:
     """
 
     def __init__(self) -> None:
-        self._expires: dict[tuple[str, str], float] = {}
+        # Ordered: the oldest is taken from the front in constant time (a plain dict's
+        # front fills with deleted slots, and finding its first key grows with them).
+        self._expires: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._lock = threading.Lock()
         os.register_at_fork(after_in_child=self._after_fork)
 
@@ -57,13 +60,13 @@ class MemoryLayer:
             kept = self._expires
             for message_id in message_ids:
                 key = (consumer, message_id)
-                kept.pop(key, None)  # to the end: the newest is evicted last
                 kept[key] = expires
+                kept.move_to_end(key)  # the newest is evicted last
             while kept:
-                oldest = next(iter(kept))
-                if len(kept) <= size and kept[oldest] > now:
+                until = next(iter(kept.values()))  # the oldest
+                if len(kept) <= size and until > now:
                     break
-                del kept[oldest]
+                kept.popitem(last=False)
 
     def discard(self, consumer: str, message_id: str) -> None:
         with self._lock:
@@ -71,4 +74,4 @@ class MemoryLayer:
 
     def clear(self) -> None:
         with self._lock:
-            self._expires = {}
+            self._expires = OrderedDict()
