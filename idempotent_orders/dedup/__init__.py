@@ -64,7 +64,8 @@ class Layer(enum.StrEnum):
     REDIS_MISS = "redis-miss"
     #: Bloom said "maybe" but Redis did not answer.
     REDIS_DOWN = "redis-down"
-    #: The fast path is switched off (DEDUP_BLOOM false and no cache alias).
+    #: Past this process's memory, the fast path is switched off (DEDUP_BLOOM false and
+    #: no cache alias), or the Bloom filter's "maybe" has no Redis to ask.
     DISABLED = "disabled"
     #: Sent by the consumer when the inbox's unique index found the duplicate.
     DATABASE_CONFLICT = "database-conflict"
