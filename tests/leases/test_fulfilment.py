@@ -6,7 +6,6 @@ from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
-from django.test import override_settings
 from django.utils import timezone
 
 from demo_project import warehouse
@@ -18,6 +17,7 @@ from idempotent_orders.leases import Lease, StepResult, Verification
 from idempotent_orders.models import InboxStatus, Order, OrderStatus, Outcome, ProcessedMessage
 from idempotent_orders.signals import lease_finished, message_reconciled
 from tests.support.messages import payment, shipment
+from tests.support.overrides import settings_with
 
 pytestmark = pytest.mark.django_db
 S = OrderStatus
@@ -38,12 +38,6 @@ def row(order: Order) -> ProcessedMessage:
 
 def calls(order: Order) -> int:
     return WarehouseRequest.objects.filter(order_id=order.pk).count()
-
-
-def settings_with(**values):
-    from django.conf import settings
-
-    return override_settings(IDEMPOTENT_ORDERS={**settings.IDEMPOTENT_ORDERS, **values})
 
 
 def test_fulfil_calls_the_warehouse_once_and_moves_to_processing(paid) -> None:
