@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from idempotent_orders import get_order_model
 
 # The testing kit's fixture, whether or not the app's pytest11 entry point is installed
 # (a conftest fixture overrides the plugin's own).
 from idempotent_orders.testing.plugin import exactly_once  # noqa: F401
+from tests.support.scratch import SCRATCH
 from tests.support.services import (
     BROKERS,
     ROOT,
@@ -26,6 +28,9 @@ from tests.support.services import (
     reset_broker_pools,
     worker_env,
 )
+
+# Hypothesis keeps its examples and caches in the tests' scratch folder, not the checkout.
+set_hypothesis_home_dir(SCRATCH / "hypothesis")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -10,13 +10,14 @@ from typing import Any
 
 import django.contrib.admin
 
+from tests.support.scratch import SCRATCH
 from tests.support.services import ROOT, unavailable
 
 CHROMIUM = os.environ.get("IO_TEST_CHROMIUM", "/usr/bin/chromium")
 #: Where the browser tests save their pictures: ``IO_TEST_SCREENSHOTS`` (tests/support/matrix.py
-#: gives each leg its own), else .pytest_cache/screenshots/ (ignored by git). Never docs/img/:
-#: copy a picture there to refresh the documentation.
-SCREENSHOTS = Path(os.environ.get("IO_TEST_SCREENSHOTS") or ROOT / ".pytest_cache" / "screenshots")
+#: gives each leg its own), else screenshots/ in the tests' scratch folder
+#: (tests/support/scratch.py). Never docs/img/: copy a picture there to refresh the documentation.
+SCREENSHOTS = Path(os.environ.get("IO_TEST_SCREENSHOTS") or SCRATCH / "screenshots")
 
 LAUNCH_ARGS = [
     "--headless",

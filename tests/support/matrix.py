@@ -36,6 +36,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: tests/support/ is on the path, not the checkout
+    sys.path.insert(0, str(ROOT))
+from tests.support.scratch import SCRATCH  # noqa: E402
+
+# Neither the matrix nor its legs (nor the worker processes they start) write bytecode
+# into the checkout.
+PYCACHE = SCRATCH / "pycache"
+sys.pycache_prefix = str(PYCACHE)
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 
@@ -273,6 +281,8 @@ def run_leg_in(
         "IO_TEST_NAMESPACE": base["namespace"] + leg.suffix,
         **({"IO_TEST_REDIS_URL": redis_at(db)} if db is not None else {}),
         "IO_TEST_SCREENSHOTS": str(report_dir / "screenshots" / leg.key),
+        "IO_TEST_SCRATCH": str(SCRATCH),
+        "PYTHONPYCACHEPREFIX": str(PYCACHE),
         **dict(leg.env),
     }
     print(f"=== leg {leg.name}: started", flush=True)
@@ -550,7 +560,7 @@ def main() -> int:
                 f"(IO_TEST_DB_NAME={base['db']}{leg.suffix}, {leg.settings_module})"
             )
         return 0
-    report_dir = ROOT / ".pytest_cache" / "matrix"
+    report_dir = SCRATCH / "matrix"
     report_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"matrix: {len(legs)} legs, {jobs} at a time; logs and junit reports in {report_dir}",
