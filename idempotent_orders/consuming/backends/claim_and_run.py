@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
@@ -84,11 +85,24 @@ from idempotent_orders.consuming.unread import fits
 from idempotent_orders.consuming.writing import Conflict, settle
 from idempotent_orders.models import PLAIN_TYPES, AbstractOrder, Outcome
 
-__all__ = ["Conflict", "Declined", "Texts", "can_claim_and_run", "claim_and_run"]
+__all__ = ["Conflict", "Declined", "FirstText", "Texts", "can_claim_and_run", "claim_and_run"]
 
 
 class Declined(Exception):
     """Not this road's message after all: roll back, the usual road takes it."""
+
+
+@dataclass(frozen=True)
+class FirstText:
+    """What the first text claims and reads."""
+
+    #: The inbox row's per-message fields.
+    inbox: dict[str, Any]
+    #: The spent payment's row (payment, order, consumer, message id); None: no payment.
+    spent: list[Any] | None
+    #: The order's read and its arguments.
+    read: str
+    read_args: Sequence[Any]
 
 
 class Texts:
@@ -102,19 +116,11 @@ class Texts:
         """Django's ``atomic`` block of the road, and the cursor both texts go through."""
         raise NotImplementedError
 
-    def claim_and_read(
-        self,
-        conn: Any,
-        cursor: Any,
-        inbox: dict[str, Any],
-        spent: list[Any] | None,
-        read: str,
-        read_args: Sequence[Any],
-    ) -> Sequence[Any]:
-        """The first text: open the transaction, claim the message as applied (its inbox
-        row's ``inbox`` fields; and spend the payment: the spent row's ``spent`` values),
-        read the order (``read``); its row. Raises :class:`Declined` for a duplicate, a
-        spent payment, an unknown order, a value a column refuses."""
+    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
+        """The first text: open the transaction, claim the message as applied and spend its
+        payment, read the order (:class:`FirstText`); the order's row. Raises
+        :class:`Declined` for a duplicate, a spent payment, an unknown order, a value a
+        column refuses."""
         raise NotImplementedError
 
     def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> Any:
@@ -227,7 +233,7 @@ def _claim_and_read(
     read_args = [pk.get_db_prep_value(envelope.order_id, conn)]
     inbox = envelope.inbox_fields(consumer)
     spent = None if payment is None else [payment, envelope.order_id, consumer, envelope.message_id]
-    row = texts.claim_and_read(conn, cursor, inbox, spent, plan.sql, read_args)
+    row = texts.claim_and_read(conn, cursor, FirstText(inbox, spent, plan.sql, read_args))
     order = build(model, conn.alias, plan, row)
     if order.has_parked:  # type: ignore[attr-defined]
         raise Declined  # released after the write by the usual road

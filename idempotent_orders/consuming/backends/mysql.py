@@ -50,7 +50,12 @@ from django.utils import timezone
 
 from idempotent_orders.consuming.backends import Backend, Statements
 from idempotent_orders.consuming.backends.at_once import inserts
-from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
+from idempotent_orders.consuming.backends.claim_and_run import (
+    Conflict,
+    Declined,
+    FirstText,
+    Texts,
+)
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.prepared import watched
 
@@ -194,21 +199,13 @@ class MySQLTexts(Texts):
             raw.__dict__.pop("autocommit", None)
             raw.__dict__.pop("commit", None)
 
-    def claim_and_read(
-        self,
-        conn: Any,
-        cursor: Any,
-        inbox: dict[str, Any],
-        spent: list[Any] | None,
-        read: str,
-        read_args: Sequence[Any],
-    ) -> Sequence[Any]:
+    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
         texts = inserts()
-        statements = ["START TRANSACTION", f"{read} FOR UPDATE", texts.inbox]
-        args = [*read_args, *inbox_template().params(inbox, timezone.now())]
-        if spent is not None:
+        statements = ["START TRANSACTION", f"{first.read} FOR UPDATE", texts.inbox]
+        args = [*first.read_args, *inbox_template().params(first.inbox, timezone.now())]
+        if first.spent is not None:
             statements.append(texts.spent)
-            args += spent
+            args += first.spent
         try:
             with conn.wrap_database_errors:
                 cursor.execute("; ".join(statements), args)

@@ -42,7 +42,12 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Field
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends.claim_and_run import Conflict, Declined, Texts
+from idempotent_orders.consuming.backends.claim_and_run import (
+    Conflict,
+    Declined,
+    FirstText,
+    Texts,
+)
 from idempotent_orders.consuming.backends.postgresql import claim_and_spend_sql
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
@@ -180,23 +185,15 @@ class PostgreSQLTexts(Texts):
             with conn.cursor() if cursor is None else cursor as opened:
                 yield opened
 
-    def claim_and_read(
-        self,
-        conn: Any,
-        cursor: Any,
-        inbox: dict[str, Any],
-        spent: list[Any] | None,
-        read: str,
-        read_args: Sequence[Any],
-    ) -> Sequence[Any]:
-        claim = _claim(conn, spent is not None)
+    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
+        claim = _claim(conn, first.spent is not None)
         now = claim.updated_at.get_db_prep_save(timezone.now(), conn)
-        per_message = {**inbox, "updated_at": now}
+        per_message = {**first.inbox, "updated_at": now}
         args = [per_message[name] for name in claim.names]
-        args += spent or []
+        args += first.spent or []
         statements = [
             (claim.sql, _named(claim.sql), args),
-            (read, _named(read), read_args),
+            (first.read, _named(first.read), first.read_args),
         ]
         opening = _opening(conn)
         try:
