@@ -361,182 +361,213 @@ def _decide_and_write(
     if not live:
         record_outcomes(claimed)
         return
-    model = get_order_model()
-    state_name, state_attname = state_field(model).name, state_field(model).attname
-    names = field_names(model)
-    read_version = {pk: o.version for pk, o in orders.items()}
-    changed: dict[int, dict[str, Any]] = {}
-    transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
-    waiting = parked_before(orders)
-    released: list[tuple[Waiting, Verdict | Exception]] = []
-    # The connection itself: Django's ``connection`` proxy looks it up again on every use.
-    conn = transaction.get_connection()
-    order_key = _waiting_key(backend(conn).nulls_last)
-    # ``updated_at`` (when the model has one): one moment for the whole chunk,
-    # the moment of its one UPDATE.
-    stamp = written_values(model, {})
+    chunk = _Chunk(consumer, orders, live, user)
+    for item in live:
+        chunk.decide(item)
+    chunk.write(claimed)
 
-    #: ``(payment id, order id, message id)`` of the chunk's payments, where no project code runs.
-    spends: list[tuple[str, Any, str]] = []
-    # Where the project's code runs, the chunk's payment ids are spent before it does.
-    reservation = (
-        Reservation(
-            consumer,
-            [
-                (payment, i.envelope.order_id, i.envelope.message_id)
-                for i in live
-                if (payment := payment_id(i.envelope)) is not None
-            ],
+
+class _Chunk:
+    """One chunk's decisions, made in memory in arrival order, and its writes."""
+
+    def __init__(
+        self, consumer: str, orders: dict[int, AbstractOrder], live: list[Item], user: bool
+    ) -> None:
+        self.consumer = consumer
+        self.orders = orders
+        self.user = user
+        self.model = model = get_order_model()
+        field = state_field(model)
+        self.state_name, self.state_attname = field.name, field.attname
+        self.names = field_names(model)
+        self.read_version = {pk: o.version for pk, o in orders.items()}
+        #: Per order, the new value of each field the chunk changed (one UPDATE at the end).
+        self.changed: dict[int, dict[str, Any]] = {}
+        self.transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
+        self.waiting = parked_before(orders)
+        self.released: list[tuple[Waiting, Verdict | Exception]] = []
+        # The connection itself: Django's ``connection`` proxy looks it up again on every use.
+        self.conn = transaction.get_connection()
+        self.order_key = _waiting_key(backend(self.conn).nulls_last)
+        # ``updated_at`` (when the model has one): one moment for the whole chunk,
+        # the moment of its one UPDATE.
+        self.stamp = written_values(model, {})
+        #: ``(payment id, order id, message id)`` of the chunk's payments, where no project
+        #: code runs.
+        self.spends: list[tuple[str, Any, str]] = []
+        # Where the project's code runs, the chunk's payment ids are spent before it does.
+        self.reservation = (
+            Reservation(
+                consumer,
+                [
+                    (payment, i.envelope.order_id, i.envelope.message_id)
+                    for i in live
+                    if (payment := payment_id(i.envelope)) is not None
+                ],
+            )
+            if user
+            else None
         )
-        if user
-        else None
-    )
-    #: Messages whose body raised under fsm-2's ``on_error`` (kept as rejected).
-    errored: set[str] = set()
+        #: Messages whose body raised under fsm-2's ``on_error`` (kept as rejected).
+        self.errored: set[str] = set()
 
-    def take(order: AbstractOrder, verdict: Verdict, env: Envelope) -> Verdict:
+    def take(self, order: AbstractOrder, verdict: Verdict, env: Envelope) -> Verdict:
         """The verdict's effect on the order, in memory (written by one UPDATE later);
         the verdict it ends with (a payment spent already, a body's ``on_error``)."""
         payment = payment_id(env) if verdict.transition else None
         paid = None
+        reservation = self.reservation
         if payment is not None and reservation is not None:
             # Spent first, as the single path does: a payment spent already runs no body.
             known, owner = reservation.owner(payment)
             if not known:  # not among the chunk's own (a message parked before it)
-                owner = spend(payment, order.pk, consumer, env.message_id)
+                owner = spend(payment, order.pk, self.consumer, env.message_id)
             if owner is not None:
                 verdict = spent_verdict(env, order, Spent(payment, owner))
             else:
                 paid = payment
         elif payment is not None:
-            spends.append((payment, order.pk, env.message_id))
-        if verdict.transition and user and runs_user_code(model, verdict.transition):
-            # The model's own method: conditions, body and fsm-2's signals, as a direct call.
-            version: int = order.version
-            ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
-            if ran.saved:
-                # A receiver saved the order in this transaction: the row holds its version.
-                read_version[order.pk] = version
-            order.version = version + 1
-            # The next message of the chunk meets the order as a read would give it back.
-            as_read(order, [state_attname, *ran.values])
-            values = {names.get(k, k): v for k, v in ran.values.items()}
-            changed.setdefault(order.pk, {}).update(
-                values, **stamp, **{state_name: ran.target, "version": version + 1}
-            )
-            result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
-            transitions.append((order, verdict.transition, result))
-            if ran.error is not None:
-                reason = on_error_reason(env, consumer, order, verdict.transition, ran)
-                errored.add(env.message_id)
-                verdict = Verdict(Outcome.REJECTED, reason)
+            self.spends.append((payment, order.pk, env.message_id))
+        if verdict.transition and self.user and runs_user_code(self.model, verdict.transition):
+            verdict = self._run(order, verdict, env)
         elif verdict.transition:
             if pre_transition.receivers:  # nobody connected: nothing to send
                 transition_starting(order, verdict.transition)
-            values = {**stamp, **verdict.values}
+            values = {**self.stamp, **verdict.values}
             result = advance(order, verdict.transition, values)
-            changed.setdefault(order.pk, {}).update(
-                values, **{state_name: result.target, "version": result.version}
+            self.changed.setdefault(order.pk, {}).update(
+                values, **{self.state_name: result.target, "version": result.version}
             )
-            transitions.append((order, verdict.transition, result))
+            self.transitions.append((order, verdict.transition, result))
         elif verdict.outcome is not Outcome.PARKED and verdict.advance_to is not None:
             order.last_seq = verdict.advance_to
-            changed.setdefault(order.pk, {})["last_seq"] = verdict.advance_to
+            self.changed.setdefault(order.pk, {})["last_seq"] = verdict.advance_to
         if paid is not None and reservation is not None:
             reservation.used(paid, order.pk, env.message_id)
         return verdict
 
-    def judge(order: AbstractOrder, env: Envelope) -> Verdict | Exception:
+    def _run(self, order: AbstractOrder, verdict: Verdict, env: Envelope) -> Verdict:
+        """The model's own method (conditions, body and fsm-2's signals), as a direct call."""
+        assert verdict.transition is not None
+        version: int = order.version
+        ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+        if ran.saved:
+            # A receiver saved the order in this transaction: the row holds its version.
+            self.read_version[order.pk] = version
+        order.version = version + 1
+        # The next message of the chunk meets the order as a read would give it back.
+        as_read(order, [self.state_attname, *ran.values])
+        values = {self.names.get(k, k): v for k, v in ran.values.items()}
+        self.changed.setdefault(order.pk, {}).update(
+            values, **self.stamp, **{self.state_name: ran.target, "version": version + 1}
+        )
+        result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+        self.transitions.append((order, verdict.transition, result))
+        if ran.error is None:
+            return verdict
+        reason = on_error_reason(env, self.consumer, order, verdict.transition, ran)
+        self.errored.add(env.message_id)
+        return Verdict(Outcome.REJECTED, reason)
+
+    def judge(self, order: AbstractOrder, env: Envelope) -> Verdict | Exception:
         """``decide`` and, unless the message must wait, ``take``; what raised, returned."""
 
         def step() -> Verdict:
-            with consuming(env, consumer):
+            with consuming(env, self.consumer):
                 verdict = decide(order, env)
-                return verdict if verdict.outcome is Outcome.PARKED else take(order, verdict, env)
+                if verdict.outcome is Outcome.PARKED:
+                    return verdict
+                return self.take(order, verdict, env)
 
-        return guarded(order, step, conn) if user else step()
+        return guarded(order, step, self.conn) if self.user else step()
 
-    def release(order: AbstractOrder) -> None:
+    def release(self, order: AbstractOrder) -> None:
         """``release_parked`` for one order: the first that can go ahead, again and again."""
-        queue = waiting.get(order.pk)
+        queue = self.waiting.get(order.pk)
         progressed = True
         while queue and progressed:
             progressed = False
-            for position, entry in sorted(enumerate(queue), key=order_key):
+            for position, entry in sorted(enumerate(queue), key=self.order_key):
                 verdict: Verdict | Exception
                 if entry.envelope is None:
                     verdict = Verdict(Outcome.REJECTED, entry.unreadable)
                 else:
-                    verdict = judge(order, entry.envelope)
+                    verdict = self.judge(order, entry.envelope)
                     if isinstance(verdict, Verdict) and verdict.outcome is Outcome.PARKED:
                         continue
                 del queue[position]
                 if entry.item is not None:  # parked earlier in this batch: its row is final
-                    settle(consumer, entry.item, verdict)
+                    settle(self.consumer, entry.item, verdict)
                 else:
-                    released.append((entry, verdict))
+                    self.released.append((entry, verdict))
                 progressed = True
                 break
 
-    for item in live:
+    def decide(self, item: Item) -> None:
+        """One claimed message, against its order as the chunk's earlier messages left it;
+        then what it lets go ahead."""
         env = item.envelope
-        order = orders.get(env.order_id)
+        order = self.orders.get(env.order_id)
         if order is None:  # deleted between the two reads
             item.outcome, item.reason = Outcome.REJECTED, unknown_order(env).reason
             item.order_exists, item.recorded = False, False
-            continue
-        # Each message meets the order as the batch's earlier messages left it.
-        judged = judge(order, env)
+            return
+        judged = self.judge(order, env)
         if isinstance(judged, Exception):
-            settle(consumer, item, judged)
+            settle(self.consumer, item, judged)
             item.outcome, item.recorded_outcome = Outcome.FAILED, None
-            continue
+            return
         verdict = judged
         item.outcome, item.reason = verdict.outcome, verdict.reason
         item.recorded = item.outcome is Outcome.APPLIED
         if verdict.outcome is Outcome.PARKED:
-            queue = waiting.setdefault(order.pk, [])
+            queue = self.waiting.setdefault(order.pk, [])
             if env.seq is not None and any(
                 w.envelope is not None and w.envelope.seq == env.seq for w in queue
             ):
                 item.outcome, item.reason = Outcome.REJECTED, parked_twice(env).reason
-                continue
-            queue.append(Waiting(consumer, env, item=item))
-        release(order)
+                return
+            queue.append(Waiting(self.consumer, env, item=item))
+        self.release(order)
 
-    if reservation is not None:
-        reservation.settle()
-    if spends:
-        # A payment id spent already (or twice in this chunk) fails the insert: the
-        # chunk rolls back and its messages go one by one, each told why.
-        record_spent(consumer, spends)
-    if changed:
-        update_orders(changed, read_version)
-    parked = [w.item for queue in waiting.values() for w in queue if w.item is not None]
-    for item in parked:
-        if not park(consumer, item.envelope, orders[item.envelope.order_id], item.reason):
-            item.outcome = item.recorded_outcome = Outcome.REJECTED
-            item.reason = parked_twice(item.envelope).reason
-    flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
-    flag = {pk for pk in flag if not orders[pk].has_parked}
-    if flag:
-        # The single path skips its look for parked successors on orders whose
-        # flag it read false; the orders are locked, so this lands before any
-        # such consumer's conditional write.
-        model._default_manager.filter(pk__in=flag).update(has_parked=True)
-        for pk in flag:
-            orders[pk].has_parked = True
-    for item in claimed:
-        if item.envelope.message_id in errored:
-            # Rejected by its body under on_error: the row keeps the whole envelope.
-            item.body = serialise(item.envelope.as_dict())
-    record_released(released, errored)
-    record_outcomes(claimed)
-    # Nothing to announce when nobody listens and no follow-up wants the target.
-    # The follow-ups of the whole chunk are written together (the fulfilment
-    # follow-up: one multi-row outbox INSERT, one hand-off to the publisher).
-    heard = {t: transition_heard(model, t) for t in {r.target for _, _, r in transitions}}
-    announced = [entry for entry in transitions if heard[entry[2].target]]
-    # fsm-2's post_transition: sent by the model's own methods where they ran; a
-    # transition committed without them has no receiver (``runs_user_code``).
-    transitions_written(announced, fsm_sent=True)
+    def write(self, claimed: list[Item]) -> None:
+        """The chunk's writes: its payments, one UPDATE of its orders, what stays parked,
+        the outcomes of its messages and of those it released; then the announcements."""
+        consumer, orders, model = self.consumer, self.orders, self.model
+        if self.reservation is not None:
+            self.reservation.settle()
+        if self.spends:
+            # A payment id spent already (or twice in this chunk) fails the insert: the
+            # chunk rolls back and its messages go one by one, each told why.
+            record_spent(consumer, self.spends)
+        if self.changed:
+            update_orders(self.changed, self.read_version)
+        parked = [w.item for queue in self.waiting.values() for w in queue if w.item is not None]
+        for item in parked:
+            if not park(consumer, item.envelope, orders[item.envelope.order_id], item.reason):
+                item.outcome = item.recorded_outcome = Outcome.REJECTED
+                item.reason = parked_twice(item.envelope).reason
+        flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
+        flag = {pk for pk in flag if not orders[pk].has_parked}
+        if flag:
+            # The single path skips its look for parked successors on orders whose
+            # flag it read false; the orders are locked, so this lands before any
+            # such consumer's conditional write.
+            model._default_manager.filter(pk__in=flag).update(has_parked=True)
+            for pk in flag:
+                orders[pk].has_parked = True
+        for item in claimed:
+            if item.envelope.message_id in self.errored:
+                # Rejected by its body under on_error: the row keeps the whole envelope.
+                item.body = serialise(item.envelope.as_dict())
+        record_released(self.released, self.errored)
+        record_outcomes(claimed)
+        # Nothing to announce when nobody listens and no follow-up wants the target.
+        # The follow-ups of the whole chunk are written together (the fulfilment
+        # follow-up: one multi-row outbox INSERT, one hand-off to the publisher).
+        targets = {r.target for _, _, r in self.transitions}
+        heard = {t: transition_heard(model, t) for t in targets}
+        announced = [entry for entry in self.transitions if heard[entry[2].target]]
+        # fsm-2's post_transition: sent by the model's own methods where they ran; a
+        # transition committed without them has no receiver (``runs_user_code``).
+        transitions_written(announced, fsm_sent=True)
