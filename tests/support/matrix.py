@@ -60,13 +60,19 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # processes racing on the database, relays and reconcilers in parallel, the consume
 # road's property runs) run the same statements the one-at-a-time tests of the same
 # roads run on every leg; what they add is the database's locking and the road's logic,
-# not Django's, so Django 6 runs them on PostgreSQL only. The own-model legs
-# (tests/swapped) repeat what the default-model legs of the same Django and database repeat.
+# not Django's, so they run on the Django 5.2 legs of every database and not on Django 6.
+# The own-model legs (tests/swapped, tests/history, tests/djshop) repeat what the
+# default-model legs of the same Django and database repeat; on Django 6 they run on
+# PostgreSQL only (OWN_MODEL_DATABASES).
 REPEAT = {
-    "postgres": "not heavy and (not workers or workers_on_every_django)",
+    "postgres": "not heavy and not races and (not workers or workers_on_every_django)",
     "mariadb": "not workers and not browser and not heavy and not races",
     "sqlite": "not workers and not races and not heavy",
 }
+#: Where the projects' own order models run, by the tag of the Django venv (absent: every
+#: database). What an own model brings (its migrations, its ``save()``, its admin) meets
+#: each database's backend on Django 5.2, and Django 6's ORM and admin on PostgreSQL.
+OWN_MODEL_DATABASES = {"dj6": {"postgres"}}
 # The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
 # leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
 # that are MariaDB's too (the webhook load run) in line; the Django 6 legs leave them out.
@@ -454,6 +460,8 @@ def main() -> int:
             # with history and audit packages), tests/djshop (django-SHOP's workflow).
             for model, settings_module in SUITES:
                 own = model != ""
+                if own and database not in OWN_MODEL_DATABASES.get(tag, {database}):
+                    continue
                 suffix = f"_{database}{'_' + tag if tag else ''}{'_' + model if own else ''}"
                 name = f"{title}{f' | order model: {model}' if own else ''}"
                 estimate = ESTIMATE.get((tag, database), 60) * (0.15 if own else 1)
