@@ -63,3 +63,23 @@ def test_while_the_chaos_runs_restart_rabbitmq_only_legs_without_workers_run() -
         "workers": True,
         "workers-2": True,
     }
+
+
+def test_a_leg_that_waits_runs_beside_the_others_outside_the_count() -> None:
+    started: dict[str, float] = {}
+
+    def run(one: matrix.Leg) -> matrix.Result:
+        started[one.name] = time.monotonic()
+        time.sleep(0.3)
+        return matrix.Result(one, 0, {}, 0.0, Path("log"))
+
+    waits = leg("waits", matrix.WAITS)
+    waits.idle = True
+    legs = [leg("first", "not heavy", estimate=10), leg("second", "", estimate=5), waits]
+    began = time.monotonic()
+    results = matrix.schedule(legs, 1, run)
+
+    assert sorted(result.leg.name for result in results) == ["first", "second", "waits"]
+    # One place: "second" waits for "first"; the idle leg starts beside "first".
+    assert started["second"] - began >= 0.3
+    assert started["waits"] - began < 0.2

@@ -12,7 +12,9 @@ log file; a failed leg's failures are printed. The long runs (marker
 ``heavy``) are a leg of their own; the chaos runs on RabbitMQ (marker
 ``restarts_rabbitmq``) run first, beside only the legs that run no worker tests and so
 leave RabbitMQ alone, when they restart the shared broker (``IO_CHAOS_RESTART_RABBITMQ=1``,
-as in CI). ``--dry-run`` lists the legs (``alone``, ``beside`` the chaos runs, ``after``).
+as in CI). The runs that wait out a threshold (marker ``waits``) are a leg of their own
+that runs beside the others, outside the count. ``--dry-run`` lists the legs (``alone``,
+``beside`` the chaos runs, ``after``, ``idle``).
 """
 
 from __future__ import annotations
@@ -73,12 +75,19 @@ REPEAT = {
 #: database). What an own model brings (its migrations, its ``save()``, its admin) meets
 #: each database's backend on Django 5.2, and Django 6's ORM and admin on PostgreSQL.
 OWN_MODEL_DATABASES = {"dj6": {"postgres"}}
+#: The databases whose first-Django leg has the ``waits`` runs (their ``backends`` marker).
+WAITS_DATABASES = {"sqlite"}
 # The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
 # leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
 # that are MariaDB's too (the webhook load run) in line; the Django 6 legs leave them out.
 HEAVY = "heavy"
 RESTARTS = "restarts_rabbitmq"
 HEAVY_DATABASES = {"postgres"}
+#: The runs that wait out a threshold (marker ``waits``: the demo's liveness run waits a
+#: minute for a killed worker to count as gone): on the first Django's legs of these
+#: databases they are a leg of their own, which runs beside the others, outside the count
+#: of legs at a time (it takes a place but next to no CPU).
+WAITS = "waits"
 
 # Longest first, so that the last legs to start are short ones (seconds, from runs on a
 # 2-core machine; only the order matters).
@@ -86,8 +95,7 @@ ESTIMATE = {
     ("heavy", "postgres"): 225,
     ("", "postgres"): 530,
     ("", "mariadb"): 430,
-    # Longer than the heavy leg: the demo's liveness test waits out its 60 s threshold.
-    ("", "sqlite"): 315,
+    ("", "sqlite"): 280,
     ("dj6", "postgres"): 490,
     ("dj6", "mariadb"): 180,
     ("dj6", "sqlite"): 160,
@@ -221,6 +229,8 @@ class Leg:
     suffix: str  # appended to the database name and the Redis key prefix
     estimate: float
     exclusive: bool = False
+    #: Waits more than it works (marker ``waits``): runs outside the count of legs at a time.
+    idle: bool = False
     paths: tuple[str, ...] = ()  # test files (none: the whole suite)
     env: tuple[tuple[str, str], ...] = ()  # more environment for the leg
 
@@ -363,7 +373,10 @@ def schedule(legs: list[Leg], jobs: int, run: Callable[[Leg], Result]) -> list[R
     rest start once the exclusive legs are done.
     """
     alone = [leg for leg in legs if leg.exclusive]
-    waiting = sorted((leg for leg in legs if not leg.exclusive), key=lambda leg: -leg.estimate)
+    idle = [leg for leg in legs if leg.idle and not leg.exclusive]
+    waiting = sorted(
+        (leg for leg in legs if not leg.exclusive and not leg.idle), key=lambda leg: -leg.estimate
+    )
     lock = threading.Lock()
     alone_done = threading.Event()
     if not alone:
@@ -388,8 +401,14 @@ def schedule(legs: list[Leg], jobs: int, run: Callable[[Leg], Result]) -> list[R
                 continue
             results.append(run(leg))
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    def beside(leg: Leg) -> None:
+        if not without_brokers(leg):
+            alone_done.wait()
+        results.append(run(leg))
+
+    with ThreadPoolExecutor(max_workers=jobs + len(idle)) as pool:
         places = [pool.submit(place, alone if n == 0 else []) for n in range(jobs)]
+        places += [pool.submit(beside, leg) for leg in idle]
         for done in places:
             done.result()
     return results
@@ -465,6 +484,22 @@ def main() -> int:
                 suffix = f"_{database}{'_' + tag if tag else ''}{'_' + model if own else ''}"
                 name = f"{title}{f' | order model: {model}' if own else ''}"
                 estimate = ESTIMATE.get((tag, database), 60) * (0.15 if own else 1)
+                selection_here = selection
+                if not own and not selection and database in WAITS_DATABASES:
+                    legs.append(
+                        Leg(
+                            name=f"{name} | -m '{WAITS}'",
+                            key=f"{Path(venv).name.lstrip('.')}-{database}-waits",
+                            python=python,
+                            database=database,
+                            settings_module=settings_module,
+                            selection=WAITS,
+                            suffix=f"{suffix}_waits",
+                            estimate=0,
+                            idle=True,
+                        )
+                    )
+                    selection_here = f"not {WAITS}"
                 split = not own and not selection and database in HEAVY_DATABASES
                 if split:
                     # The chaos runs on RabbitMQ restart the shared broker when asked
@@ -492,9 +527,9 @@ def main() -> int:
                                 exclusive=alone,
                             )
                         )
-                    selection_here = f"not {HEAVY}"
-                else:
-                    selection_here = selection
+                    selection_here = " and ".join(
+                        part for part in (f"not {HEAVY}", selection_here) if part
+                    )
                 legs.append(
                     Leg(
                         name=name + (f" | -m '{selection_here}'" if selection_here else ""),
@@ -557,6 +592,8 @@ def main() -> int:
             when = (
                 "alone"
                 if leg.exclusive
+                else "idle"
+                if leg.idle
                 else "beside"
                 if chaos_first and without_brokers(leg)
                 else "after"
