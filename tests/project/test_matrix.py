@@ -27,6 +27,9 @@ def test_only_legs_that_deselect_every_worker_test_leave_rabbitmq_alone() -> Non
     assert matrix.without_brokers(leg("m", matrix.REPEAT["mariadb"]))
     assert matrix.without_brokers(leg("s", matrix.REPEAT["sqlite"]))
     assert matrix.without_brokers(leg("f", matrix.FSM28_SELECTION))
+    # The demo's liveness run starts workers (on the demo's own broker): not a quiet leg.
+    assert not matrix.without_brokers(leg("w", matrix.WAITS))
+    assert matrix.without_brokers(leg("s-w", f"{matrix.REPEAT['sqlite']} and not {matrix.WAITS}"))
     # Django 6's PostgreSQL leg still runs the workers marked workers_on_every_django.
     assert not matrix.without_brokers(leg("p", matrix.REPEAT["postgres"]))
     assert not matrix.without_brokers(leg("all", ""))

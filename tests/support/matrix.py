@@ -354,7 +354,16 @@ def without_brokers(leg: Leg) -> bool:
     from _pytest.mark.expression import Expression
 
     selected = Expression.compile(leg.selection)
-    others = ("workers_on_every_django", HEAVY, RESTARTS, "races", "browser", "slow", "services")
+    others = (
+        "workers_on_every_django",
+        HEAVY,
+        RESTARTS,
+        WAITS,
+        "races",
+        "browser",
+        "slow",
+        "services",
+    )
     marked = [
         {"workers", *more} for size in range(len(others) + 1) for more in combinations(others, size)
     ]
@@ -402,8 +411,8 @@ def schedule(legs: list[Leg], jobs: int, run: Callable[[Leg], Result]) -> list[R
             results.append(run(leg))
 
     def beside(leg: Leg) -> None:
-        if not without_brokers(leg):
-            alone_done.wait()
+        # From the start, even beside the chaos runs: a run that waits (marker ``waits``)
+        # starts its workers on the demo's embedded broker, never on the shared RabbitMQ.
         results.append(run(leg))
 
     with ThreadPoolExecutor(max_workers=jobs + len(idle)) as pool:
