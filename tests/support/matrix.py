@@ -31,7 +31,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from queue import Queue
 from typing import Any
@@ -233,6 +233,19 @@ class Leg:
     idle: bool = False
     paths: tuple[str, ...] = ()  # test files (none: the whole suite)
     env: tuple[tuple[str, str], ...] = ()  # more environment for the leg
+
+
+def split_off(leg: Leg, marks: str, tail: str, **changes: Any) -> Leg:
+    """A leg of its own for the runs of ``leg`` that ``marks`` selects (its log, database
+    and Redis prefix named with ``tail``)."""
+    return replace(
+        leg,
+        name=f"{leg.name} | -m '{marks}'",
+        key=f"{leg.key}-{tail}",
+        selection=marks,
+        suffix=f"{leg.suffix}_{tail.replace('-', '_')}",
+        **changes,
+    )
 
 
 @dataclass
@@ -492,22 +505,19 @@ def main() -> int:
                     continue
                 suffix = f"_{database}{'_' + tag if tag else ''}{'_' + model if own else ''}"
                 name = f"{title}{f' | order model: {model}' if own else ''}"
-                estimate = ESTIMATE.get((tag, database), 60) * (0.15 if own else 1)
+                leg = Leg(
+                    name=name,
+                    key=f"{Path(venv).name.lstrip('.')}-{database}{'-' + model if own else ''}",
+                    python=python,
+                    database=database,
+                    settings_module=settings_module,
+                    selection=selection,
+                    suffix=suffix,
+                    estimate=ESTIMATE.get((tag, database), 60) * (0.15 if own else 1),
+                )
                 selection_here = selection
                 if not own and not selection and database in WAITS_DATABASES:
-                    legs.append(
-                        Leg(
-                            name=f"{name} | -m '{WAITS}'",
-                            key=f"{Path(venv).name.lstrip('.')}-{database}-waits",
-                            python=python,
-                            database=database,
-                            settings_module=settings_module,
-                            selection=WAITS,
-                            suffix=f"{suffix}_waits",
-                            estimate=0,
-                            idle=True,
-                        )
-                    )
+                    legs.append(split_off(leg, WAITS, "waits", estimate=0, idle=True))
                     selection_here = f"not {WAITS}"
                 split = not own and not selection and database in HEAVY_DATABASES
                 if split:
@@ -523,32 +533,20 @@ def main() -> int:
                         else [(HEAVY, "", False)]
                     )
                     for heavy, tail, alone in heavy_legs:
+                        estimate = ESTIMATE[("heavy", database)]
                         legs.append(
-                            Leg(
-                                name=f"{name} | -m '{heavy}'",
-                                key=f"{Path(venv).name.lstrip('.')}-{database}-heavy{tail}",
-                                python=python,
-                                database=database,
-                                settings_module=settings_module,
-                                selection=heavy,
-                                suffix=f"{suffix}_heavy{tail.replace('-', '_')}",
-                                estimate=ESTIMATE[("heavy", database)],
-                                exclusive=alone,
+                            split_off(
+                                leg, heavy, f"heavy{tail}", estimate=estimate, exclusive=alone
                             )
                         )
                     selection_here = " and ".join(
                         part for part in (f"not {HEAVY}", selection_here) if part
                     )
                 legs.append(
-                    Leg(
+                    replace(
+                        leg,
                         name=name + (f" | -m '{selection_here}'" if selection_here else ""),
-                        key=f"{Path(venv).name.lstrip('.')}-{database}{'-' + model if own else ''}",
-                        python=python,
-                        database=database,
-                        settings_module=settings_module,
                         selection=selection_here,
-                        suffix=suffix,
-                        estimate=estimate,
                     )
                 )
 
