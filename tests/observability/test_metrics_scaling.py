@@ -46,6 +46,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
 
 
+@pytest.mark.same_everywhere
 def test_the_view_adds_up_the_counters_of_every_process(tmp_path, monkeypatch) -> None:
     processes = [
         subprocess.Popen(
@@ -79,6 +80,7 @@ def test_the_view_adds_up_the_counters_of_every_process(tmp_path, monkeypatch) -
     assert text.count("\nidempotent_orders_outbox_pending ") == 1
 
 
+@pytest.mark.same_everywhere
 def test_a_fourth_process_adds_to_the_sum(tmp_path, monkeypatch) -> None:
     counting_process(tmp_path, 3)
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
+from _pytest.mark.expression import Expression
+
 from tests.support import matrix
+
+pytestmark = pytest.mark.same_everywhere
 
 
 def leg(name: str, selection: str, estimate: float = 1, exclusive: bool = False) -> matrix.Leg:
@@ -86,3 +95,44 @@ def test_a_leg_that_waits_runs_beside_the_others_outside_the_count() -> None:
     # One place: "second" waits for "first"; the idle leg starts beside "first".
     assert started["second"] - began >= 0.3
     assert started["waits"] - began < 0.2
+
+
+#: The matrix's plan of a CI run, printed without running it (every database taken as
+#: reachable: the plan does not depend on what this machine runs).
+PLAN = """
+import sys
+from tests.support import matrix
+matrix.why_not = lambda python, database: None
+sys.argv = ["matrix.py", "--venv", sys.prefix, "--venv-dj6", sys.prefix, "--dry-run"]
+sys.exit(matrix.main())
+"""
+
+
+def test_what_is_the_same_everywhere_runs_on_one_leg_of_the_suite() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PLAN],
+        cwd=matrix.ROOT,
+        env={**os.environ, "CI": "true", "IO_CHAOS_RESTART_RABBITMQ": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    legs = re.findall(
+        r"^\s*\w*\s+(\w+) \| Django .*?(?:-m '([^']*)')?\s+\(IO_TEST_DB_NAME=(\S+), ([\w.]+)\)$",
+        done.stdout,
+        re.M,
+    )
+    # The whole suite's legs (not the own models'): 3 databases, 2 Djangos, the splits.
+    whole = [
+        (db, name, marks) for db, marks, name, settings in legs if settings == "tests.settings"
+    ]
+    assert len(whole) >= 6, done.stdout
+    running = [
+        (db, name)
+        for db, name, marks in whole
+        if not marks
+        or Expression.compile(marks).evaluate(lambda mark, **_: mark == matrix.SAME_EVERYWHERE)
+    ]
+    base = os.environ.get("IO_TEST_DB_NAME", "test_io")
+    assert running == [("sqlite", f"{base}_sqlite")]

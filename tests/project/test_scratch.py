@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 from hypothesis.configuration import storage_directory
 
 from tests.support import browser, matrix
 from tests.support.scratch import ROOT, SCRATCH
+
+pytestmark = pytest.mark.same_everywhere
 
 
 def outside_the_checkout(path: Path | str) -> bool:

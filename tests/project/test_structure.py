@@ -15,6 +15,8 @@ import pytest
 from idempotent_orders import exceptions, fulfilment, leases
 from tests.support.services import ROOT
 
+pytestmark = pytest.mark.same_everywhere
+
 PACKAGE = ROOT / "idempotent_orders"
 
 

@@ -65,7 +65,8 @@ SERVICES = {"postgres": ("127.0.0.1", 5432), "mariadb": ("127.0.0.1", 3306)}
 # not Django's, so they run on the Django 5.2 legs of every database and not on Django 6.
 # The own-model legs (tests/swapped, tests/history, tests/djshop) repeat what the
 # default-model legs of the same Django and database repeat; on Django 6 they run on
-# PostgreSQL only (OWN_MODEL_DATABASES).
+# PostgreSQL only (OWN_MODEL_DATABASES). What no database or Django changes (marker
+# ``same_everywhere``) runs on the first Django's SQLite leg alone (SAME_EVERYWHERE_LEG).
 REPEAT = {
     "postgres": "not heavy and not races and (not workers or workers_on_every_django)",
     "mariadb": "not workers and not browser and not heavy and not races",
@@ -83,6 +84,11 @@ WAITS_DATABASES = {"sqlite"}
 HEAVY = "heavy"
 RESTARTS = "restarts_rabbitmq"
 HEAVY_DATABASES = {"postgres"}
+#: What does not change with the database or Django (marker ``same_everywhere``: the
+#: checkout's files and import graph, the matrix's plan, metrics summed across processes)
+#: runs on one leg: ``(tag of the Django venv, database)``.
+SAME_EVERYWHERE = "same_everywhere"
+SAME_EVERYWHERE_LEG = ("", "sqlite")
 #: The runs that wait out a threshold (marker ``waits``: the demo's liveness run waits a
 #: minute for a killed worker to count as gone): on the first Django's legs of these
 #: databases they are a leg of their own, which runs beside the others, outside the count
@@ -516,9 +522,15 @@ def main() -> int:
                     estimate=ESTIMATE.get((tag, database), 60) * (0.15 if own else 1),
                 )
                 selection_here = selection
+                if not own and (tag, database) != SAME_EVERYWHERE_LEG:
+                    selection_here = " and ".join(
+                        part for part in (f"not {SAME_EVERYWHERE}", selection) if part
+                    )
                 if not own and not selection and database in WAITS_DATABASES:
                     legs.append(split_off(leg, WAITS, "waits", estimate=0, idle=True))
-                    selection_here = f"not {WAITS}"
+                    selection_here = " and ".join(
+                        part for part in (f"not {WAITS}", selection_here) if part
+                    )
                 split = not own and not selection and database in HEAVY_DATABASES
                 if split:
                     # The chaos runs on RabbitMQ restart the shared broker when asked
