@@ -1,7 +1,8 @@
 """One of several relay processes run at once; it records every id it publishes.
 
-``python -m tests.support.outbox_parallel_relay OUT GO BATCH [STALL_AFTER MARKER]``:
-waits for the file GO (so the relays start together), relays until no due row
+``python -m tests.support.outbox_parallel_relay OUT GO BATCH READY [STALL_AFTER MARKER]``:
+once set up, writes a file named for its pid into the folder READY, waits for the file GO
+(which the test writes when every relay is ready: they start together), relays until no due row
 is left, appending each published ``message_id`` to OUT (one ``write`` of one
 line to a file opened for appending, so relays may share it and its line
 order is the order of the publishes). Publishing is recorded, not sent, and
@@ -22,8 +23,9 @@ import django
 
 def main() -> None:
     out, go, batch = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    stall_after = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    marker = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+    ready = Path(sys.argv[4])
+    stall_after = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    marker = Path(sys.argv[6]) if len(sys.argv) > 6 else None
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
     from idempotent_orders.models import OutboxMessage
@@ -47,6 +49,7 @@ def main() -> None:
 
     sender._send = record  # type: ignore[assignment]
     sender._TemplateSender.send = record_fast  # type: ignore[method-assign]
+    (ready / str(os.getpid())).touch()
     while not go.exists():
         time.sleep(0.01)
     relay.relay_outbox(batch_size=batch)
