@@ -136,3 +136,23 @@ def test_what_is_the_same_everywhere_runs_on_one_leg_of_the_suite() -> None:
     ]
     base = os.environ.get("IO_TEST_DB_NAME", "test_io")
     assert running == [("sqlite", f"{base}_sqlite")]
+
+
+def test_beside_the_chaos_runs_every_place_has_a_leg_that_leaves_rabbitmq_alone() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PLAN],
+        cwd=matrix.ROOT,
+        env={**os.environ, "CI": "true", "IO_CHAOS_RESTART_RABBITMQ": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    beside = re.findall(r"^beside  (.*?)  \(IO_TEST_DB_NAME=(\S+),", done.stdout, re.M)
+    base = os.environ.get("IO_TEST_DB_NAME", "test_io")
+    # The first Django's SQLite leg runs its worker tests apart (after the chaos runs),
+    # and the rest beside them, with Django 6's SQLite and MariaDB legs.
+    assert f"{base}_sqlite" in [name for _, name in beside], done.stdout
+    assert f"{base}_sqlite_workers" not in [name for _, name in beside]
+    assert re.search(rf"^ after  .*\(IO_TEST_DB_NAME={base}_sqlite_workers,", done.stdout, re.M)
+    assert len(beside) >= 3  # as many as there are places (IO_TEST_JOBS's default)

@@ -78,6 +78,10 @@ REPEAT = {
 OWN_MODEL_DATABASES = {"dj6": {"postgres"}}
 #: The databases whose first-Django leg has the ``waits`` runs (their ``backends`` marker).
 WAITS_DATABASES = {"sqlite"}
+#: The databases whose first-Django leg runs its worker tests (marker ``workers``) as a
+#: leg of their own: the rest leaves RabbitMQ alone, so it can run beside the chaos runs
+#: that restart it (:func:`without_brokers`), where the places would otherwise stand idle.
+WORKERS_APART_DATABASES = {"sqlite"}
 # The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
 # leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
 # that are MariaDB's too (the webhook load run) in line; the Django 6 legs leave them out.
@@ -101,7 +105,8 @@ ESTIMATE = {
     ("heavy", "postgres"): 225,
     ("", "postgres"): 530,
     ("", "mariadb"): 430,
-    ("", "sqlite"): 280,
+    ("", "sqlite"): 200,
+    ("workers", "sqlite"): 80,
     ("dj6", "postgres"): 490,
     ("dj6", "mariadb"): 180,
     ("dj6", "sqlite"): 160,
@@ -530,6 +535,14 @@ def main() -> int:
                     legs.append(split_off(leg, WAITS, "waits", estimate=0, idle=True))
                     selection_here = " and ".join(
                         part for part in (f"not {WAITS}", selection_here) if part
+                    )
+                if not own and not selection and database in WORKERS_APART_DATABASES:
+                    estimate = ESTIMATE[("workers", database)]
+                    legs.append(
+                        split_off(leg, f"workers and not {WAITS}", "workers", estimate=estimate)
+                    )
+                    selection_here = " and ".join(
+                        part for part in ("not workers", selection_here) if part
                     )
                 split = not own and not selection and database in HEAVY_DATABASES
                 if split:
