@@ -13,6 +13,10 @@ would, in far fewer statements. In one transaction it
    in arrival order, against the order as the batch's earlier messages left it;
 3. writes every changed order with one conditional ``UPDATE`` (``WHERE id=:id
    AND version=:v`` per row), parks early messages and records the outcomes.
+   Where the model's ``save()`` runs the project's code (an override, receivers,
+   history packages), each transition is instead committed by the model's own
+   ``save()`` when it is taken, in the message's savepoint, as the single path
+   commits it.
 
 After commit it releases parked successors and only then writes the fast-path
 keys, as the single path does.
@@ -63,8 +67,11 @@ from idempotent_orders.consuming.failures import (
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
 from idempotent_orders.consuming.payments import Reservation, payment_id, record_spent, spend
 from idempotent_orders.consuming.running import (
+    Ran,
     advance,
     call_transition,
+    commit,
+    keeps_parked_flag,
     runs_user_code,
     save_hooks,
     transition_heard,
@@ -74,7 +81,13 @@ from idempotent_orders.consuming.running import (
 )
 from idempotent_orders.consuming.savepoints import guarded
 from idempotent_orders.consuming.single import consume_message, release_parked
-from idempotent_orders.consuming.writing import Spent, on_error_reason, park, spent_verdict
+from idempotent_orders.consuming.writing import (
+    Conflict,
+    Spent,
+    on_error_reason,
+    park,
+    spent_verdict,
+)
 from idempotent_orders.exceptions import InvalidMessage, UnknownTransition
 from idempotent_orders.models import (
     SETTLED_OUTCOMES,
@@ -108,8 +121,8 @@ def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
     within the batch is a duplicate from its second copy on.
     Database errors propagate and roll back the whole chunk, so the batch can
     be retried as it is. Where the order model's ``save()`` runs the project's code
-    (:func:`~idempotent_orders.consuming.running.save_hooks`), each message is consumed
-    as ``consume_message`` consumes it, in order: every transition a ``save()`` of its own.
+    (:func:`~idempotent_orders.consuming.running.save_hooks`), every transition is a
+    ``save()`` of its own, in arrival order, in the chunk's one transaction.
     """
     outcomes: list[Outcome | None] = [None] * len(messages)
     for start in range(0, len(messages), CHUNK):
@@ -137,13 +150,15 @@ def _consume_chunk(messages: Sequence[Any], consumer: str) -> dict[int, Outcome]
             repeats.append((index, envelope))
             continue
         items[envelope.message_id] = Item(index=index, envelope=envelope)
-    user = _runs_user_code(get_order_model(), items.values())
-    if user is None or save_hooks(get_order_model()):
+    model = get_order_model()
+    user = _runs_user_code(model, items.values())
+    if user is None:
         # A message type bound to a transition the model lacks: the single path says why.
-        # Where the model's save() runs the project's code (history, audit, receivers),
-        # every transition is a save() of its own, in arrival order: the single path's.
         outcomes.update(_one_by_one(messages, _indexes(items, repeats), consumer))
         return outcomes
+    # Where the model's save() runs the project's code (history, audit, receivers), each
+    # transition is a save() of its own: the project's code, in a savepoint.
+    user = user or bool(save_hooks(model))
     # One look at the fast path for the whole chunk (one Redis command at most).
     if items:
         layers = dedup.lookup_many(consumer, list(items))
@@ -323,6 +338,8 @@ def _transact(consumer: str, items: dict[str, Item], user: bool) -> tuple[list[I
         if not lock_first:
             orders = lock_orders({i.envelope.order_id for i in claimed} & known)
         _decide_and_write(consumer, claimed, orders, user)
+    if not keeps_parked_flag(get_order_model()):
+        return claimed, set()  # no flag says which orders have none
     return claimed, {pk for pk, order in orders.items() if not order.has_parked}
 
 
@@ -384,7 +401,9 @@ class _Chunk:
         #: Per order, the new value of each field the chunk changed (one UPDATE at the end).
         self.changed: dict[int, dict[str, Any]] = {}
         self.transitions: list[tuple[AbstractOrder, str, TransitionResult]] = []
-        self.waiting = parked_before(orders)
+        #: The app keeps the orders' ``has_parked`` flag (not where triggers watch them).
+        self.flag = keeps_parked_flag(model)
+        self.waiting = parked_before(orders, self.flag)
         self.released: list[tuple[Waiting, Verdict | Exception]] = []
         # The connection itself: Django's ``connection`` proxy looks it up again on every use.
         self.conn = transaction.get_connection()
@@ -410,6 +429,12 @@ class _Chunk:
         )
         #: Messages whose body raised under fsm-2's ``on_error`` (kept as rejected).
         self.errored: set[str] = set()
+        #: The model's ``save()`` runs the project's code: each transition is committed
+        #: by it when taken (:meth:`_save`), not by the chunk's one UPDATE.
+        self.saves = bool(save_hooks(model))
+        #: Per order, its ``last_seq`` as the row holds it (moved on in memory by a
+        #: message without a transition, it is written by the next save() or the UPDATE).
+        self.held_seq = {pk: o.last_seq for pk, o in orders.items()}
 
     def take(self, order: AbstractOrder, verdict: Verdict, env: Envelope) -> Verdict:
         """The verdict's effect on the order, in memory (written by one UPDATE later);
@@ -428,7 +453,11 @@ class _Chunk:
                 paid = payment
         elif payment is not None:
             self.spends.append((payment, order.pk, env.message_id))
-        if verdict.transition and self.user and runs_user_code(self.model, verdict.transition):
+        if (
+            verdict.transition
+            and self.user
+            and (self.saves or runs_user_code(self.model, verdict.transition))
+        ):
             verdict = self._run(order, verdict, env)
         elif verdict.transition:
             if pre_transition.receivers:  # nobody connected: nothing to send
@@ -451,6 +480,9 @@ class _Chunk:
         assert verdict.transition is not None
         version: int = order.version
         ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
+        if self.saves:
+            self._save(order, ran, version)
+            return self._ran(order, verdict, env, ran, version)
         if ran.saved:
             # A receiver saved the order in this transaction: the row holds its version.
             self.read_version[order.pk] = version
@@ -461,6 +493,13 @@ class _Chunk:
         self.changed.setdefault(order.pk, {}).update(
             values, **self.stamp, **{self.state_name: ran.target, "version": version + 1}
         )
+        return self._ran(order, verdict, env, ran, version)
+
+    def _ran(
+        self, order: AbstractOrder, verdict: Verdict, env: Envelope, ran: Ran, version: int
+    ) -> Verdict:
+        """The transition ``ran`` taken (to be announced); the verdict it ends with."""
+        assert verdict.transition is not None
         result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
         self.transitions.append((order, verdict.transition, result))
         if ran.error is None:
@@ -468,6 +507,18 @@ class _Chunk:
         reason = on_error_reason(env, self.consumer, order, verdict.transition, ran)
         self.errored.add(env.message_id)
         return Verdict(Outcome.REJECTED, reason)
+
+    def _save(self, order: AbstractOrder, ran: Ran, version: int) -> None:
+        """Commit the transition ``ran`` through the model's own ``save()``, as the single
+        path does (:func:`~idempotent_orders.consuming.running.commit`): its override and
+        receivers run now, in the message's savepoint. The row then holds every field of
+        the order as the chunk left it in memory, so nothing of it is left to the UPDATE."""
+        if not commit(order, ran, version, {"last_seq": self.held_seq[order.pk]}):
+            # The chunk holds the order's lock: the row is as the chunk left it.
+            raise Conflict(f"order {order.pk} changed under the batch's lock")
+        self.changed.pop(order.pk, None)
+        self.read_version[order.pk] = order.version
+        self.held_seq[order.pk] = order.last_seq
 
     def judge(self, order: AbstractOrder, env: Envelope) -> Verdict | Exception:
         """``decide`` and, unless the message must wait, ``take``; what raised, returned."""
@@ -549,7 +600,7 @@ class _Chunk:
                 item.reason = parked_twice(item.envelope).reason
         flag = {i.envelope.order_id for i in parked if i.outcome is Outcome.PARKED}
         flag = {pk for pk in flag if not orders[pk].has_parked}
-        if flag:
+        if flag and self.flag:
             # The single path skips its look for parked successors on orders whose
             # flag it read false; the orders are locked, so this lands before any
             # such consumer's conditional write.

@@ -218,9 +218,10 @@ class Waiting:
     unreadable: str = ""
 
 
-def parked_before(orders: Mapping[int, AbstractOrder]) -> dict[int, list[Waiting]]:
-    """The parked messages of the locked orders that have any, as ``release_parked`` reads them."""
-    flagged = [pk for pk, order in orders.items() if order.has_parked]
+def parked_before(orders: Mapping[int, AbstractOrder], flag: bool) -> dict[int, list[Waiting]]:
+    """The parked messages of the locked orders that have any, as ``release_parked`` reads them
+    (``flag``: the orders' ``has_parked`` says which may have any; else all are looked at)."""
+    flagged = [pk for pk, order in orders.items() if order.has_parked or not flag]
     waiting: dict[int, list[Waiting]] = {}
     if not flagged:
         return waiting

@@ -486,3 +486,58 @@ def test_a_chunk_records_each_payment_it_applies_and_refuses_one_spent_before(
     assert "give back" in row.error
     assert SpentPayment.objects.get(payment_id=f"pay-{first.pk}").order_id == first.pk
     assert SpentPayment.objects.get(payment_id="fresh").order_id == third.pk
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
+    make_order,
+) -> None:
+    """A ``post_save`` receiver puts the model on the save() road: each transition of the
+    chunk is a ``save()`` of its own, in arrival order, in the chunk's one transaction; a
+    receiver that raises fails its own message alone, and no other message's save runs
+    twice."""
+    from django.db.models.signals import post_save
+
+    orders = [make_order() for _ in range(4)]
+    saves: list[tuple[int, str, bool]] = []
+
+    def watch(sender: Any, instance: Order, created: bool, **kwargs: Any) -> None:
+        if created:
+            return
+        saves.append((instance.pk, instance.status, connection.in_atomic_block))
+        if instance.pk == orders[2].pk and instance.status == S.SHIPPED:
+            raise RuntimeError("the receiver refuses this shipment")
+
+    messages = [m for o in orders for m in (payment(o), shipment(o))]
+    post_save.connect(watch, sender=Order, weak=False, dispatch_uid="test-batch-save-road")
+    commits = []
+    try:
+        with (
+            mock.patch.object(
+                batch_module, "_one_by_one", side_effect=AssertionError("one by one")
+            ),
+            connection.execute_wrapper(
+                lambda execute, sql, *a: (
+                    (commits.append(sql) if "COMMIT" in sql.upper() else None) or execute(sql, *a)
+                )
+            ),
+        ):
+            outcomes = consume_batch(messages, consumer="payments")
+    finally:
+        post_save.disconnect(sender=Order, dispatch_uid="test-batch-save-road")
+    assert outcomes == [A, A, A, A, A, Outcome.FAILED, A, A]
+    # One save() a transition, in the order the messages came, each in the transaction;
+    # the refused one once (rolled back to its savepoint), no other one again.
+    assert saves == [(o.pk, status, True) for o in orders for status in (S.PAID, S.SHIPPED)]
+    assert [state(o)[:2] for o in orders] == [
+        (S.SHIPPED, 2),
+        (S.SHIPPED, 2),
+        (S.PAID, 1),
+        (S.SHIPPED, 2),
+    ]
+    failed = ProcessedMessage.objects.get(message_id=messages[5]["message_id"])
+    assert failed.status == InboxStatus.FAILED
+    assert "the receiver refuses this shipment" in failed.error
+    # Django commits through the connection, not a statement: nothing of the chunk
+    # committed one message at a time.
+    assert commits == []
