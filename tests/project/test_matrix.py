@@ -150,9 +150,11 @@ def test_beside_the_chaos_runs_every_place_has_a_leg_that_leaves_rabbitmq_alone(
     assert done.returncode == 0, done.stdout + done.stderr
     beside = re.findall(r"^beside  (.*?)  \(IO_TEST_DB_NAME=(\S+),", done.stdout, re.M)
     base = os.environ.get("IO_TEST_DB_NAME", "test_io")
-    # The first Django's SQLite leg runs its worker tests apart (after the chaos runs),
-    # and the rest beside them, with Django 6's SQLite and MariaDB legs.
-    assert f"{base}_sqlite" in [name for _, name in beside], done.stdout
-    assert f"{base}_sqlite_workers" not in [name for _, name in beside]
-    assert re.search(rf"^ after  .*\(IO_TEST_DB_NAME={base}_sqlite_workers,", done.stdout, re.M)
-    assert len(beside) >= 3  # as many as there are places (IO_TEST_JOBS's default)
+    # The first Django's SQLite and MariaDB legs run their worker tests apart (after the
+    # chaos runs), and the rest beside them, with Django 6's SQLite and MariaDB legs.
+    for database in ("sqlite", "mariadb"):
+        assert f"{base}_{database}" in [name for _, name in beside], done.stdout
+        assert f"{base}_{database}_workers" not in [name for _, name in beside]
+        after = rf"^ after  .*\(IO_TEST_DB_NAME={base}_{database}_workers,"
+        assert re.search(after, done.stdout, re.M), done.stdout
+    assert len(beside) >= 4
