@@ -290,8 +290,10 @@ class BloomLayer:
                 name="idempotent-orders-bloom-warm-up",
                 daemon=True,
             )
+            thread.start()
+            # Published once started: wait_warm() reads it without the lock, and a
+            # thread not yet started cannot be joined.
             self._warm_thread = thread
-            thread.start()  # under the lock: wait_warm() never sees it unstarted
         return thread
 
     def wait_warm(self, timeout: float | None = None) -> bool:
@@ -463,8 +465,8 @@ class BloomLayer:
                 name="idempotent-orders-bloom-snapshot",
                 daemon=True,
             )
-            self._snapshot_thread = thread
             thread.start()
+            self._snapshot_thread = thread  # once started, as in warm_up()
 
     def _snapshot_in_background(self, generation: int) -> None:
         try:

@@ -225,3 +225,30 @@ def test_a_snapshot_whose_bucket_is_gone_is_not_used(redis_server: RedisServer) 
     assert fresh.loaded_from == "inbox"
     assert fresh.might_contain("payments", "row")
     assert not fresh.might_contain("payments", "never-seen")
+
+
+def test_a_thread_waiting_for_the_filter_never_meets_an_unstarted_thread(
+    redis_server: RedisServer,
+) -> None:
+    # Another thread waits (a test's cleanup, a benchmark) just as the warm-up and the
+    # snapshot threads are being started: it finds the thread before, or a started one.
+    bloom = BloomLayer()
+    start = threading.Thread.start
+    waited: list[str] = []
+
+    def start_after_a_wait(thread: threading.Thread) -> None:
+        # (The snapshot thread is started by the warm-up thread: that one waits for the
+        # snapshot only.)
+        if thread.name.endswith("warm-up"):
+            bloom.wait_warm(0)
+        else:
+            bloom.wait_snapshot(0)
+        waited.append(thread.name)
+        start(thread)
+
+    _inbox("row")
+    with mock.patch.object(threading.Thread, "start", start_after_a_wait):
+        _loaded(bloom)
+        bloom.wait_snapshot(30)
+    assert waited == ["idempotent-orders-bloom-warm-up", "idempotent-orders-bloom-snapshot"]
+    assert caches["dedup"].get(snapshot_key()) is not None
