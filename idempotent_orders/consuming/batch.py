@@ -104,6 +104,12 @@ logger = logging.getLogger("idempotent_orders")
 
 #: Messages per transaction; a longer batch is consumed in chunks of this size.
 CHUNK = 500
+#: Messages per transaction where each one writes in a savepoint of its own (the model's
+#: ``save()`` runs the project's code). PostgreSQL keeps 64 subtransactions of a
+#: transaction in shared memory; past that, while the transaction runs, every other
+#: session's visibility checks look its subtransactions up in ``pg_subtrans``, and so do
+#: the replicas.
+SAVEPOINT_CHUNK = 60
 #: Times a chunk is run again after its transaction was chosen as a deadlock victim.
 DEADLOCK_RETRIES = 5
 
@@ -122,11 +128,13 @@ def consume_batch(messages: Sequence[Any], *, consumer: str) -> list[Outcome]:
     Database errors propagate and roll back the whole chunk, so the batch can
     be retried as it is. Where the order model's ``save()`` runs the project's code
     (:func:`~idempotent_orders.consuming.running.save_hooks`), every transition is a
-    ``save()`` of its own, in arrival order, in the chunk's one transaction.
+    ``save()`` of its own, in arrival order, in the chunk's one transaction, and a chunk
+    holds at most :data:`SAVEPOINT_CHUNK` messages.
     """
     outcomes: list[Outcome | None] = [None] * len(messages)
-    for start in range(0, len(messages), CHUNK):
-        chunk = messages[start : start + CHUNK]
+    size = SAVEPOINT_CHUNK if save_hooks(get_order_model()) else CHUNK
+    for start in range(0, len(messages), size):
+        chunk = messages[start : start + size]
         for offset, outcome in _consume_chunk(chunk, consumer).items():
             outcomes[start + offset] = outcome
     return [o if o is not None else Outcome.DUPLICATE for o in outcomes]

@@ -516,6 +516,10 @@ def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
             mock.patch.object(
                 batch_module, "_one_by_one", side_effect=AssertionError("one by one")
             ),
+            mock.patch.object(batch_module, "SAVEPOINT_CHUNK", 3),
+            mock.patch.object(
+                batch_module, "_consume_chunk", wraps=batch_module._consume_chunk
+            ) as chunks,
             connection.execute_wrapper(
                 lambda execute, sql, *a: (
                     (commits.append(sql) if "COMMIT" in sql.upper() else None) or execute(sql, *a)
@@ -526,6 +530,8 @@ def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
     finally:
         post_save.disconnect(sender=Order, dispatch_uid="test-batch-save-road")
     assert outcomes == [A, A, A, A, A, Outcome.FAILED, A, A]
+    # A savepoint a message: at most SAVEPOINT_CHUNK messages a transaction.
+    assert chunks.call_count == 3
     # One save() a transition, in the order the messages came, each in the transaction;
     # the refused one once (rolled back to its savepoint), no other one again.
     assert saves == [(o.pk, status, True) for o in orders for status in (S.PAID, S.SHIPPED)]
