@@ -108,7 +108,8 @@ sys.exit(matrix.main())
 """
 
 
-def test_what_is_the_same_everywhere_runs_on_one_leg_of_the_suite() -> None:
+def ci_plan() -> subprocess.CompletedProcess[str]:
+    """What ``make test`` runs in CI (``CI=true``, the chaos runs apart), as planned."""
     done = subprocess.run(
         [sys.executable, "-c", PLAN],
         cwd=matrix.ROOT,
@@ -118,6 +119,11 @@ def test_what_is_the_same_everywhere_runs_on_one_leg_of_the_suite() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_what_is_the_same_everywhere_runs_on_one_leg_of_the_suite() -> None:
+    done = ci_plan()
     legs = re.findall(
         r"^\s*\w*\s+(\w+) \| Django .*?(?:-m '([^']*)')?\s+\(IO_TEST_DB_NAME=(\S+), ([\w.]+)\)$",
         done.stdout,
@@ -139,15 +145,7 @@ def test_what_is_the_same_everywhere_runs_on_one_leg_of_the_suite() -> None:
 
 
 def test_beside_the_chaos_runs_every_place_has_a_leg_that_leaves_rabbitmq_alone() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", PLAN],
-        cwd=matrix.ROOT,
-        env={**os.environ, "CI": "true", "IO_CHAOS_RESTART_RABBITMQ": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = ci_plan()
     beside = re.findall(r"^beside  (.*?)  \(IO_TEST_DB_NAME=(\S+),", done.stdout, re.M)
     base = os.environ.get("IO_TEST_DB_NAME", "test_io")
     # The first Django's SQLite and MariaDB legs run their worker tests apart (after the
