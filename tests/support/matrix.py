@@ -539,9 +539,8 @@ def main() -> int:
                     )
                 if not own and not selection and database in WORKERS_APART_DATABASES:
                     estimate = ESTIMATE[("workers", database)]
-                    legs.append(
-                        split_off(leg, f"workers and not {WAITS}", "workers", estimate=estimate)
-                    )
+                    marks = "workers" + (f" and not {WAITS}" if database in WAITS_DATABASES else "")
+                    legs.append(split_off(leg, marks, "workers", estimate=estimate))
                     selection_here = " and ".join(
                         part for part in ("not workers", selection_here) if part
                     )
