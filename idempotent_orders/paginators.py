@@ -11,32 +11,23 @@ count itself. A small set is therefore always counted exactly, on every database
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django.core.paginator import Paginator
-from django.db import DatabaseError, connections
+from django.db import connections
 from django.db.models import QuerySet
 from django.utils.functional import cached_property
+
+from idempotent_orders.vendors import vendor
 
 __all__ = ["EstimatedCountPaginator", "estimated_count"]
 
 
 def _planner_estimate(queryset: QuerySet[Any]) -> int | None:
-    """PostgreSQL's row estimate for ``queryset`` (``EXPLAIN (FORMAT JSON)``), or None."""
+    """The planner's row estimate for ``queryset`` where the database gives one, or None."""
     connection = connections[queryset.db]
-    if connection.vendor != "postgresql":
-        return None
     sql, params = queryset.order_by().values("pk").query.sql_with_params()
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
-            plan = cursor.fetchone()[0]
-    except DatabaseError:
-        return None
-    if isinstance(plan, str):
-        plan = json.loads(plan)
-    return int(plan[0]["Plan"]["Plan Rows"])
+    return vendor(connection).estimated_rows(connection, sql, params)
 
 
 def estimated_count(queryset: QuerySet[Any], exact_up_to: int) -> tuple[int, bool]:

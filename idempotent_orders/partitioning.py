@@ -28,6 +28,7 @@ from django.db.models import Q
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.sql import CLAIMABLE, forget_inbox_shape
 from idempotent_orders.models import ProcessedMessage
+from idempotent_orders.vendors import vendor
 
 __all__ = [
     "GUARD",
@@ -57,7 +58,7 @@ def partitioned_inbox(using: str = "default") -> bool:
 
     The claims ask the table itself (:func:`~idempotent_orders.consuming.sql.inbox_partitioned`).
     """
-    return conf.INBOX_PARTITION_DAYS > 0 and connections[using].vendor == "postgresql"
+    return conf.INBOX_PARTITION_DAYS > 0 and vendor(connections[using]).partitions
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def _column(connection: Any, name: str) -> str:
 def is_partitioned(using: str = "default") -> bool:
     """Whether the inbox table on ``using`` is a partitioned table (PostgreSQL only)."""
     connection = connections[using]
-    if connection.vendor != "postgresql":
+    if not vendor(connection).partitions:
         return False
     table, _ = _names(connection)
     with connection.cursor() as cursor:
@@ -254,7 +255,7 @@ def convert(*, using: str = "default", now: datetime | None = None) -> list[Part
     Partitions cover the oldest row's period to ``INBOX_PARTITIONS_AHEAD`` periods ahead.
     """
     connection = connections[using]
-    if connection.vendor != "postgresql":
+    if not vendor(connection).partitions:
         raise ValueError("only a PostgreSQL inbox can be partitioned")
     days = conf.INBOX_PARTITION_DAYS
     if days <= 0:

@@ -41,6 +41,7 @@ from idempotent_orders.prepared import (
     lose,
     statement,
 )
+from idempotent_orders.vendors import vendor
 
 try:
     from psycopg import Error as _DriverError
@@ -67,16 +68,6 @@ _CLAIM_COLUMNS = (
 
 def _field(name: str) -> Any:
     return IdempotencyKey._meta.get_field(name)
-
-
-def _one_round_trip(conn: BaseDatabaseWrapper) -> bool:
-    """Whether the claim can go as one multi-statement query: psycopg 3 with
-    client-side binding (Django's default) and no transaction open around it."""
-    if conn.in_atomic_block or conn.settings_dict["OPTIONS"].get("server_side_binding"):
-        return False
-    from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-    return bool(is_psycopg3)
 
 
 @dataclass(frozen=True)
@@ -110,17 +101,16 @@ def _claim_texts(conn: BaseDatabaseWrapper) -> _ClaimTexts:
     found = _claim_texts_by_alias.get(conn.alias)
     if found is not None:
         return found
-    vendor = conn.vendor
+    chosen = vendor(conn)
     qn = conn.ops.quote_name
     table = qn(IdempotencyKey._meta.db_table)
     columns = ", ".join(qn(c) for c in _CLAIM_COLUMNS)
     values = ", ".join(["%s"] * len(_CLAIM_COLUMNS))
-    json_empty = "'[]'::jsonb" if vendor == "postgresql" else "'[]'"
     extra_cols = f"{qn('is_token')}, {qn('body_omitted')}, {qn('response_headers')}"
-    extra_vals = f"FALSE, FALSE, {json_empty}"
+    extra_vals = f"FALSE, FALSE, {chosen.empty_json_list}"
     count = f"SELECT COUNT(*) FROM {table} WHERE {qn('principal')} = %s AND {qn('expires_at')} > %s"
     absent = f"NOT EXISTS (SELECT 1 FROM {table} WHERE {qn('scope')} = %s AND {qn('key')} = %s)"
-    if vendor == "postgresql":
+    if chosen.claim_lock == "advisory":
         # The principal's bound (KeyQuota) instead of a count of its keys: they are
         # counted only when it has no bound or the bound has reached the quota,
         # and the count then sets the bound. The CTE runs when first read, so not
@@ -150,18 +140,13 @@ def _claim_texts(conn: BaseDatabaseWrapper) -> _ClaimTexts:
             text.format(absent=f"{absent} AND "), (*head, "scope", "key", *tail)
         )
     else:
-        guard = f"({count}) < %s"
-        if vendor == "mysql":
-            sql = (
-                f"INSERT IGNORE INTO {table} ({columns}, {extra_cols}) "
-                f"SELECT {values}, {extra_vals} FROM DUAL WHERE {guard} RETURNING {qn('id')}"
-            )
-        else:
-            sql = (
-                f"INSERT INTO {table} ({columns}, {extra_cols}) "
-                f"SELECT {values}, {extra_vals} WHERE {guard} "
-                f"ON CONFLICT ({qn('scope')}, {qn('key')}) DO NOTHING RETURNING {qn('id')}"
-            )
+        into, skip = chosen.insert_ignoring(
+            table, f"{columns}, {extra_cols}", f"{qn('scope')}, {qn('key')}"
+        )
+        sql = (
+            f"{into} SELECT {values}, {extra_vals}{chosen.no_table} WHERE ({count}) < %s"
+            f" {skip} RETURNING {qn('id')}"
+        )
         insert = insert_if_absent = _Statement(sql, (*_CLAIM_COLUMNS, "principal", "now", "quota"))
     found = _claim_texts_by_alias[conn.alias] = _ClaimTexts(
         insert=insert,
@@ -211,16 +196,14 @@ def insert_claim(fields: dict[str, Any], now: Any) -> int | IdempotencyKey | Non
     :class:`~idempotent_orders.models.KeyQuota` bound has reached the quota.
     """
     conn = connections[DEFAULT_DB_ALIAS]  # the wrapper: each read through the proxy costs
-    vendor = conn.vendor
-    if vendor not in {"postgresql", "mysql", "sqlite"} or (
-        vendor == "mysql" and not getattr(conn, "mysql_is_mariadb", False)
-    ):
+    chosen = vendor(conn)
+    if not chosen.claim_lock or not chosen.returns_inserted(conn):
         return _insert_portable(fields, now)
     texts = _claim_texts(conn)
     values = _claim_params(conn, fields, now)
-    if vendor == "postgresql":
+    if chosen.claim_lock == "advisory":
         values["lock"] = lock_id(fields["principal"])
-        if _one_round_trip(conn):
+        if not conn.in_atomic_block and chosen.several_statements(conn):
             # The statements in one simple query: PostgreSQL runs them as one
             # implicit transaction (the lock is held until its end, the INSERT
             # takes a fresh snapshot after it), and rolls it back on an error.
@@ -253,7 +236,7 @@ def insert_claim(fields: dict[str, Any], now: Any) -> int | IdempotencyKey | Non
                 lock_principal(conn, fields["principal"])
                 cursor.execute(*_joined((texts.insert,), values))
                 found = cursor.fetchone()
-    elif vendor == "mysql":
+    elif chosen.claim_lock == "named":
         name = "io_quota_" + hashlib.sha256(fields["principal"].encode()).hexdigest()[:48]
         with conn.cursor() as cursor:
             cursor.execute("SELECT GET_LOCK(%s, %s)", [name, conf.KEY_LEASE])

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from idempotent_orders.conf import conf
 from idempotent_orders.models import IdempotencyKey, KeyQuota
+from idempotent_orders.vendors import vendor
 
 __all__ = ["forget_stale_bounds", "live_keys", "lock_id", "lock_principal", "raise_bound"]
 
@@ -55,7 +56,7 @@ def raise_bound(conn: BaseDatabaseWrapper, principal: str) -> None:
     For keys inserted outside a claim (tokens), in their inserting transaction,
     which must hold the principal's claim lock (:func:`lock_principal`).
     """
-    if conn.vendor == "postgresql":
+    if vendor(conn).claim_lock == "advisory":  # the claims keep bounds (claim_sql)
         qn = conn.ops.quote_name
         with conn.cursor() as cursor:
             cursor.execute(
@@ -69,6 +70,4 @@ def lock_principal(conn: BaseDatabaseWrapper, principal: str) -> None:
     """Serialize with ``principal``'s claims until the transaction ends (PostgreSQL);
     ``principal`` as stored (:func:`~idempotent_orders.http.principals.stored_principal`).
     """
-    if conn.vendor == "postgresql":
-        with conn.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [lock_id(principal)])
+    vendor(conn).lock_until_commit(conn, lock_id(principal))

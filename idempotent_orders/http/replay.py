@@ -22,6 +22,7 @@ from django.utils import timezone
 from idempotent_orders.conf import conf
 from idempotent_orders.models import IdempotencyKey, KeyState
 from idempotent_orders.prepared import driver_cursor, fetch_one
+from idempotent_orders.vendors import vendor
 
 if TYPE_CHECKING:
     from idempotent_orders.http.lease import KeyClaim
@@ -71,13 +72,10 @@ def _can_commit(conn: BaseDatabaseWrapper) -> bool:
     """Whether the UPDATE may end the transaction itself: PostgreSQL through psycopg 3
     with client-side binding (a simple query may hold two statements), the
     caller's ``atomic`` block the outermost one, nothing marked for rollback."""
-    if conn.vendor != "postgresql" or conn.settings_dict["OPTIONS"].get("server_side_binding"):
+    chosen = vendor(conn)
+    if not (chosen.writes_in_with and chosen.several_statements(conn)):
         return False
-    if len(conn.atomic_blocks) != 1 or conn.needs_rollback or conn.connection is None:
-        return False
-    from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-    return bool(is_psycopg3)
+    return len(conn.atomic_blocks) == 1 and not conn.needs_rollback and conn.connection is not None
 
 
 def _committing(conn: BaseDatabaseWrapper, sql: str) -> str:
@@ -118,7 +116,7 @@ def store(held: KeyClaim, response: HttpResponseBase, *, commit: bool = False) -
             f"UPDATE {qn(IdempotencyKey._meta.db_table)} SET {assignments} WHERE {qn('id')}"
             f" = %(a{n})s AND {qn('lease_owner')} = %(a{n + 1})s AND {qn('state')} = %(a{n + 2})s"
         )
-        if conn.vendor == "postgresql":
+        if vendor(conn).prepares:  # run by fetch_one, which reads the row
             sql += f" RETURNING {qn('id')}"
         _store_sql[conn.alias] = sql
     args = [
@@ -149,7 +147,7 @@ def store(held: KeyClaim, response: HttpResponseBase, *, commit: bool = False) -
             if getattr(exc.__cause__, "sqlstate", None) != _LEASE_LOST_SQLSTATE:
                 raise
             stored = False
-    elif conn.vendor == "postgresql":
+    elif vendor(conn).prepares:
         # A prepared statement of the session from its second use on.
         stored = fetch_one(sql, args, conn) is not None
     else:

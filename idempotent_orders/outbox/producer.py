@@ -22,6 +22,7 @@ from idempotent_orders import otel, tracing
 from idempotent_orders.conf import conf
 from idempotent_orders.models import OutboxMessage
 from idempotent_orders.outbox import relay, thread
+from idempotent_orders.vendors import vendor
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -107,9 +108,9 @@ def _write(db: str, fields: dict[str, Any]) -> tuple[OutboxMessage, bool]:
     message_id = fields["message_id"]
     conn = connections[db]
     try:
-        if conn.vendor == "postgresql":
+        if vendor(conn).error_aborts_transaction:
             # One statement: a repeated message_id inserts nothing (and raises nothing,
-            # so the caller's transaction goes on).
+            # so the caller's transaction goes on, with no savepoint around it).
             found = _insert_unless_queued(db, fields)
             if found is None:
                 raise IntegrityError(f"outbox message {message_id} exists")
@@ -284,7 +285,8 @@ def _insert_many_unless_queued(
     message_id = qn(str(meta.get_field("message_id").column))
     returning = f"RETURNING {qn(str(pk.column))}, {message_id}"
     ids = list(messages)
-    if conn.vendor == "postgresql":
+    chosen = vendor(conn)
+    if chosen.arrays:
         # One array for the message ids and one for the payloads (JSON text); the
         # columns every row shares are one argument each. The statement text is the
         # same for any number of rows.
@@ -323,15 +325,10 @@ def _insert_many_unless_queued(
                     rows.append(base[f.attname])
         placeholder = "(" + ", ".join(["%s"] * len(written)) + ")"
         values = ", ".join([placeholder] * len(messages))
-        if conn.vendor == "mysql":
-            # MariaDB >= 10.5 returns only the rows IGNORE let through; the lengths were
-            # checked above, so a repeated message id is all it ignores.
-            sql = f"INSERT IGNORE INTO {table} ({columns}) VALUES {values} {returning}"
-        else:
-            sql = (
-                f"INSERT INTO {table} ({columns}) VALUES {values}"
-                f" ON CONFLICT ({message_id}) DO NOTHING {returning}"
-            )
+        # MariaDB's INSERT IGNORE: the lengths were checked above, so a repeated message
+        # id is all it skips.
+        head, tail = chosen.insert_ignoring(table, columns, message_id)
+        sql = f"{head} VALUES {values} {tail} {returning}"
         with conn.cursor() as cursor:
             cursor.execute(sql, rows)
             found = {mid: pk_ for pk_, mid in cursor.fetchall()}

@@ -25,6 +25,7 @@ from idempotent_orders.conf import conf
 from idempotent_orders.models import OutboxMessage, OutboxStatus
 from idempotent_orders.outbox import failures, sender
 from idempotent_orders.signals import outbox_relayed
+from idempotent_orders.vendors import vendor
 
 logger = logging.getLogger("idempotent_orders")
 
@@ -123,11 +124,9 @@ Batch = tuple[int, int, int, bool]
 def _relay_locked_batch(db: str, size: int, ids: list[int] | None) -> Batch:
     with transaction.atomic(using=db):
         connection = connections[db]
-        if connection.vendor == "postgresql":
-            # The commit need not wait for the WAL flush: a mark lost in a server crash
-            # only makes the row be published again, with the same id (consumers dedup).
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        # The commit need not wait for the WAL flush: a mark lost in a server crash
+        # only makes the row be published again, with the same id (consumers dedup).
+        vendor(connection).relax_commit(connection)
         rows = list(
             _due(db, ids).select_for_update(skip_locked=True).order_by("available_at", "id")[:size]
         )
@@ -167,10 +166,9 @@ def _relay_leased_batch(db: str, size: int, ids: list[int] | None) -> Batch:
 
 
 def _claims_at_once(db: str) -> bool:
-    """SQLite with ``UPDATE ... RETURNING`` (3.35): a batch's claims are one statement."""
+    """With ``UPDATE ... RETURNING`` (SQLite from 3.35): a batch's claims are one statement."""
     connection = connections[db]
-    version = getattr(getattr(connection, "Database", None), "sqlite_version_info", (0,))
-    return connection.vendor == "sqlite" and version >= (3, 35)
+    return vendor(connection).returns_updated(connection)
 
 
 def _claim_at_once(
@@ -299,7 +297,7 @@ class _Statements:
         #: own dumping of a list of ints, element by element, costs more than the statement).
         self.array = (
             f"::{meta.pk.cast_db_type(connection)}[]"
-            if connection.vendor == "postgresql" and meta.pk is not None
+            if vendor(connection).arrays and meta.pk is not None
             else None
         )
         self.converters = []
@@ -348,7 +346,7 @@ _prepared: dict[tuple[str, str], _Statements] = {}
 
 
 def _statements(db: str) -> _Statements:
-    key = (db, connections[db].vendor)
+    key = (db, vendor(connections[db]).name)
     found = _prepared.get(key)
     if found is None:
         found = _prepared[key] = _Statements(db)
@@ -387,9 +385,8 @@ def _publish_unkeyed(db: str, ids: list[int]) -> RelayResult:
         return _relayed(published, retried, dead)
     statements = _statements(db)
     with transaction.atomic(using=db):
+        vendor(connection).relax_commit(connection)  # as in _relay_locked_batch
         with connection.cursor() as cursor:
-            if connection.vendor == "postgresql":  # as in _relay_locked_batch
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
             sql, params = statements.lock(ids)
             cursor.execute(sql, [*params, OutboxStatus.PENDING, _db_now(connection)])
             rows = statements.rows(db, cursor.fetchall())
@@ -423,7 +420,7 @@ class OutboxListener:
 
     def _listen(self) -> bool:
         connection = connections[self.db]
-        if connection.vendor != "postgresql":
+        if not vendor(connection).notifies:
             return False
         if not self._listening:
             with connection.cursor() as cursor:

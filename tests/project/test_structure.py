@@ -457,3 +457,33 @@ def test_make_help_names_every_target() -> None:
     named = set(re.findall(r"^make ([a-z][a-z0-9-]*)", shown, re.MULTILINE))
     assert {"test", "demo", "bench", "chaos"} <= targets
     assert targets - {"help"} <= named, f"make help does not name {sorted(targets - named)}"
+
+
+VENDORS = "idempotent_orders.vendors"
+
+
+def test_only_the_vendors_room_asks_which_database_it_is() -> None:
+    # A room asks vendors.vendor() what its database does; the vendor is read from the
+    # connection in one place. The migration is exempt: it stays as it was written.
+    readers = sorted(
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if "migrations" not in path.parts
+        and re.search(r"\.vendor\b", path.read_text())
+        and not path.relative_to(PACKAGE).as_posix().startswith("vendors/")
+    )
+    assert readers == []
+
+
+def test_the_vendors_room_stands_below_every_other() -> None:
+    graph = import_graph(ROOT, "idempotent_orders")
+    room = {m for m in graph if m == VENDORS or m.startswith(f"{VENDORS}.")}
+    assert room >= {f"{VENDORS}.postgresql", f"{VENDORS}.mysql", f"{VENDORS}.sqlite"}
+    assert {m: sorted(graph[m] - room) for m in room if graph[m] - room} == {}
+    users = {m for m, deps in graph.items() if deps & room and m not in room}
+    assert {
+        "idempotent_orders.consuming.backends",
+        "idempotent_orders.http.claim_sql",
+        "idempotent_orders.outbox.relay",
+        "idempotent_orders.paginators",
+    } <= users

@@ -1,5 +1,7 @@
 """The database backends of the consume road: what differs between PostgreSQL, MariaDB and
-SQLite, chosen once per connection.
+SQLite on it, chosen once per vendor. Each builds on its vendor's
+:class:`~idempotent_orders.vendors.Vendor` (what differs for every room of the app: how
+to insert skipping duplicates, compare bytewise, sort NULL, tell a lost connection).
 
 The road (:mod:`~idempotent_orders.consuming.single`, :mod:`~idempotent_orders.consuming.batch`)
 is the same on every database; where a database can do a step in fewer statements, the
@@ -12,11 +14,9 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
 - ``two_texts``: how a message the roads without a read decline is claimed and read in
   one text, and written and committed in a second
   (:mod:`~idempotent_orders.consuming.backends.claim_and_run`);
-- the statements' spelling: inserting while skipping duplicates, comparing text
-  bytewise; a batch chunk's filter of its orders, its one UPDATE of many orders and its
-  spent payments (PostgreSQL's: one array per column, ``unnest``);
-- the features that change the plan: whether a batch locks its orders before it claims,
-  where ``ORDER BY`` puts NULL, whether a lost connection may hide a commit.
+- a batch chunk's filter of its orders, its one UPDATE of many orders and its spent
+  payments (PostgreSQL's: one array per column, ``unnest``);
+- the features that change the plan: whether a batch locks its orders before it claims.
 
 A backend holds no state of its own beyond what it reads once from the connection; the
 instance is shared by every connection of its vendor.
@@ -28,12 +28,11 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from django.db import connection as default_connection
 from django.db import connections, router
-from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field, Model, Q
 from django.db.models.manager import BaseManager
-from django.utils.module_loading import import_string
+
+from idempotent_orders.vendors import Chooser, Vendor
 
 __all__ = ["Backend", "Statements", "backend"]
 
@@ -44,27 +43,19 @@ RoadWithoutRead = Callable[[Any, str, Any], Any]
 Statements = Sequence[tuple[str, str, Sequence[Any]]]
 
 
-class Backend:
+class Backend(Vendor):
     """What the consume road needs to know of one database vendor (portable defaults)."""
 
-    vendor = ""
     #: The roads that skip the order's read, as ``module:function`` under
     #: ``idempotent_orders.consuming``, tried in order (see :meth:`roads_without_read`).
     without_read: tuple[str, ...] = ()
-    #: A batch's claim takes one array per column (``unnest``) and looks its orders up in
-    #: the same statement.
-    arrays = False
     #: A message's writes go in one statement (data-modifying ``WITH`` clauses): the
     #: inbox claim and the spent payment (:meth:`claim_and_spend`), or the claim and the
     #: order's UPDATE.
     one_statement = False
-    #: The inbox may be partitioned by time (then no unique index spans it).
-    partitions = False
     #: A batch locks its orders before it claims their inbox rows: the database checks a
     #: foreign key at once, share-locking the order the inbox row points to.
     locks_orders_first = False
-    #: ``ORDER BY`` puts NULL after every value.
-    nulls_last = False
     #: The road without a read is :mod:`~idempotent_orders.consuming.backends.at_once`'s: a
     #: message's statements sent as one transaction of their own (:meth:`send_at_once`),
     #: the state tested against each source of the transition.
@@ -92,20 +83,6 @@ class Backend:
         if self._roads is None:
             self._roads = [_module(path) for path in self.without_read]
         return [getattr(module, name) for module, name in self._roads]
-
-    def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
-        """``(head, tail)`` of an INSERT into ``table`` (``columns``) that skips a row whose
-        ``conflict`` columns are taken: ``f"{head} VALUES (...) {tail}"``."""
-        return f"INSERT INTO {table} ({columns})", f"ON CONFLICT ({conflict}) DO NOTHING"
-
-    def bytewise(self, column: str, value: str = "%s") -> str:
-        """``column = value`` compared byte for byte, whatever the column's collation."""
-        return f"{column} = {value}"
-
-    def connection_lost(self, error: Exception) -> bool:
-        """Whether ``error`` says the connection went away (a statement sent may have
-        committed), not that the server refused or rolled something back."""
-        return False
 
     def pk_in(self, model: type[Model], ids: set[Any]) -> Any:
         """The filter of ``model``'s rows whose primary key is one of ``ids``."""
@@ -216,23 +193,13 @@ def _named(path: str) -> Any:
     return getattr(module, name)
 
 
-#: The backend of each vendor Django names (``connection.vendor``).
+#: The backend of each vendor (:attr:`~idempotent_orders.vendors.Vendor.name`).
 BACKENDS = {
     "postgresql": "idempotent_orders.consuming.backends.postgresql.PostgreSQL",
     "mysql": "idempotent_orders.consuming.backends.mysql.MySQL",
     "sqlite": "idempotent_orders.consuming.backends.sqlite.SQLite",
 }
 
-_chosen: dict[str, Backend] = {}
-
-
-def backend(conn: BaseDatabaseWrapper | None = None) -> Backend:
-    """The backend of ``conn`` (the default connection), chosen once per vendor."""
-    vendor = (conn or default_connection).vendor
-    found = _chosen.get(vendor)
-    if found is None:
-        path = BACKENDS.get(vendor)
-        # Another database: the ORM road alone.
-        chosen: type[Backend] = import_string(path) if path else Backend
-        found = _chosen[vendor] = chosen()
-    return found
+#: The backend of a connection (the default one without), chosen once per vendor; another
+#: database takes the ORM road alone.
+backend = Chooser(BACKENDS, Backend)

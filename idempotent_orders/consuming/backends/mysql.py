@@ -41,8 +41,6 @@ from django.db import (
     DatabaseError,
     DataError,
     IntegrityError,
-    InterfaceError,
-    OperationalError,
     transaction,
 )
 from django.db.models import Field
@@ -58,30 +56,22 @@ from idempotent_orders.consuming.backends.claim_and_run import (
 )
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.prepared import watched
+from idempotent_orders.vendors import mysql, vendor
 
 __all__ = ["MySQL", "MySQLTexts"]
 
-#: "Server has gone away" and "lost connection during query".
-_LOST_ERRORS = {2006, 2013}
 #: MySQL's error numbers for a duplicate key, and for the guard's scalar subquery
 #: returning two rows.
 _DUPLICATE_KEY = 1062
 _GUARD_FAILED = 1242
 #: The failures of a step that mean "declined": ``(MySQL error number, step)``.
 _DECLINING = {(_DUPLICATE_KEY, "inbox"), (_DUPLICATE_KEY, "spent"), (_GUARD_FAILED, "guard")}
-#: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
-_MULTI_STATEMENTS = 1 << 16
 #: Fails (more than one row in a scalar subquery) unless the UPDATE before it matched
 #: one row: the statements after it, ``COMMIT`` included, never run.
 _GUARD = (
     "SELECT (SELECT 1 FROM (SELECT 1 AS one UNION ALL SELECT 2) AS io_guard"
     " WHERE ROW_COUNT() <> 1 AND one > 0)"
 )
-
-
-def _multi_statements(conn: Any) -> bool:
-    """Whether the driver under ``conn`` (connected) runs several statements a text."""
-    return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
 
 
 def _cursor(conn: Any) -> Any:
@@ -94,8 +84,7 @@ def _cursor(conn: Any) -> Any:
     return contextlib.closing(conn.connection.cursor())
 
 
-class MySQL(Backend):
-    vendor = "mysql"
+class MySQL(mysql.MySQL, Backend):
     without_read = (
         "backends.at_once:apply_unread_at_once",
         "backends.claim_and_run:claim_and_run",
@@ -104,21 +93,8 @@ class MySQL(Backend):
     locks_orders_first = True
     at_once = True
 
-    def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
-        # MariaDB >= 10.5 returns only the rows IGNORE let through.
-        return f"INSERT IGNORE INTO {table} ({columns})", ""
-
-    def bytewise(self, column: str, value: str = "%s") -> str:
-        return f"BINARY {column} = {value}"
-
-    def connection_lost(self, error: Exception) -> bool:
-        if not isinstance(error, (OperationalError, InterfaceError)):
-            return False
-        return bool(error.args) and error.args[0] in _LOST_ERRORS
-
     def ready_at_once(self, conn: Any) -> bool:
-        conn.ensure_connection()
-        return _multi_statements(conn)
+        return self.several_statements(conn)
 
     def send_at_once(
         self, conn: Any, statements: Statements, read: list[Any]
@@ -186,7 +162,7 @@ class MySQLTexts(Texts):
     """mysqlclient with multi statements on (unless ``OPTIONS`` turned them off)."""
 
     def ready(self, conn: Any) -> bool:
-        return _multi_statements(conn)
+        return vendor(conn).several_statements(conn)
 
     @contextlib.contextmanager
     def transaction(self, conn: Any) -> Iterator[Any]:

@@ -10,20 +10,17 @@ from django.db import IntegrityError
 
 from idempotent_orders.consuming.backends import Backend, Statements
 from idempotent_orders.prepared import watched
+from idempotent_orders.vendors import sqlite
 
 __all__ = ["SQLite"]
 
 
-class SQLite(Backend):
-    vendor = "sqlite"
+class SQLite(sqlite.SQLite, Backend):
     without_read = ("backends.at_once:apply_unread_at_once",)
     at_once = True
     #: A decimal column is compared as a double: up to 15 digits, two values of one scale
     #: are two doubles.
     exact_decimal_digits = 15
-
-    def bytewise(self, column: str, value: str = "%s") -> str:
-        return f"{column} = {value} COLLATE BINARY"
 
     def send_at_once(
         self, conn: Any, statements: Statements, read: list[Any]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from django.db import InterfaceError, OperationalError, connection
+from django.db import connection
 
 from idempotent_orders.consuming.backends import Backend
 from idempotent_orders.consuming.backends.postgresql.arrays import (
@@ -17,34 +17,18 @@ from idempotent_orders.consuming.backends.postgresql.arrays import (
 )
 from idempotent_orders.consuming.payments import spent_by, spent_table
 from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
+from idempotent_orders.vendors import postgresql
 
 __all__ = ["PostgreSQL", "claim_and_spend_sql", "spent_after"]
 
-#: SQLSTATEs of a connection that went away (class 08, and the server shutting down).
-_LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
 
-
-class PostgreSQL(Backend):
-    vendor = "postgresql"
+class PostgreSQL(postgresql.PostgreSQL, Backend):
     without_read = (
         "backends.postgresql.one_statement:apply_unread",
         "backends.claim_and_run:claim_and_run",
     )
     two_texts = "backends.postgresql.texts:PostgreSQLTexts"
-    arrays = True
     one_statement = True
-    partitions = True
-    nulls_last = True
-
-    def bytewise(self, column: str, value: str = "%s") -> str:
-        return f'{column} = {value} COLLATE "C"'
-
-    def connection_lost(self, error: Exception) -> bool:
-        if not isinstance(error, (OperationalError, InterfaceError)):
-            return False
-        sqlstate = getattr(error.__cause__, "sqlstate", None)
-        # No SQLSTATE: psycopg's own error, the server never answered.
-        return sqlstate is None or sqlstate.startswith(_LOST_SQLSTATE_PREFIXES)
 
     # A batch's statements take one array per column.
     pk_in = staticmethod(any_of)

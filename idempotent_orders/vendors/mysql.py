@@ -1,0 +1,41 @@
+"""MariaDB and MySQL: ``INSERT IGNORE``, named locks, several statements a text through
+mysqlclient's ``CLIENT.MULTI_STATEMENTS``; ``RETURNING`` on MariaDB alone."""
+
+from __future__ import annotations
+
+from django.db import InterfaceError, OperationalError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from idempotent_orders.vendors import Vendor
+
+__all__ = ["MySQL"]
+
+#: "Server has gone away" and "lost connection during query".
+_LOST_ERRORS = {2006, 2013}
+#: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
+_MULTI_STATEMENTS = 1 << 16
+
+
+class MySQL(Vendor):
+    name = "mysql"
+    claim_lock = "named"
+    no_table = " FROM DUAL"
+
+    def insert_ignoring(self, table: str, columns: str, conflict: str) -> tuple[str, str]:
+        # MariaDB >= 10.5 returns only the rows IGNORE let through.
+        return f"INSERT IGNORE INTO {table} ({columns})", ""
+
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        return f"BINARY {column} = {value}"
+
+    def connection_lost(self, error: Exception) -> bool:
+        if not isinstance(error, (OperationalError, InterfaceError)):
+            return False
+        return bool(error.args) and error.args[0] in _LOST_ERRORS
+
+    def several_statements(self, conn: BaseDatabaseWrapper) -> bool:
+        conn.ensure_connection()
+        return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
+
+    def returns_inserted(self, conn: BaseDatabaseWrapper) -> bool:
+        return bool(getattr(conn, "mysql_is_mariadb", False))

@@ -1,0 +1,77 @@
+"""PostgreSQL: partitions, arrays, ``LISTEN``/``NOTIFY``, advisory locks, data-modifying
+``WITH`` clauses, and several statements a text through psycopg 3's client-side binding."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from idempotent_orders.vendors import Vendor
+
+__all__ = ["PostgreSQL"]
+
+#: SQLSTATEs of a connection that went away (class 08, and the server shutting down).
+_LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
+
+
+class PostgreSQL(Vendor):
+    name = "postgresql"
+    partitions = True
+    nulls_last = True
+    arrays = True
+    notifies = True
+    claim_lock = "advisory"
+    empty_json_list = "'[]'::jsonb"
+    writes_in_with = True
+    prepares = True
+    error_aborts_transaction = True
+
+    def bytewise(self, column: str, value: str = "%s") -> str:
+        return f'{column} = {value} COLLATE "C"'
+
+    def connection_lost(self, error: Exception) -> bool:
+        if not isinstance(error, (OperationalError, InterfaceError)):
+            return False
+        sqlstate = getattr(error.__cause__, "sqlstate", None)
+        # No SQLSTATE: psycopg's own error, the server never answered.
+        return sqlstate is None or sqlstate.startswith(_LOST_SQLSTATE_PREFIXES)
+
+    def several_statements(self, conn: BaseDatabaseWrapper) -> bool:
+        # psycopg 3 binding on the client (Django's default) sends a simple query, which
+        # may hold several statements; server-side binding, or psycopg2, does not.
+        if conn.settings_dict["OPTIONS"].get("server_side_binding"):
+            return False
+        from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+        return bool(is_psycopg3)
+
+    def returns_inserted(self, conn: BaseDatabaseWrapper) -> bool:
+        return True
+
+    def returns_updated(self, conn: BaseDatabaseWrapper) -> bool:
+        return True
+
+    def estimated_rows(
+        self, conn: BaseDatabaseWrapper, sql: str, params: Sequence[Any]
+    ) -> int | None:
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
+                plan = cursor.fetchone()[0]
+        except DatabaseError:
+            return None
+        if isinstance(plan, str):
+            plan = json.loads(plan)
+        return int(plan[0]["Plan"]["Plan Rows"])
+
+    def lock_until_commit(self, conn: BaseDatabaseWrapper, key: int) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+
+    def relax_commit(self, conn: BaseDatabaseWrapper) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit TO OFF")
