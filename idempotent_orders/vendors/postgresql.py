@@ -41,13 +41,16 @@ class PostgreSQL(Vendor):
         return sqlstate is None or sqlstate.startswith(_LOST_SQLSTATE_PREFIXES)
 
     def several_statements(self, conn: BaseDatabaseWrapper) -> bool:
-        # psycopg 3 binding on the client (Django's default) sends a simple query, which
-        # may hold several statements; server-side binding, or psycopg2, does not.
-        if conn.settings_dict["OPTIONS"].get("server_side_binding"):
-            return False
+        # psycopg 3's client-side binding cursors (Django's default) send a simple query,
+        # which may hold several statements; server-side binding, or psycopg2, does not.
         from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
-        return bool(is_psycopg3)
+        if not is_psycopg3:
+            return False
+        import psycopg
+
+        conn.ensure_connection()
+        return issubclass(conn.connection.cursor_factory, psycopg.ClientCursor)
 
     def returns_inserted(self, conn: BaseDatabaseWrapper) -> bool:
         return True

@@ -84,6 +84,7 @@ from idempotent_orders.consuming.sql import build, compiled_read, handed_over
 from idempotent_orders.consuming.unread import fits
 from idempotent_orders.consuming.writing import Conflict, settle
 from idempotent_orders.models import PLAIN_TYPES, AbstractOrder, Outcome
+from idempotent_orders.vendors import vendor
 
 __all__ = ["Conflict", "Declined", "FirstText", "Texts", "can_claim_and_run", "claim_and_run"]
 
@@ -107,10 +108,6 @@ class FirstText:
 
 class Texts:
     """How one database sends the two texts (a backend's ``two_texts``)."""
-
-    def ready(self, conn: Any) -> bool:
-        """Whether the driver under ``conn`` (connected) sends several statements in one text."""
-        return False
 
     def transaction(self, conn: Any) -> AbstractContextManager[Any]:
         """Django's ``atomic`` block of the road, and the cursor both texts go through."""
@@ -152,8 +149,7 @@ def can_claim_and_run(conn: Any) -> bool:
     texts = backend(conn).texts()
     if texts is None or conn.in_atomic_block or not conn.get_autocommit():
         return False
-    conn.ensure_connection()
-    return texts.ready(conn)
+    return vendor(conn).several_statements(conn)
 
 
 def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
@@ -181,8 +177,7 @@ def claim_and_run(envelope: Envelope, consumer: str, model: type[Model]) -> Outc
     texts = chosen.texts()
     if texts is None or conn.in_atomic_block or not conn.get_autocommit():
         return None
-    conn.ensure_connection()
-    if not texts.ready(conn):
+    if not vendor(conn).several_statements(conn):
         return None
     payment = payment_id(envelope)
     try:

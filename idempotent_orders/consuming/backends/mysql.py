@@ -56,7 +56,7 @@ from idempotent_orders.consuming.backends.claim_and_run import (
 )
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.prepared import watched
-from idempotent_orders.vendors import mysql, vendor
+from idempotent_orders.vendors import mysql
 
 __all__ = ["MySQL", "MySQLTexts"]
 
@@ -160,9 +160,6 @@ class _Update:
 
 class MySQLTexts(Texts):
     """mysqlclient with multi statements on (unless ``OPTIONS`` turned them off)."""
-
-    def ready(self, conn: Any) -> bool:
-        return vendor(conn).several_statements(conn)
 
     @contextlib.contextmanager
     def transaction(self, conn: Any) -> Iterator[Any]:

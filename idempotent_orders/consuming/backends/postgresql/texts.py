@@ -165,16 +165,6 @@ class _Update:
 class PostgreSQLTexts(Texts):
     """psycopg 3 with client-side binding cursors (Django's default)."""
 
-    def ready(self, conn: Any) -> bool:
-        from django.db.backends.postgresql.psycopg_any import is_psycopg3
-
-        if not is_psycopg3:
-            return False
-        import psycopg
-
-        conn.ensure_connection()
-        return issubclass(conn.connection.cursor_factory, psycopg.ClientCursor)
-
     @contextmanager
     def transaction(self, conn: Any) -> Iterator[Any]:
         # The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper
