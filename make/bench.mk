@@ -1,6 +1,7 @@
 # `make bench`: installs the benchmark dependency group and prints one table (under 10 minutes).
-# Needs PostgreSQL, Redis and RabbitMQ as for the tests, and wrk (Debian) for the
-# real-server HTTP section (reported n/a without it); uses its own database BENCH_DB_NAME.
+# Needs PostgreSQL, Redis and RabbitMQ as for the tests, and wrk for the real-server HTTP
+# section (installed with apt-get where it runs as root; else that section says n/a);
+# uses its own database BENCH_DB_NAME.
 # Each run is appended to build/bench/results.jsonl; BENCH_ARGS=--chart also writes
 # docs/img/benchmarks.png. BENCH_ARGS may name sections: BENCH_ARGS="consumer http".
 # Its own venv, .venv-bench: the project, the test group and the benchmark's peers (bench
@@ -30,7 +31,10 @@ $(VENV_BENCH)/.installed: pyproject.toml
 bench: $(VENV_BENCH)/.installed
 	@if [ -n "$(PYTHON_DJ6)" ]; then $(MAKE) --no-print-directory $(VENV_BENCH_PEER)/.installed; \
 	else echo "no Python >= 3.12: the outbox section will say n/a for django-reliable-outbox"; fi
-	@command -v wrk >/dev/null || echo "wrk not found: the real-server HTTP section will say n/a (apt-get install wrk)"
+	@command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& echo "installing wrk (the real-server HTTP section's load)" \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q wrk >/dev/null; } \
+		|| echo "wrk not found: the real-server HTTP section will say n/a (apt-get install wrk)"
 	BENCH_DB_NAME=$(BENCH_DB_NAME) IO_TEST_NAMESPACE=$(BENCH_DB_NAME) BENCH_PEER_PYTHON=$(VENV_BENCH_PEER)/bin/python $(BENCH_PY) -m bench $(BENCH_ARGS)
 
 # `make bench-long`: what does not fit the ten minutes of `make bench`. For now the
