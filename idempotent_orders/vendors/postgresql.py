@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from idempotent_orders.vendors import Vendor
@@ -61,8 +62,11 @@ class PostgreSQL(Vendor):
     def estimated_rows(
         self, conn: BaseDatabaseWrapper, sql: str, params: Sequence[Any]
     ) -> int | None:
+        # In a transaction (``ATOMIC_REQUESTS``) a savepoint around it: a failed EXPLAIN
+        # (a statement timeout, say) must not leave the request's transaction aborted.
+        around = transaction.atomic(using=conn.alias) if conn.in_atomic_block else nullcontext()
         try:
-            with conn.cursor() as cursor:
+            with around, conn.cursor() as cursor:
                 cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
                 plan = cursor.fetchone()[0]
         except DatabaseError:

@@ -139,6 +139,13 @@ def test_the_planner_estimates_rows_where_the_vendor_has_one() -> None:
         assert estimate is None
 
 
+def test_a_failed_estimate_leaves_the_transaction_usable() -> None:
+    with transaction.atomic():
+        estimate = vendor().estimated_rows(connection, "SELECT no_such_column FROM no_table", [])
+        assert OutboxMessage.objects.count() == 0  # the transaction still answers
+    assert estimate is None
+
+
 def test_a_lock_until_commit_keeps_another_session_out_where_the_vendor_has_one() -> None:
     chosen = vendor()
     with transaction.atomic(), CaptureQueriesContext(connection) as sent:
