@@ -48,6 +48,10 @@ def test_demo_reports_no_double_applied_and_no_lost(tmp_path) -> None:
     # Each order's loyalty follow-up went through the outbox and was applied once.
     assert re.search(r"outbox follow-ups\s+20 \(0 unsent\)", demo.stdout), demo.stdout
     assert re.search(r"wrong loyalty points\s+0\n", demo.stdout), demo.stdout
+    # A stale inbox row is explained: a fulfilment step the order's shipment overtook.
+    stale = re.search(r"\n    stale\s+(\d+)( \((\d+) fulfilment steps: [^)]+\))?\n", demo.stdout)
+    assert stale is not None, demo.stdout
+    assert stale[1] == (stale[3] or "0"), demo.stdout
 
 
 def test_demo_beat_runs_the_periodic_tasks(tmp_path) -> None:

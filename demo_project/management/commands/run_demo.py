@@ -324,10 +324,17 @@ class Command(BaseCommand):
         )
         self.stdout.write(
             f"  inbox rows             {sum(outcomes.values())} "
-            "(one per message, incl. each order's fulfilment step)"
+            "(one per message, incl. each order's fulfilment step; a copy answered"
+            " before the database writes none)"
         )
+        # Every message is published at once: a shipment message often reaches its order
+        # before the fulfilment step the payment queued, which then finds nothing to do.
+        late_steps = rows.filter(consumer="fulfilment", outcome=Outcome.STALE).count()
         for outcome in Outcome:
-            self.stdout.write(f"    {outcome.value:<20} {outcomes.get(outcome.value, 0)}")
+            line = f"    {outcome.value:<20} {outcomes.get(outcome.value, 0)}"
+            if outcome is Outcome.STALE and late_steps:
+                line += f" ({late_steps} fulfilment steps: the order was shipped before them)"
+            self.stdout.write(line)
         self.stdout.write(f"  outbox follow-ups      {follow_ups.count()} ({unsent} unsent)")
         self.stdout.write(f"  wrong loyalty points   {len(wrong_points)}")
         self.stdout.write(f"  double-applied         {double}")
