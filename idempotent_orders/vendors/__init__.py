@@ -14,7 +14,7 @@ database runs on them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from django.db import connection as default_connection
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -28,7 +28,7 @@ V = TypeVar("V", bound="Vendor")
 #: its quota (:mod:`idempotent_orders.http.claim_sql`): ``advisory``, a lock held to the
 #: end of the claim's transaction; ``named``, a named lock around the claim's statement;
 #: ``writer``, the database's single writer; ``""``, not at all (counted, then inserted).
-ClaimLock = str
+ClaimLock = Literal["advisory", "named", "writer", ""]
 
 
 class Vendor:
