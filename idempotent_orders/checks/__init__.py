@@ -8,8 +8,8 @@
 - :mod:`~idempotent_orders.checks.order_model`: the order model (E040-E045,
   W041, E052) and its admin's operator transitions (W046);
 - :mod:`~idempotent_orders.checks.delivery`: applied once however a message
-  arrives (caches, broker, Celery, webhooks, MySQL isolation: E010, E012,
-  E030-E034, W031, E050, E051, W051, E080);
+  arrives (caches, broker, Celery, webhooks, the database and MySQL isolation: E010,
+  E012, E030-E034, W031, W032, E050, E051, W051, E080);
 - :mod:`~idempotent_orders.checks.http`: the ``Idempotency-Key`` settings
   (E021-E024, W020);
 - :mod:`~idempotent_orders.checks.metrics`: who may read ``/metrics``, and the
@@ -37,6 +37,7 @@ from idempotent_orders.checks.delivery import (
     TASK_NAMES,
     VISIBILITY_TRANSPORTS,
     check_celery_tasks,
+    check_database_vendor,
     check_dedup,
     check_mysql_isolation,
     check_outbox_and_locks,
@@ -65,6 +66,7 @@ __all__ = [
     "VISIBILITY_TRANSPORTS",
     "accepts",
     "check_celery_tasks",
+    "check_database_vendor",
     "check_dedup",
     "check_fsm_package",
     "check_http_settings",

@@ -4,7 +4,8 @@ The lock cache and the Redis dedup layer (E080, E010, E012, E033), inbox rows
 that outlive every redelivery of the broker, Celery's retries and each webhook
 provider's retries (E030, E051), the app's tasks acknowledged late (E031, E032,
 W031), webhook providers well formed (E050) with their events kept through their
-retries (W051), and MySQL/MariaDB at READ COMMITTED (E034).
+retries (W051), MySQL/MariaDB at READ COMMITTED (E034), and the app's tables on a
+database it knows (W032).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "TASK_NAMES",
     "VISIBILITY_TRANSPORTS",
     "check_celery_tasks",
+    "check_database_vendor",
     "check_dedup",
     "check_mysql_isolation",
     "check_outbox_and_locks",
@@ -210,6 +212,44 @@ def check_redis_layer(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
             )
         ]
     return []
+
+
+@register(Tags.compatibility)
+def check_database_vendor(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The databases the app writes to are ones it knows (PostgreSQL, MariaDB/MySQL,
+    SQLite): on any other it runs on portable SQL it was never run against."""
+    from django.db import connections, router
+
+    from idempotent_orders import get_order_model
+    from idempotent_orders.models import IdempotencyKey, OutboxMessage, ProcessedMessage
+    from idempotent_orders.vendors import vendor
+
+    try:
+        order_model = get_order_model()
+    except Exception:  # the order model's own checks say why (E040-E045)
+        order_model = None
+    models = [ProcessedMessage, OutboxMessage, IdempotencyKey, order_model]
+    aliases = sorted({router.db_for_write(m) for m in models if m is not None})
+    warnings: list[CheckMessage] = []
+    for alias in aliases:
+        conn = connections[alias]
+        if vendor(conn).name:
+            continue
+        engine = conn.settings_dict.get("ENGINE")
+        warnings.append(
+            Warning(
+                f"Database {alias!r} ({engine}) is one"
+                " idempotent_orders does not know:"
+                " it would run there on portable SQL (INSERT ... ON CONFLICT DO NOTHING,"
+                " RETURNING, COUNT-then-INSERT key quotas) tested on PostgreSQL, MariaDB"
+                " and SQLite only.",
+                hint="Keep the app's tables and the order model on PostgreSQL, MariaDB or"
+                " SQLite (a database router may put them there), or check that this"
+                " database takes that SQL before relying on it.",
+                id="idempotent_orders.W032",
+            )
+        )
+    return warnings
 
 
 @register(Tags.database)

@@ -7,8 +7,10 @@ consume road's backends (:mod:`idempotent_orders.consuming.backends`) build on t
 classes with what only the consume road needs. Each class holds no state beyond what it
 reads from a connection; one instance serves every connection of its vendor.
 
-The portable defaults here are what any database Django supports can do; another
-database runs on them.
+The portable defaults (:class:`Vendor` itself) are what the app assumes of a database it
+has no class for: ``INSERT ... ON CONFLICT DO NOTHING``, one statement a text, key
+quotas counted and then inserted. They are not run against any such database here;
+``manage.py check`` warns where the app's tables are on one (W032).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -105,6 +106,7 @@ REGISTERED = {
     ("configuration", "check_settings", ("compatibility",)),
     ("configuration", "check_setting_values", ("compatibility",)),
     ("delivery", "check_celery_tasks", ("compatibility",)),
+    ("delivery", "check_database_vendor", ("compatibility",)),
     ("delivery", "check_dedup", ("caches", "compatibility")),
     ("delivery", "check_mysql_isolation", ("database",)),
     ("delivery", "check_outbox_and_locks", ("caches", "compatibility")),
@@ -218,3 +220,41 @@ def test_the_archived_django_fsm_over_django_fsm_2_is_said_plainly(tmp_path: Any
     assert done.returncode != 0
     assert "ImproperlyConfigured" in done.stderr
     assert "pip uninstall -y django-fsm django-fsm-2 && pip install django-fsm-2" in done.stderr
+
+
+class _Router:
+    """Writes the app's inbox to database ``elsewhere`` (whatever its vendor)."""
+
+    def db_for_write(self, model: Any, **hints: Any) -> str | None:
+        return "elsewhere" if model._meta.model_name == "processedmessage" else None
+
+
+def test_the_apps_tables_on_a_database_it_does_not_know(monkeypatch) -> None:
+    import django.db
+
+    from idempotent_orders.checks import delivery
+
+    # The leg's own database is one the app knows.
+    assert delivery.check_database_vendor() == []
+    # The inbox routed to a database of a vendor the app has no class for.
+    stand_in = SimpleNamespace(
+        vendor="oracle", settings_dict={"ENGINE": "django.db.backends.oracle"}
+    )
+    monkeypatch.setattr(
+        django.db, "connections", _Connections(django.db.connections, {"elsewhere": stand_in})
+    )
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}._Router"]):
+        found = delivery.check_database_vendor()
+    assert [m.id for m in found] == ["idempotent_orders.W032"]
+    assert "'elsewhere' (django.db.backends.oracle)" in found[0].msg
+
+
+class _Connections:
+    """Django's connections, with some aliases answered by stand-ins."""
+
+    def __init__(self, handler: Any, stand_ins: dict[str, Any]) -> None:
+        self.handler = handler
+        self.stand_ins = stand_ins
+
+    def __getitem__(self, alias: str) -> Any:
+        return self.stand_ins.get(alias) or self.handler[alias]
