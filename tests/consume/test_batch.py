@@ -9,7 +9,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, transaction
 
 from idempotent_orders.consuming import batch as batch_module
 from idempotent_orders.consuming.batch import consume_batch
@@ -510,7 +510,8 @@ def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
 
     messages = [m for o in orders for m in (payment(o), shipment(o))]
     post_save.connect(watch, sender=Order, weak=False, dispatch_uid="test-batch-save-road")
-    commits = []
+    commits: list[str] = []
+    wrapper = transaction.get_connection()
     try:
         with (
             mock.patch.object(
@@ -520,6 +521,9 @@ def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
             mock.patch.object(
                 batch_module, "_consume_chunk", wraps=batch_module._consume_chunk
             ) as chunks,
+            mock.patch.object(
+                type(wrapper), "commit", autospec=True, side_effect=type(wrapper).commit
+            ) as committed,
             connection.execute_wrapper(
                 lambda execute, sql, *a: (
                     (commits.append(sql) if "COMMIT" in sql.upper() else None) or execute(sql, *a)
@@ -544,6 +548,7 @@ def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
     failed = ProcessedMessage.objects.get(message_id=messages[5]["message_id"])
     assert failed.status == InboxStatus.FAILED
     assert "the receiver refuses this shipment" in failed.error
-    # Django commits through the connection, not a statement: nothing of the chunk
-    # committed one message at a time.
+    # Nothing of a chunk committed one message at a time: no statement's text commits,
+    # and Django committed one transaction a chunk.
     assert commits == []
+    assert committed.call_count == chunks.call_count
