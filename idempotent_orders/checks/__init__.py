@@ -39,12 +39,12 @@ from idempotent_orders.checks.delivery import (
     check_celery_tasks,
     check_database_vendor,
     check_dedup,
-    check_mysql_isolation,
+    check_isolation,
     check_outbox_and_locks,
     check_redis_layer,
     check_retention,
     check_webhooks,
-    mysql_isolation_errors,
+    isolation_errors,
     redelivery_horizon,
 )
 from idempotent_orders.checks.fsm_package import check_fsm_package, fsm_package_messages
@@ -70,8 +70,8 @@ __all__ = [
     "check_dedup",
     "check_fsm_package",
     "check_http_settings",
+    "check_isolation",
     "check_metrics_access",
-    "check_mysql_isolation",
     "check_operator_transitions",
     "check_order_model",
     "check_order_model_history",
@@ -86,7 +86,7 @@ __all__ = [
     "check_settings",
     "check_webhooks",
     "fsm_package_messages",
-    "mysql_isolation_errors",
+    "isolation_errors",
     "redelivery_horizon",
     "setting_type",
 ]

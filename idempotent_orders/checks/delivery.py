@@ -25,12 +25,12 @@ __all__ = [
     "check_celery_tasks",
     "check_database_vendor",
     "check_dedup",
-    "check_mysql_isolation",
+    "check_isolation",
     "check_outbox_and_locks",
     "check_redis_layer",
     "check_retention",
     "check_webhooks",
-    "mysql_isolation_errors",
+    "isolation_errors",
     "redelivery_horizon",
 ]
 
@@ -253,26 +253,33 @@ def check_database_vendor(app_configs: Any = None, **kwargs: Any) -> list[CheckM
 
 
 @register(Tags.database)
-def check_mysql_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """MySQL/MariaDB must run READ COMMITTED: a re-read after a lost race must see the winner.
+def check_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Every database reads what others committed since its transaction's first read: a
+    re-read after a lost race must see the winner.
 
-    Under REPEATABLE READ (their default) the re-read inside a retried decision
-    returns the old snapshot, so a consumer that lost an optimistic race loops
+    Under REPEATABLE READ (MySQL's and MariaDB's default) the re-read inside a retried
+    decision returns the old snapshot, so a consumer that lost an optimistic race loops
     on conflicts instead of seeing the winner's state.
     """
-    return mysql_isolation_errors(getattr(settings, "DATABASES", {}))
+    from django.db import connections
+
+    return isolation_errors(connections)
 
 
-def mysql_isolation_errors(databases: dict[str, Any]) -> list[CheckMessage]:
+def isolation_errors(conns: Any) -> list[CheckMessage]:
+    """E034 for each connection of ``conns`` (aliases to connections) its vendor finds
+    misconfigured."""
+    from idempotent_orders.vendors import vendor
+
     errors: list[CheckMessage] = []
-    for alias, db in databases.items():
-        if not str(db.get("ENGINE", "")).endswith("mysql"):
-            continue
-        level = str((db.get("OPTIONS") or {}).get("isolation_level") or "repeatable read")
-        if level.lower().replace("-", " ") != "read committed":
+    for alias in conns:
+        conn = conns[alias]
+        problem = vendor(conn).isolation_problem(conn.settings_dict)
+        if problem:
             errors.append(
                 Error(
-                    f"Database {alias!r} is MySQL/MariaDB with isolation level {level!r}.",
+                    f"Database {alias!r} would not see a lost race's winner when it reads"
+                    f" the order again: {problem}.",
                     hint="Set DATABASES[...]['OPTIONS']['isolation_level'] = 'read committed'.",
                     id="idempotent_orders.E034",
                 )

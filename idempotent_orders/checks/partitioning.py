@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.db import connections, router
 
 from idempotent_orders.checks.configuration import well_typed
 
@@ -16,13 +16,17 @@ __all__ = ["check_partitioned_inbox", "check_partitions"]
 
 @register(Tags.compatibility)
 def check_partitioned_inbox(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """``INBOX_PARTITION_DAYS`` is 0, or a positive number on a PostgreSQL database."""
+    """``INBOX_PARTITION_DAYS`` is 0, or a positive number with the inbox on a database
+    that partitions (PostgreSQL)."""
     from idempotent_orders.conf import conf
 
     if not well_typed("INBOX_PARTITION_DAYS") or conf.INBOX_PARTITION_DAYS == 0:
         return []
-    engine = str(getattr(settings, "DATABASES", {}).get("default", {}).get("ENGINE", ""))
-    if conf.INBOX_PARTITION_DAYS < 0 or "postgresql" not in engine:
+    from idempotent_orders.models import ProcessedMessage
+    from idempotent_orders.vendors import vendor
+
+    inbox = vendor(connections[router.db_for_write(ProcessedMessage)])
+    if conf.INBOX_PARTITION_DAYS < 0 or not inbox.partitions:
         return [
             Error(
                 f"INBOX_PARTITION_DAYS is {conf.INBOX_PARTITION_DAYS}: a partitioned inbox "

@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from idempotent_orders.exceptions import ConcurrentUpdate, IdempotentOrdersError
 from idempotent_orders.models import InboxStatus, ProcessedMessage
+from idempotent_orders.vendors import vendor
 
 __all__ = [
     "MessageFailed",
@@ -62,18 +63,10 @@ RETRYABLE = Q(status=InboxStatus.FAILED) | Q(
 )
 
 
-#: SQLSTATEs / MySQL error numbers after which the transaction was rolled back
-#: whole (serialization failure, deadlock) and may simply run again.
-_RETRYABLE_SQLSTATES = {"40001", "40P01"}
-_RETRYABLE_MYSQL_ERRORS = {1213}
-
-
-def is_retryable(exc: OperationalError) -> bool:
-    """Whether the database rolled the transaction back and it may simply run again."""
-    cause = exc.__cause__
-    if getattr(cause, "sqlstate", None) in _RETRYABLE_SQLSTATES:
-        return True
-    return bool(exc.args) and exc.args[0] in _RETRYABLE_MYSQL_ERRORS
+def is_retryable(exc: Exception) -> bool:
+    """Whether the database rolled the transaction back to break a race, and it may simply
+    run again. Every vendor is asked: the error does not say which connection raised it."""
+    return any(known.rolled_back(exc) for known in vendor.each())
 
 
 class MessageFailed(IdempotentOrdersError):

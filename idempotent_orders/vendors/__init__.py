@@ -75,6 +75,18 @@ class Vendor:
         committed), not that the server refused or rolled something back."""
         return False
 
+    def rolled_back(self, error: Exception) -> bool:
+        """Whether ``error`` says the database rolled the whole transaction back to break a
+        race (a serialization failure, a deadlock): nothing of it was written, and it may
+        simply run again."""
+        return False
+
+    def isolation_problem(self, settings_dict: Mapping[str, Any]) -> str:
+        """What keeps a connection configured by ``settings_dict`` from reading, on a
+        second read in one transaction, what others committed since its first: a re-read
+        after a lost race must see the winner ("" when nothing does)."""
+        return ""
+
     def several_statements(self, conn: BaseDatabaseWrapper) -> bool:
         """Whether one text sent on ``conn`` may hold several statements, each result read
         in turn (``cursor.nextset()``)."""
@@ -115,12 +127,19 @@ class Chooser(Generic[V]):
         self._chosen: dict[str, V] = {}
 
     def __call__(self, conn: BaseDatabaseWrapper | None = None) -> V:
-        name = (conn or default_connection).vendor
+        return self.named((conn or default_connection).vendor)
+
+    def named(self, name: str) -> V:
+        """The instance for the vendor Django calls ``name``."""
         found = self._chosen.get(name)
         if found is None:
             path = self.paths.get(name)
             found = self._chosen[name] = import_string(path)() if path else self.portable()
         return found
+
+    def each(self) -> list[V]:
+        """One instance of every vendor the chooser has a class for."""
+        return [self.named(name) for name in self.paths]
 
 
 #: The vendor of each name Django gives (``connection.vendor``).

@@ -3,6 +3,9 @@ mysqlclient's ``CLIENT.MULTI_STATEMENTS``; ``RETURNING`` on MariaDB alone."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -12,6 +15,8 @@ __all__ = ["MySQL"]
 
 #: "Server has gone away" and "lost connection during query".
 _LOST_ERRORS = {2006, 2013}
+#: A deadlock: the server rolled the transaction back.
+_DEADLOCK = 1213
 #: mysqlclient's ``CLIENT.MULTI_STATEMENTS``.
 _MULTI_STATEMENTS = 1 << 16
 
@@ -32,6 +37,21 @@ class MySQL(Vendor):
         if not isinstance(error, (OperationalError, InterfaceError)):
             return False
         return bool(error.args) and error.args[0] in _LOST_ERRORS
+
+    def rolled_back(self, error: Exception) -> bool:
+        return (
+            isinstance(error, OperationalError)
+            and bool(error.args)
+            and (error.args[0] == _DEADLOCK)
+        )
+
+    def isolation_problem(self, settings_dict: Mapping[str, Any]) -> str:
+        # Both servers default to REPEATABLE READ: a re-read returns the first snapshot.
+        options = settings_dict.get("OPTIONS") or {}
+        level = str(options.get("isolation_level") or "repeatable read")
+        if level.lower().replace("-", " ") == "read committed":
+            return ""
+        return f"it is MySQL/MariaDB at isolation level {level!r}"
 
     def several_statements(self, conn: BaseDatabaseWrapper) -> bool:
         conn.ensure_connection()

@@ -17,6 +17,9 @@ __all__ = ["PostgreSQL"]
 
 #: SQLSTATEs of a connection that went away (class 08, and the server shutting down).
 _LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
+#: SQLSTATEs of a transaction rolled back to break a race: a serialization failure, a
+#: deadlock.
+_ROLLED_BACK_SQLSTATES = {"40001", "40P01"}
 
 
 class PostgreSQL(Vendor):
@@ -40,6 +43,9 @@ class PostgreSQL(Vendor):
         sqlstate = getattr(error.__cause__, "sqlstate", None)
         # No SQLSTATE: psycopg's own error, the server never answered.
         return sqlstate is None or sqlstate.startswith(_LOST_SQLSTATE_PREFIXES)
+
+    def rolled_back(self, error: Exception) -> bool:
+        return getattr(error.__cause__, "sqlstate", None) in _ROLLED_BACK_SQLSTATES
 
     def several_statements(self, conn: BaseDatabaseWrapper) -> bool:
         # psycopg 3's client-side binding cursors (Django's default) send a simple query,

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
+from idempotent_orders.consuming.failures import is_retryable
 from idempotent_orders.models import OutboxMessage
 from idempotent_orders.vendors import VENDORS, Vendor, vendor
 
@@ -177,3 +180,43 @@ def test_a_relaxed_commit_is_this_transactions_alone() -> None:
     with connection.cursor() as cursor:
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone()[0] == "on"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deadlock_is_said_to_be_rolled_back_and_a_refused_row_is_not() -> None:
+    chosen = vendor()
+    _row("a"), _row("b")
+    with pytest.raises(IntegrityError) as refused, transaction.atomic():
+        _row("a")
+    assert not chosen.rolled_back(refused.value)
+    assert not is_retryable(refused.value)
+    if chosen.name == "sqlite":
+        # One writer at a time: a second one waits for the first, no deadlock arises.
+        assert not chosen.rolled_back(OperationalError("database is locked"))
+        return
+    # Two sessions each lock one row, then ask for the other's: the database rolls one
+    # of them back.
+    both_locked = threading.Barrier(2, timeout=30)
+    errors: list[Exception] = []
+
+    def cross(first: str, second: str) -> None:
+        try:
+            with transaction.atomic():
+                OutboxMessage.objects.filter(message_id=first).update(task_name="x")
+                both_locked.wait()
+                OutboxMessage.objects.filter(message_id=second).update(task_name="x")
+        except OperationalError as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=cross, args=pair) for pair in (("a", "b"), ("b", "a"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(errors) == 1, errors
+    assert chosen.rolled_back(errors[0]), errors[0]
+    assert is_retryable(errors[0])
+    # The survivor committed: both rows carry its writes.
+    assert set(OutboxMessage.objects.values_list("task_name", flat=True)) == {"x"}

@@ -329,15 +329,29 @@ def test_maintain_creates_partitions_ahead_and_takes_rows_the_default_one_caught
     call_command("idempotent_orders_partitions", "status")
 
 
+def _inbox_to(alias: str) -> Any:
+    def db_for_write(model: Any, **hints: Any) -> str:
+        return alias if model is ProcessedMessage else "default"
+
+    return db_for_write
+
+
 def test_checks_name_the_partitioned_inbox_misconfigurations(
     partitioned, settings, monkeypatch
 ) -> None:
     assert partition_checks.check_partitions(databases=["default"]) == []
     assert partition_checks.check_partitioned_inbox() == []
-    sqlite = SimpleNamespace(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3"}})
-    monkeypatch.setattr(partition_checks, "settings", sqlite)
-    assert [m.id for m in partition_checks.check_partitioned_inbox()] == ["idempotent_orders.E060"]
-    monkeypatch.undo()
+    # The inbox's database decides, not ``default``: routed to SQLite, E060; to PostgreSQL
+    # while ``default`` is SQLite, none.
+    for inbox, default, expected in (
+        ("sqlite", "postgresql", ["idempotent_orders.E060"]),
+        ("postgresql", "sqlite", []),
+    ):
+        conns = {"inbox": SimpleNamespace(vendor=inbox), "default": SimpleNamespace(vendor=default)}
+        monkeypatch.setattr(partition_checks, "connections", conns)
+        monkeypatch.setattr(partition_checks.router, "db_for_write", _inbox_to("inbox"))
+        assert [m.id for m in partition_checks.check_partitioned_inbox()] == expected
+        monkeypatch.undo()
 
     today = period_start(timezone.now(), 1)
     with connection.cursor() as cursor:

@@ -108,7 +108,7 @@ REGISTERED = {
     ("delivery", "check_celery_tasks", ("compatibility",)),
     ("delivery", "check_database_vendor", ("compatibility",)),
     ("delivery", "check_dedup", ("caches", "compatibility")),
-    ("delivery", "check_mysql_isolation", ("database",)),
+    ("delivery", "check_isolation", ("database",)),
     ("delivery", "check_outbox_and_locks", ("caches", "compatibility")),
     ("delivery", "check_redis_layer", ("caches",)),
     ("delivery", "check_retention", ("compatibility",)),
@@ -185,18 +185,24 @@ def test_redis_layer_without_django_redis() -> None:
     assert "idempotent_orders.E010" in ids(DEDUP_CACHE_ALIAS="missing")
 
 
-def test_mysql_isolation() -> None:
+def test_isolation() -> None:
     mysql = {"ENGINE": "django.db.backends.mysql", "NAME": "x", "OPTIONS": {}}
     fine = {**mysql, "OPTIONS": {"isolation_level": "read committed"}}
-    for databases, fires in (
-        ({"other": mysql}, True),
-        ({"other": {**mysql, "OPTIONS": {"isolation_level": "repeatable read"}}}, True),
-        ({"other": fine}, False),
+    for settings_dict, fires in (
+        (mysql, True),
+        ({**mysql, "OPTIONS": {"isolation_level": "repeatable read"}}, True),
+        (fine, False),
     ):
-        found = {m.id for m in io_checks.mysql_isolation_errors(databases)}
+        conns = {"other": SimpleNamespace(vendor="mysql", settings_dict=settings_dict)}
+        found = {m.id for m in io_checks.isolation_errors(conns)}
         assert ("idempotent_orders.E034" in found) is fires
+    # PostgreSQL and SQLite read what others committed whatever their options say.
+    others = {
+        name: SimpleNamespace(vendor=name, settings_dict=mysql) for name in ("postgresql", "sqlite")
+    }
+    assert io_checks.isolation_errors(others) == []
     # The test database itself (READ COMMITTED on the MariaDB leg) passes.
-    assert io_checks.check_mysql_isolation() == []
+    assert io_checks.check_isolation() == []
 
 
 def test_the_archived_django_fsm_over_django_fsm_2_is_said_plainly(tmp_path: Any) -> None:
