@@ -59,6 +59,14 @@ def main(argv: list[str]) -> None:
         f"{os.environ.get('BENCH_RUNS', '3')} runs; {elapsed:.0f}s"
     )
     print(f"\n{title}\n")
+    from bench.common import round_trips
+
+    trips = round_trips()
+    said = "; ".join(
+        f"{name} {idle:.0f} us from idle, {sustained:.0f} us sustained"
+        for name, (idle, sustained) in trips.items()
+    )
+    print(f"one round trip here, p50: {said}")
     from django.conf import settings
 
     from bench.consumer import default_configuration, differences
@@ -74,6 +82,7 @@ def main(argv: list[str]) -> None:
         "runs": int(os.environ.get("BENCH_RUNS", "3")),
         "seconds": round(elapsed),
         "load": os.getloadavg()[0],
+        "round_trips_us": {name: [round(v) for v in pair] for name, pair in trips.items()},
     }
     print(f"\nappended to {record(rows, meta)}", file=sys.stderr)
     if "--chart" in flags:

@@ -89,6 +89,49 @@ def forget_redis_keys() -> int:
     return deleted
 
 
+def round_trips() -> dict[str, tuple[float, float]]:
+    """The p50 of one round trip, in microseconds, to PostgreSQL (``SELECT 1`` on Django's
+    connection) and to Redis (a ``GET`` through the dedup cache's client): ``(from idle,
+    sustained)``. From idle: the first 100 trips after a pause; sustained: 400 trips after
+    half a second of back-to-back trips. A machine whose round trips slow down under
+    sustained load (seen on these shared VMs: 14-24 us from idle, 70-100 us sustained)
+    gives every figure above a share of that, the raw transaction's six trips most."""
+    from django.core.cache import caches
+    from django.db import connection
+
+    from idempotent_orders.conf import conf
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+
+        def sql() -> None:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+
+        found = {"postgresql": _regimes(sql)}
+    if conf.DEDUP_CACHE_ALIAS:
+        client = caches[conf.DEDUP_CACHE_ALIAS].client.get_client()  # type: ignore[attr-defined]
+        found["redis"] = _regimes(lambda: client.get("bench:round-trip"))
+    return found
+
+
+def _regimes(trip: Callable[[], Any]) -> tuple[float, float]:
+    def p50(n: int) -> float:
+        times = []
+        for _ in range(n):
+            began = time.perf_counter()
+            trip()
+            times.append(time.perf_counter() - began)
+        return statistics.median(times) * 1e6
+
+    time.sleep(0.5)
+    idle = p50(100)
+    until = time.monotonic() + 0.5
+    while time.monotonic() < until:
+        trip()
+    return idle, p50(400)
+
+
 def make_orders(n: int, amount: str = "12.50", model: Any = None) -> list[Any]:
     """``n`` new orders of ``model`` (the app's Order unless given)."""
     from idempotent_orders.models import Order

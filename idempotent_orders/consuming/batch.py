@@ -79,7 +79,7 @@ from idempotent_orders.consuming.running import (
     transitions_written,
     written_values,
 )
-from idempotent_orders.consuming.savepoints import guarded
+from idempotent_orders.consuming.savepoints import Savepoints, guarded
 from idempotent_orders.consuming.single import consume_message, release_parked
 from idempotent_orders.consuming.writing import (
     Conflict,
@@ -415,6 +415,7 @@ class _Chunk:
         self.released: list[tuple[Waiting, Verdict | Exception]] = []
         # The connection itself: Django's ``connection`` proxy looks it up again on every use.
         self.conn = transaction.get_connection()
+        self.savepoints = Savepoints(self.conn)
         self.order_key = _waiting_key(backend(self.conn).nulls_last)
         # ``updated_at`` (when the model has one): one moment for the whole chunk,
         # the moment of its one UPDATE.
@@ -538,7 +539,7 @@ class _Chunk:
                     return verdict
                 return self.take(order, verdict, env)
 
-        return guarded(order, step, self.conn) if self.user else step()
+        return guarded(order, step, self.savepoints) if self.user else step()
 
     def release(self, order: AbstractOrder) -> None:
         """``release_parked`` for one order: the first that can go ahead, again and again."""

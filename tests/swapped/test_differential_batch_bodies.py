@@ -13,6 +13,7 @@ message's code twice; a condition reads what an earlier message of the same chun
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -341,7 +342,9 @@ def test_a_body_that_sends_no_statement_takes_no_savepoint(message_types: None) 
             assert consume_batch(messages[2:], consumer=CONSUMER) == [Outcome.APPLIED] * 2
 
     def savepoints(captured: CaptureQueriesContext) -> int:
-        return sum(q["sql"].lstrip().upper().startswith("SAVEPOINT") for q in captured)
+        # A message's SAVEPOINT may share its text with the RELEASE of the one before.
+        taken = re.compile(r"(?:^|;)\s*SAVEPOINT\b", re.IGNORECASE)
+        return sum(len(taken.findall(q["sql"])) for q in captured)
 
     assert savepoints(remarks) == 0
     assert savepoints(payments) == 2
