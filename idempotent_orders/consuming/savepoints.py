@@ -26,19 +26,26 @@ class Savepoints:
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         self.connection = connection
-        self.several = vendor(connection).several_statements(connection)
+        self.vendor = vendor(connection)
+        self.several = self.vendor.several_statements(connection)
         #: Savepoints whose message's code ran to its end, not released yet.
         self.unreleased: list[str] = []
         self.taken = 0
 
-    def take(self) -> str:
-        """A new savepoint (the unreleased ones released first); its name."""
+    def texts(self) -> tuple[str, list[str]]:
+        """A new savepoint's name, and the statements that take it (the unreleased ones
+        released first)."""
         ops = self.connection.ops
         self.taken += 1
         sid = f"io_message_{self.taken}"
         texts = [ops.savepoint_commit_sql(old) for old in self.unreleased]
         texts.append(ops.savepoint_create_sql(sid))
         self.unreleased.clear()
+        return sid, texts
+
+    def take(self) -> str:
+        """A new savepoint, taken now; its name."""
+        sid, texts = self.texts()
         with self.connection.cursor() as cursor:
             if self.several:
                 cursor.execute("; ".join(texts))
@@ -53,22 +60,42 @@ class Savepoints:
 
 
 class _Savepoint:
-    """A savepoint taken just before the first statement sent while it is installed
-    (``connection.execute_wrapper``): code that sends none sends no SAVEPOINT either."""
+    """A savepoint taken with the first statement sent while it is installed
+    (``connection.execute_wrapper``): code that sends none sends no SAVEPOINT either. Where
+    the driver's cursor takes several statements a text, the ``SAVEPOINT`` (and the
+    ``RELEASE`` of the message before) goes in that statement's text, and the cursor is
+    left on that statement's result; query logging and the execute wrappers installed
+    before this one see the statement as sent by the code."""
 
     def __init__(self, savepoints: Savepoints) -> None:
         self.savepoints = savepoints
         self.sid: str | None = None
         self.taking = False
 
-    def __call__(self, execute: Callable[..., Any], sql: Any, params: Any, *args: Any) -> Any:
-        if self.sid is None and not self.taking:
-            self.taking = True  # the SAVEPOINT statement itself passes through here
-            try:
-                self.sid = self.savepoints.take()
-            finally:
-                self.taking = False
-        return execute(sql, params, *args)
+    def __call__(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        if self.sid is not None or self.taking:
+            return execute(sql, params, many, context)
+        points = self.savepoints
+        cursor = context["cursor"].cursor
+        if (
+            points.several
+            and not many
+            and isinstance(sql, str)
+            and points.vendor.takes_several(cursor)
+        ):
+            self.sid, texts = points.texts()
+            done = execute("; ".join([*texts, sql]), params, many, context)
+            with points.connection.wrap_database_errors:
+                points.vendor.skip_results(cursor, len(texts))
+            return done
+        self.taking = True  # the SAVEPOINT statement itself passes through here
+        try:
+            self.sid = points.take()
+        finally:
+            self.taking = False
+        return execute(sql, params, many, context)
 
 
 def guarded(order: AbstractOrder, step: Callable[[], T], savepoints: Savepoints) -> T | Exception:

@@ -92,6 +92,18 @@ class Vendor:
         in turn (``cursor.nextset()``)."""
         return False
 
+    def takes_several(self, cursor: Any) -> bool:
+        """Whether the driver's ``cursor`` (``CursorWrapper.cursor``) may send a text of
+        several statements, given :meth:`several_statements` of its connection."""
+        return False
+
+    def skip_results(self, cursor: Any, count: int) -> None:
+        """Move the driver's ``cursor``, which sent a text of several statements, past the
+        results of the first ``count`` to the next one's: the one ``fetch*``, ``rowcount``
+        and ``lastrowid`` then read. Raises what a statement skipped raised, as Django's
+        cursor would have raised it."""
+        raise NotImplementedError
+
     def returns_inserted(self, conn: BaseDatabaseWrapper) -> bool:
         """Whether ``INSERT ... RETURNING`` gives back the rows inserted, none for a row an
         ``ON CONFLICT DO NOTHING`` or ``IGNORE`` skipped."""

@@ -57,5 +57,23 @@ class MySQL(Vendor):
         conn.ensure_connection()
         return bool(getattr(conn.connection, "client_flag", 0) & _MULTI_STATEMENTS)
 
+    def takes_several(self, cursor: Any) -> bool:
+        return True
+
+    def skip_results(self, cursor: Any, count: int) -> None:
+        # mysqlclient reads (and raises) each result at nextset(); nextset() past the last
+        # one would read the rows of the one before, so it is called ``count`` times. As
+        # Django's cursor does, the errors it misfiles are integrity errors.
+        from django.db import IntegrityError
+        from MySQLdb import OperationalError as DriverOperationalError
+
+        try:
+            for _ in range(count):
+                cursor.nextset()
+        except DriverOperationalError as exc:
+            if exc.args and exc.args[0] in getattr(cursor, "codes_for_integrityerror", ()):
+                raise IntegrityError(*exc.args) from exc
+            raise
+
     def returns_inserted(self, conn: BaseDatabaseWrapper) -> bool:
         return bool(getattr(conn, "mysql_is_mariadb", False))

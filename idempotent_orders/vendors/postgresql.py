@@ -59,6 +59,17 @@ class PostgreSQL(Vendor):
         conn.ensure_connection()
         return issubclass(conn.connection.cursor_factory, psycopg.ClientCursor)
 
+    def takes_several(self, cursor: Any) -> bool:
+        # A server-side (named) cursor declares its one query.
+        import psycopg
+
+        return isinstance(cursor, psycopg.ClientCursor)
+
+    def skip_results(self, cursor: Any, count: int) -> None:
+        # psycopg 3 read every result (and raised any error) in execute().
+        for _ in range(count):
+            cursor.nextset()
+
     def returns_inserted(self, conn: BaseDatabaseWrapper) -> bool:
         return True
 

@@ -220,3 +220,22 @@ def test_a_deadlock_is_said_to_be_rolled_back_and_a_refused_row_is_not() -> None
     assert is_retryable(errors[0])
     # The survivor committed: both rows carry its writes.
     assert set(OutboxMessage.objects.values_list("task_name", flat=True)) == {"x"}
+
+
+def test_a_cursor_skips_the_results_of_a_texts_first_statements_where_it_takes_several() -> None:
+    chosen = vendor()
+    with connection.cursor() as cursor:
+        if not chosen.several_statements(connection):
+            assert not chosen.takes_several(cursor.cursor)
+            return
+        assert chosen.takes_several(cursor.cursor)
+        cursor.execute("SELECT 1; SELECT 2; SELECT 3")
+        chosen.skip_results(cursor.cursor, 2)
+        assert [tuple(row) for row in cursor.fetchall()] == [(3,)]
+    if connection.features.can_use_chunked_reads and chosen.name == "postgresql":
+        # A server-side cursor declares its one query.
+        named = connection.chunked_cursor()
+        try:
+            assert not chosen.takes_several(named.cursor)
+        finally:
+            named.close()

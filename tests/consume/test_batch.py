@@ -552,3 +552,54 @@ def test_on_the_save_road_a_batch_saves_each_transition_once_and_commits_once(
     # and Django committed one transaction a chunk.
     assert commits == []
     assert committed.call_count == chunks.call_count
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_the_save_road_a_messages_first_statement_reads_writes_and_fails_as_sent(
+    make_order,
+) -> None:
+    """The savepoint a message's code runs in may travel in the text of that code's first
+    statement: what that statement reads, the row it inserts and the error it raises are
+    its own, and a failure rolls back its message alone."""
+    from django.db.models.signals import pre_save
+
+    from idempotent_orders.models import OutboxMessage
+
+    OutboxMessage.objects.create(message_id="taken", task_name="t", payload={})
+    orders = [make_order() for _ in range(4)]
+    reads, inserted = [], []
+    with connection.cursor() as cursor:  # this session's own table
+        cursor.execute("CREATE TEMPORARY TABLE io_checked (b integer CHECK (b >= 0))")
+
+    def first_statement(sender: Any, instance: Order, **kwargs: Any) -> None:
+        if instance.status != S.PAID:
+            return
+        which = orders.index(next(o for o in orders if o.pk == instance.pk))
+        if which == 0:  # a read: its rows, not the savepoint's
+            reads.append(OutboxMessage.objects.filter(message_id="taken").count())
+        elif which == 1:  # an insert: its own primary key back
+            inserted.append(
+                OutboxMessage.objects.create(message_id="new", task_name="t", payload={})
+            )
+        elif which == 2:  # a unique index refuses it
+            OutboxMessage.objects.create(message_id="taken", task_name="t", payload={})
+        else:  # a CHECK constraint refuses it (MariaDB's driver files that as operational)
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO io_checked (b) VALUES (-1)")
+
+    pre_save.connect(first_statement, sender=Order, weak=False, dispatch_uid="test-first-stmt")
+    try:
+        with mock.patch.object(
+            batch_module, "_one_by_one", side_effect=AssertionError("one by one")
+        ):
+            outcomes = consume_batch([payment(o) for o in orders], consumer="payments")
+    finally:
+        pre_save.disconnect(sender=Order, dispatch_uid="test-first-stmt")
+    assert outcomes == [A, A, Outcome.FAILED, Outcome.FAILED]
+    assert reads == [1]
+    assert [row.pk for row in inserted] == [OutboxMessage.objects.get(message_id="new").pk]
+    assert [state(o)[0] for o in orders] == [S.PAID, S.PAID, S.PENDING_PAYMENT, S.PENDING_PAYMENT]
+    failed = ProcessedMessage.objects.filter(status=InboxStatus.FAILED)
+    assert sorted(r.order_id for r in failed) == [orders[2].pk, orders[3].pk]
+    assert all("IntegrityError" in r.error for r in failed), [r.error for r in failed]
+    assert OutboxMessage.objects.filter(message_id="taken").count() == 1
