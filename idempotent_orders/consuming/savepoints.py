@@ -26,8 +26,8 @@ class Savepoints:
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         self.connection = connection
-        self.vendor = vendor(connection)
-        self.several = self.vendor.several_statements(connection)
+        self.database = vendor(connection)
+        self.several = self.database.several_statements(connection)
         #: Savepoints whose message's code ran to its end, not released yet.
         self.unreleased: list[str] = []
         self.taken = 0
@@ -64,8 +64,9 @@ class _Savepoint:
     (``connection.execute_wrapper``): code that sends none sends no SAVEPOINT either. Where
     the driver's cursor takes several statements a text, the ``SAVEPOINT`` (and the
     ``RELEASE`` of the message before) goes in that statement's text, and the cursor is
-    left on that statement's result; query logging and the execute wrappers installed
-    before this one see the statement as sent by the code."""
+    left on that statement's result. The execute wrappers installed before this one see
+    the statement as the code sent it, and so does query logging on PostgreSQL (MariaDB's
+    logs the text the driver sent)."""
 
     def __init__(self, savepoints: Savepoints) -> None:
         self.savepoints = savepoints
@@ -83,12 +84,12 @@ class _Savepoint:
             points.several
             and not many
             and isinstance(sql, str)
-            and points.vendor.takes_several(cursor)
+            and points.database.takes_several(cursor)
         ):
             self.sid, texts = points.texts()
             done = execute("; ".join([*texts, sql]), params, many, context)
             with points.connection.wrap_database_errors:
-                points.vendor.skip_results(cursor, len(texts))
+                points.database.skip_results(cursor, len(texts))
             return done
         self.taking = True  # the SAVEPOINT statement itself passes through here
         try:
