@@ -14,6 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 
 from idempotent_orders.checks.configuration import well_typed
 from idempotent_orders.conf import DEFAULTS
@@ -273,7 +274,10 @@ def isolation_errors(conns: Any) -> list[CheckMessage]:
 
     errors: list[CheckMessage] = []
     for alias in conns:
-        conn = conns[alias]
+        try:
+            conn = conns[alias]
+        except (ImproperlyConfigured, ImportError):
+            continue  # its backend cannot load: Django says so where the alias is used
         problem = vendor(conn).isolation_problem(conn.settings_dict)
         if problem:
             errors.append(

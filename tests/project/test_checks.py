@@ -12,6 +12,7 @@ import pytest
 from celery import current_app
 from django.conf import settings
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 from idempotent_orders import checks as io_checks
@@ -201,6 +202,15 @@ def test_isolation() -> None:
         name: SimpleNamespace(vendor=name, settings_dict=mysql) for name in ("postgresql", "sqlite")
     }
     assert io_checks.isolation_errors(others) == []
+
+    class _Connections(dict):  # an alias whose backend's driver is not installed
+        def __getitem__(self, alias: str) -> Any:
+            if alias == "legacy":
+                raise ImproperlyConfigured("Error loading MySQLdb module.")
+            return super().__getitem__(alias)
+
+    loading = _Connections(other=SimpleNamespace(vendor="mysql", settings_dict=mysql), legacy=None)
+    assert [m.id for m in io_checks.isolation_errors(loading)] == ["idempotent_orders.E034"]
     # The test database itself (READ COMMITTED on the MariaDB leg) passes.
     assert io_checks.check_isolation() == []
 
