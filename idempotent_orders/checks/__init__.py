@@ -9,7 +9,7 @@
   W041, E052) and its admin's operator transitions (W046);
 - :mod:`~idempotent_orders.checks.delivery`: applied once however a message
   arrives (caches, broker, Celery, webhooks, the database and MySQL isolation: E010,
-  E012, E030-E034, W031, W032, E050, E051, W051, E080);
+  E012, E030-E034, W031, W032, W034, E050, E051, W051, E080);
 - :mod:`~idempotent_orders.checks.http`: the ``Idempotency-Key`` settings
   (E021-E024, W020);
 - :mod:`~idempotent_orders.checks.metrics`: who may read ``/metrics``, and the

@@ -269,15 +269,23 @@ def check_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
 
 def isolation_errors(conns: Any) -> list[CheckMessage]:
     """E034 for each connection of ``conns`` (aliases to connections) its vendor finds
-    misconfigured."""
+    misconfigured; W034 for one whose backend cannot be loaded."""
     from idempotent_orders.vendors import vendor
 
     errors: list[CheckMessage] = []
     for alias in conns:
         try:
             conn = conns[alias]
-        except (ImproperlyConfigured, ImportError):
-            continue  # its backend cannot load: Django says so where the alias is used
+        except (ImproperlyConfigured, ImportError) as exc:
+            errors.append(
+                Warning(
+                    f"Database {alias!r} cannot be loaded ({exc}): its isolation level"
+                    " was not checked.",
+                    hint="Install its driver, or remove the alias from DATABASES.",
+                    id="idempotent_orders.W034",
+                )
+            )
+            continue
         problem = vendor(conn).isolation_problem(conn.settings_dict)
         if problem:
             errors.append(

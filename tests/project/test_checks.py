@@ -210,7 +210,10 @@ def test_isolation() -> None:
             return super().__getitem__(alias)
 
     loading = _Connections(other=SimpleNamespace(vendor="mysql", settings_dict=mysql), legacy=None)
-    assert [m.id for m in io_checks.isolation_errors(loading)] == ["idempotent_orders.E034"]
+    found = io_checks.isolation_errors(loading)
+    assert [m.id for m in found] == ["idempotent_orders.E034", "idempotent_orders.W034"]
+    assert "'legacy'" in found[1].msg
+    assert "MySQLdb" in found[1].msg
     # The test database itself (READ COMMITTED on the MariaDB leg) passes.
     assert io_checks.check_isolation() == []
 
