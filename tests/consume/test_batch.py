@@ -603,3 +603,39 @@ def test_on_the_save_road_a_messages_first_statement_reads_writes_and_fails_as_s
     assert sorted(r.order_id for r in failed) == [orders[2].pk, orders[3].pk]
     assert all("IntegrityError" in r.error for r in failed), [r.error for r in failed]
     assert OutboxMessage.objects.filter(message_id="taken").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_the_save_road_a_messages_savepoint_travels_with_its_first_statement(
+    make_order,
+) -> None:
+    """Where the driver takes several statements a text, no statement the chunk sends is a
+    savepoint alone: each message's ``SAVEPOINT`` (and the ``RELEASE`` of the one before)
+    goes with its ``save()``'s UPDATE. Elsewhere each message takes its own."""
+    from django.db.models.signals import post_save
+    from django.test.utils import CaptureQueriesContext
+
+    from idempotent_orders.vendors import vendor
+
+    def heard(sender: Any, **kwargs: Any) -> None:
+        pass
+
+    orders = [make_order() for _ in range(4)]
+    post_save.connect(heard, sender=Order, weak=False, dispatch_uid="test-savepoint-travels")
+    try:
+        with CaptureQueriesContext(connection) as sent:
+            assert consume_batch([payment(o) for o in orders], consumer="payments") == [A] * 4
+    finally:
+        post_save.disconnect(sender=Order, dispatch_uid="test-savepoint-travels")
+
+    def parts(sql: str) -> list[str]:
+        return [p.strip().upper() for p in sql.split(";") if p.strip()]
+
+    savepoints = ("SAVEPOINT", "RELEASE SAVEPOINT")
+    alone = [q["sql"] for q in sent if all(p.startswith(savepoints) for p in parts(q["sql"]))]
+    if vendor().several_statements(connection):
+        assert alone == []
+    else:
+        taken = [p for sql in alone for p in parts(sql) if p.startswith("SAVEPOINT")]
+        assert len(taken) == len(orders)
+    assert [state(o)[0] for o in orders] == [S.PAID] * 4
