@@ -94,7 +94,7 @@ def round_trips() -> dict[str, tuple[float, float]]:
     connection) and to Redis (a ``GET`` through the dedup cache's client): ``(from idle,
     sustained)``. From idle: the first 100 trips after a pause; sustained: 400 trips after
     half a second of back-to-back trips. A machine whose round trips slow down under
-    sustained load (seen on these shared VMs: 14-24 us from idle, 70-100 us sustained)
+    sustained load (seen on these shared VMs: 17-27 us from idle, 77-115 us sustained)
     gives every figure above a share of that, the raw transaction's six trips most."""
     from django.core.cache import caches
     from django.db import connection
