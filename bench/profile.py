@@ -81,7 +81,7 @@ _prepared: dict[str, str] = {}
 def _statement_kind(sql: Any, tables: dict[str, str]) -> str:
     text = sql.decode() if isinstance(sql, bytes) else str(sql)
     head = text.lstrip()[:16].upper()
-    if head.startswith("BEGIN; "):  # claim_and_run's first text
+    if head.startswith("BEGIN; "):  # the road's first text
         return "BEGIN + inbox claim + spent payment + order read (one text)"
     prepared = head.startswith(("EXECUTE", "PREPARE"))
     for name, body in re.findall(r"PREPARE (\S+) AS (WITH \w+)", text):
@@ -92,7 +92,7 @@ def _statement_kind(sql: Any, tables: dict[str, str]) -> str:
         # the save() road's last text: the follow-up's row with COMMIT, after save()
         return "outbox row + COMMIT (one text, after save())"
     if head.startswith("WITH MOVED") or (prepared and text.rstrip().endswith("; COMMIT")):
-        # claim_and_run's second text (as it is, or its prepared statement's EXECUTE)
+        # the road's second text (as it is, or its prepared statement's EXECUTE)
         commit = " + COMMIT" if text.rstrip().endswith("COMMIT") else ""
         return f"order UPDATE + outbox row{commit} (one text)"
     if head.startswith("WITH CLAIM") or head.startswith("EXECUTE"):
@@ -190,7 +190,7 @@ def _patch(tables: dict[str, str]) -> None:
     import importlib
 
     # Wherever this version of the road calls them from (the modules moved over time).
-    for name in ("single", "writing", "claim_and_run", "backends.claim_and_run"):
+    for name in ("single", "writing"):
         try:
             module = importlib.import_module(f"idempotent_orders.consuming.{name}")
         except ImportError:

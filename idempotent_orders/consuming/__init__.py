@@ -29,7 +29,6 @@ LAYERS = (
     "backends.postgresql.one_statement",
     "backends.at_once",
     "writing",
-    "backends.claim_and_run",
     "backends.postgresql.texts",
     "backends.mysql",
     "single",

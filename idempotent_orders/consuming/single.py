@@ -54,6 +54,7 @@ from idempotent_orders.consuming.writing import (
     Conflict,
     Duplicate,
     Spent,
+    claim_and_write,
     spent_verdict,
     write,
 )
@@ -330,8 +331,18 @@ def _consume(
     """
     retrying = False
     override: Verdict | None = None
+    model = get_order_model()
+    if parked is None:
+        # Where the backend sends several statements a text: claimed, read and written in
+        # two (None: declined, nothing written; the road reads and decides here).
+        outcome = claim_and_write(envelope, consumer, model)
+        if outcome is not None:
+            if waiting is not None and not keeps_parked_flag(model):
+                waiting[:] = [True]  # no flag says whether a message waits for this one
+            announce(consumer, envelope, outcome, "")
+            return outcome
     for _attempt in range(conf.CONFLICT_RETRIES):
-        order = cast(AbstractOrder | None, read_order(get_order_model(), envelope.order_id))
+        order = cast(AbstractOrder | None, read_order(model, envelope.order_id))
         if order is not None and waiting is not None:
             # Where the app keeps no flag, every message looks for parked successors.
             waiting[:] = [order.has_parked or not keeps_parked_flag(type(order))]

@@ -1,31 +1,51 @@
-"""The read-decide-write road's transaction: claim the message, run the model's own
-transition, commit it (:func:`~idempotent_orders.consuming.running.commit`: the model's
-``save()`` or one conditional UPDATE), and park what must wait.
+"""The road after the read: claim the message, run the model's own transition, commit it
+(:func:`~idempotent_orders.consuming.running.commit`: the model's ``save()`` or one
+conditional UPDATE), and park what must wait; one transaction, on every database.
 
-This is the one road once the order was read, on every database: the fast paths
-(:mod:`~idempotent_orders.consuming.backends`) run before the read, where nothing of the
-project's would, and decline, writing nothing, what they cannot take.
+The fast paths (:mod:`~idempotent_orders.consuming.backends`) run before the read, where
+nothing of the project's would, and decline, writing nothing, what they cannot take.
 
-:func:`~idempotent_orders.consuming.single.consume_message` reads the order, decides,
-and calls :func:`write`; the exceptions here tell it to decide again
-(:class:`Conflict`, :class:`Spent`) or that the message was there already
-(:class:`Duplicate`).
+:func:`~idempotent_orders.consuming.single.consume_message` reads the order, decides, and
+calls :func:`write`; the exceptions here tell it to decide again (:class:`Conflict`,
+:class:`Spent`) or that the message was there already (:class:`Duplicate`).
+
+Where the backend sends several statements a text (its
+:class:`~idempotent_orders.consuming.backends.Texts`), a new message's statements go in
+two texts (:func:`claim_and_write`), the usual road's five round trips in two:
+
+1. the transaction's opening, the claim of the message as applied (and its spent
+   payment) and the read of the order; then, in Python,
+   :func:`~idempotent_orders.consuming.decision.decide` on the order as read and the
+   model's own transition (:func:`run`, as for every message);
+2. the conditional UPDATE (pk, state, version and the road's conditions), the
+   follow-up's outbox row and ``COMMIT``: an order that moved since the read stops the
+   text before ``COMMIT``, and the transaction rolls back. Where the model's ``save()``
+   runs the project's code (:func:`~idempotent_orders.consuming.running.save_hooks`),
+   :func:`settle` calls it, and the follow-up's row and ``COMMIT`` go in one text.
+
+The claim comes before the decision, so it is an applied message's row; any other
+decision (a duplicate, a message to park or reject, a spent payment, an order with
+parked messages), an order that moved, or a write only the ORM can make, rolls it back
+(:class:`~idempotent_orders.consuming.backends.Declined`) and the road reads, decides
+and writes in one round trip a statement, as on a database without texts.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import cache, partial
 from typing import Any
 
-from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections, transaction
+from django.db.models import F, Field, Model
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends import backend
+from idempotent_orders.consuming.backends import Declined, FirstText, Texts, backend
 from idempotent_orders.consuming.decision import (
     REFUND,
     Verdict,
+    decide,
 )
 from idempotent_orders.consuming.envelope import (
     BODY_EXCERPT,
@@ -35,18 +55,26 @@ from idempotent_orders.consuming.envelope import (
 from idempotent_orders.consuming.failures import (
     RETRYABLE,
     describe,
+    is_retryable,
 )
-from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus
+from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
 from idempotent_orders.consuming.payments import payment_id, spend
 from idempotent_orders.consuming.running import (
     FollowUp,
+    FollowUpRow,
     Ran,
     call_transition,
     commit,
+    follow_up_rows,
+    guarded_update_sql,
     keeps_parked_flag,
+    save_hooks,
     transition_written,
 )
+from idempotent_orders.consuming.sql import build, compiled_read, handed_over
+from idempotent_orders.consuming.unread import fits
 from idempotent_orders.models import (
+    PLAIN_TYPES,
     AbstractOrder,
     InboxStatus,
     Outcome,
@@ -58,6 +86,7 @@ __all__ = [
     "Conflict",
     "Duplicate",
     "Spent",
+    "claim_and_write",
     "on_error_reason",
     "park",
     "settle",
@@ -212,23 +241,35 @@ def write(
     return outcome
 
 
+#: The two texts' connection, cursor and backend texts, for :func:`run` to write through.
+_Sent = tuple[Any, Any, Texts]
+
+
 def run(
     envelope: Envelope,
     consumer: str,
     order: AbstractOrder,
     verdict: Verdict,
     conditions: Mapping[str, Any],
+    sent: _Sent | None = None,
 ) -> Outcome:
     """Call the model's own transition and commit it with one conditional UPDATE.
 
     In the transaction that claimed the message. Raises Conflict when another
     writer changed the order since it was read (the caller reads and decides
     again); an exception from the body, a condition or a receiver propagates
-    and rolls the transaction back.
+    and rolls the transaction back. ``sent``: the message was claimed in the first of
+    two texts (:func:`claim_and_write`), and the write goes in the second.
     """
     version: int = order.version
     ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
-    return settle(envelope, consumer, order, ran, version, conditions)
+    last = None
+    if sent is not None:
+        if not save_hooks(type(order)) and _finish(order, ran, version, conditions, *sent):
+            return Outcome.APPLIED
+        # The model's own save() writes the order; the follow-up's row goes with COMMIT.
+        last = partial(_queue_and_commit, *sent)
+    return settle(envelope, consumer, order, ran, version, conditions, last=last)
 
 
 def settle(
@@ -301,4 +342,185 @@ def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -
             )
     except IntegrityError:
         return False
+    return True
+
+
+def claim_and_write(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+    """A new message applied in two texts (see the module's docstring) where the backend
+    sends several statements a text; None with nothing written: the road reads, decides
+    and writes one statement at a time.
+
+    On APPLIED (or REJECTED: the body raised under fsm-2's ``on_error``) the message is
+    committed. An exception from the project's code propagates after the rollback.
+    """
+    alias, plan = compiled_read(model, "pk")
+    if plan is None or alias != DEFAULT_DB_ALIAS:
+        return None
+    conn = connections[alias]
+    chosen = backend(conn)
+    texts = chosen.texts()
+    if texts is None or conn.in_atomic_block or not conn.get_autocommit():
+        return None
+    # The fast path's kind (at_once tests the state against several sources; one_statement
+    # against one): it took the message, or declined it for a reason the order gave.
+    if fits(envelope, model, several=chosen.at_once) or not chosen.several_statements(conn):
+        return None
+    payment = payment_id(envelope)
+    try:
+        # One cursor for both texts (the project's code in between may use its own).
+        with texts.transaction(conn) as cursor:
+            order = _claim_and_read(envelope, consumer, model, conn, cursor, texts, plan, payment)
+            verdict = decide(order, envelope)
+            if verdict.outcome is not Outcome.APPLIED:
+                raise Declined
+            # The road's conditions (write): the flag as read, where the app keeps it
+            # (elsewhere the caller looks for parked successors after commit).
+            conditions: dict[str, Any] = {"has_parked": False} if keeps_parked_flag(model) else {}
+            if envelope.seq is not None:
+                conditions["last_seq"] = envelope.seq - 1
+            return run(envelope, consumer, order, verdict, conditions, (conn, cursor, texts))
+    except (Declined, Conflict):
+        return None
+    except OperationalError as exc:
+        if not is_retryable(exc):
+            raise
+        return None  # rolled back whole (a deadlock, say): the road runs it again
+
+
+def _claim_and_read(
+    envelope: Envelope,
+    consumer: str,
+    model: type[Model],
+    conn: Any,
+    cursor: Any,
+    texts: Texts,
+    plan: Any,
+    payment: str | None,
+) -> AbstractOrder:
+    """The first text: claim the message as applied (and spend its payment), read the
+    order. Raises Declined for a duplicate, a spent payment, an unknown order, or an
+    order with parked messages (the road answers those after a read of its own)."""
+    pk = model._meta.pk
+    assert pk is not None
+    read_args = [pk.get_db_prep_value(envelope.order_id, conn)]
+    inbox = envelope.inbox_fields(consumer)
+    spent = None if payment is None else [payment, envelope.order_id, consumer, envelope.message_id]
+    row = texts.claim_and_read(conn, cursor, FirstText(inbox, spent, plan.sql, read_args))
+    order = build(model, conn.alias, plan, row)
+    if order.has_parked:  # type: ignore[attr-defined]
+        raise Declined  # released after the write, by the road's own read
+    return order  # type: ignore[return-value]
+
+
+def _follow_up(
+    model: type[Model], pk: Any, ran: Ran
+) -> tuple[bool, tuple[FollowUp, FollowUpRow] | None]:
+    """Whether ``COMMIT`` may go with the last text (no follow-up writes on its own after
+    it), and the one follow-up whose outbox row that text writes, if any."""
+    rows = follow_up_rows(model, pk, ran.name, ran.target)
+    handed: tuple[FollowUp, FollowUpRow] | None = None
+    if rows and len(rows) == 1 and handed_over(rows[0][1].fields):
+        handed = rows[0]
+    return rows is not None and (not rows or handed is not None), handed
+
+
+def _queue_and_commit(
+    conn: Any, cursor: Any, texts: Texts, order: AbstractOrder, ran: Ran
+) -> tuple[FollowUp, ...] | None:
+    """After the model's ``save()`` and its receivers: the follow-up's outbox row and
+    ``COMMIT`` in one text (:meth:`Texts.queue`); the follow-up it wrote, or None with
+    nothing sent (several follow-ups, or one that writes its own row: Django commits)."""
+    _, handed = _follow_up(type(order), order.pk, ran)
+    if handed is None:
+        return None
+    queued_id = texts.queue(conn, cursor, dict(handed[1].fields))
+    if queued_id is not None:  # None: the message was queued already
+        handed[1].written(conn.alias, queued_id)
+    return (handed[0],)
+
+
+_updates: dict[tuple[Any, ...], Any] = {}
+
+
+@cache
+def _by_attname(model: type[Model]) -> dict[str, Field[Any, Any]]:
+    return {f.attname: f for f in model._meta.concrete_fields}
+
+
+def _compile(
+    conn: Any,
+    model: type[Model],
+    values: Sequence[str],
+    conditions: Sequence[str],
+    queued: bool,
+    commit: bool,
+) -> Any:
+    """The backend's second text for ``values`` and ``conditions`` (attnames) as
+    :func:`~idempotent_orders.consuming.running.commit` writes them; None when a column is
+    not a plain one of the model's own table (the ORM writes it)."""
+    concrete = model._meta.concrete_model
+    assert concrete is not None
+    meta = concrete._meta  # a proxy's table is its concrete model's
+    by_attname = {f.attname: f for f in meta.concrete_fields}
+    fields = [by_attname.get(name) for name in (*values, *conditions)]
+    if meta.parents or any(f is None or f.model is not concrete or f.primary_key for f in fields):
+        return None  # a parent's column (multi-table inheritance): the ORM writes it
+    if any(hasattr(f, "get_placeholder") for f in fields):
+        return None
+    texts = backend(conn).texts()
+    assert texts is not None
+    column = str(state_field(model).column)
+    sets, tests = [by_attname[n] for n in values], [by_attname[n] for n in conditions]
+    return texts.compile(conn, guarded_update_sql(conn, meta, column, sets, tests), queued, commit)
+
+
+def _finish(
+    order: AbstractOrder,
+    ran: Ran,
+    version: int,
+    conditions: Mapping[str, Any],
+    conn: Any,
+    cursor: Any,
+    texts: Texts,
+) -> bool:
+    """The second text: write what the transition did, queue its follow-up and commit,
+    then announce it (its publish and ``order_transitioned`` run after the block). False,
+    with nothing sent, where :func:`settle` must."""
+    if ran.error is not None or ran.saved:
+        return False
+    if any(
+        type(v) not in PLAIN_TYPES and (hasattr(v, "resolve_expression") or isinstance(v, Model))
+        for v in ran.values.values()
+    ):
+        return False
+    model = type(order)
+    commit, handed = _follow_up(model, order.pk, ran)
+    key = (conn.alias, model, tuple(ran.values), tuple(conditions), handed is not None, commit)
+    try:
+        update = _updates[key]
+    except KeyError:
+        update = _updates[key] = _compile(
+            conn, model, list(ran.values), list(conditions), handed is not None, commit
+        )
+    if update is None:
+        return False
+    field = state_field(model)
+    pk = model._meta.pk
+    assert pk is not None
+    by_attname = _by_attname(model)
+    args: list[Any] = [field.get_db_prep_save(ran.target, conn)]
+    args += [by_attname[n].get_db_prep_save(v, conn) for n, v in ran.values.items()]
+    args += [pk.get_db_prep_value(order.pk, conn), field.get_db_prep_value(ran.source, conn)]
+    args.append(version)
+    args += [by_attname[n].get_db_prep_value(v, conn) for n, v in conditions.items()]
+    queued_id = texts.write(
+        conn, cursor, update, args, None if handed is None else dict(handed[1].fields)
+    )
+    order.__dict__["version"] = version + 1
+    if handed is not None and queued_id is not None:  # None: the message was queued already
+        handed[1].written(conn.alias, queued_id)
+    result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
+    transition_written(
+        order, ran.name, result, fsm_sent=True, handed=() if handed is None else (handed[0],)
+    )
     return True

@@ -198,7 +198,7 @@ def test_a_receiver_or_a_callers_transaction_takes_the_atomic_road(make_order) -
             assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
     finally:
         pre_transition.disconnect(_receiver, sender=Order)
-    # Not at_once's one transaction (the claim first); on MariaDB claim_and_run's two
+    # Not at_once's one transaction (the claim first); on MariaDB the road's two
     # texts (the order's read first), on SQLite the road after the read.
     sent = _statements(queries)
     assert not any(s.startswith("START TRANSACTION; INSERT") for s in sent)

@@ -30,8 +30,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every road without a read declines: the order is read, then written."""
+    """Every road without a read declines, and no backend sends two texts: the order is
+    read, then written one statement at a time."""
     monkeypatch.setattr(Backend, "roads_without_read", lambda self: [])
+    monkeypatch.setattr(Backend, "texts", lambda self: None)
 
 
 def _paid(make_order: Any) -> Order:

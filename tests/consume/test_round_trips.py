@@ -18,8 +18,7 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
 from idempotent_orders import outbox, prepared
-from idempotent_orders.consuming import current_message, registry
-from idempotent_orders.consuming.backends import claim_and_run
+from idempotent_orders.consuming import current_message, registry, single, writing
 from idempotent_orders.consuming.envelope import parse_envelope
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.running import road
@@ -175,7 +174,7 @@ def test_the_publisher_batches_ids_that_keep_coming_after_a_batch() -> None:
 
 
 def _declined(*args: Any, **kwargs: Any) -> None:
-    """claim_and_run standing aside: the usual road reads, then writes."""
+    """The two texts standing aside: the road reads, then writes one statement at a time."""
     return None
 
 
@@ -225,7 +224,7 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
         post_save.connect(watch, sender=Order, weak=False, dispatch_uid="test-save-road")
         try:
             assert road(Order, "pay")[0] == "save"
-            standing_aside = mock.patch.object(claim_and_run, "claim_and_run", _declined)
+            standing_aside = mock.patch.object(single, "claim_and_write", _declined)
             with standing_aside, round_trips() as trips:
                 assert consume_message(payment(usual), consumer="payments") is Outcome.APPLIED
                 usual_trips = trips()
@@ -397,7 +396,7 @@ def test_what_one_statement_cannot_take_is_claimed_and_read_in_one_text(
                 counted.append(trips())
             assert texts[0].startswith('"BEGIN; '), texts
             assert texts[-1].endswith('; COMMIT"'), texts
-        with mock.patch.object(claim_and_run, "claim_and_run", _declined), round_trips() as trips:
+        with mock.patch.object(single, "claim_and_write", _declined), round_trips() as trips:
             message = shipment(usual)
             assert consume_message(message, consumer="shipping") is Outcome.APPLIED
             usual_trips = trips()
@@ -430,24 +429,24 @@ def test_a_message_one_statement_declined_is_not_claimed_again_before_the_read(
     make_order,
 ) -> None:
     """A payment one_statement could take, declined by the order (paid already):
-    claim_and_run sends nothing, the usual road reads and says why."""
+    the two texts send nothing, the road reads and says why."""
     assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
     orders = [make_order() for _ in range(3)]
     Order.objects.filter(pk__in=[o.pk for o in orders]).update(status=OrderStatus.PAID)
     # What the first declined message of a process does once is not counted.
     assert consume_message(payment(orders.pop()), consumer="payments") is not Outcome.APPLIED
     claimed: list[Any] = []
-    real = claim_and_run._claim_and_read
+    real = writing._claim_and_read
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         claimed.append(args[0].message_id)
         return real(*args, **kwargs)
 
     sent = []
-    for order, road_ in ((orders[0], claim_and_run.claim_and_run), (orders[1], _declined)):
+    for order, road_ in ((orders[0], writing.claim_and_write), (orders[1], _declined)):
         with (
-            mock.patch.object(claim_and_run, "claim_and_run", road_),
-            mock.patch.object(claim_and_run, "_claim_and_read", spy),
+            mock.patch.object(single, "claim_and_write", road_),
+            mock.patch.object(writing, "_claim_and_read", spy),
             round_trips() as trips,
         ):
             assert consume_message(payment(order), consumer="payments") is not Outcome.APPLIED
@@ -491,7 +490,7 @@ def test_mariadb_claims_and_reads_what_at_once_cannot_take_in_one_text(
                     counted.append(trips())
                 assert texts[0].startswith("START TRANSACTION; SELECT "), texts
                 assert texts[-1].endswith("; COMMIT"), texts
-            standing_aside = mock.patch.object(claim_and_run, "claim_and_run", _declined)
+            standing_aside = mock.patch.object(single, "claim_and_write", _declined)
             with standing_aside, round_trips() as trips:
                 assert consume_message(cancel(usual), consumer="payments") is Outcome.APPLIED
                 usual_trips = trips()
@@ -523,7 +522,7 @@ def test_what_mariadb_two_texts_decline_leaves_nothing_written(
 ) -> None:
     """A duplicate, an order in another state, a message out of sequence, an order with
     parked messages: the first text's claim is rolled back (nothing of it written when
-    claim_and_run returns), and the usual road decides and says why."""
+    claim_and_write returns), and the road reads, decides and says why."""
     assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
     done, paid, early, waiting = (make_order() for _ in range(4))
     Order.objects.filter(pk=paid.pk).update(status=OrderStatus.PAID)
@@ -559,7 +558,7 @@ def test_what_mariadb_two_texts_decline_leaves_nothing_written(
         with round_trips(texts) as trips:
             # The road itself (the usual road's dedup fast path would answer a duplicate).
             envelope = parse_envelope(message, consumer="payments")
-            assert claim_and_run.claim_and_run(envelope, "payments", Order) is None
+            assert writing.claim_and_write(envelope, "payments", Order) is None
             trips()
         # The first text went, and was rolled back: nothing of it is left.
         assert texts[0].startswith("START TRANSACTION; SELECT "), texts

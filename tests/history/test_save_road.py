@@ -25,8 +25,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.db import connection
 from reversion.models import Version
 
-from idempotent_orders.consuming import current_message, registry
-from idempotent_orders.consuming.backends import claim_and_run
+from idempotent_orders.consuming import current_message, registry, single, writing
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.graph import TransitionStatus
@@ -86,9 +85,9 @@ def messages(order: Order, *, seq: bool) -> list[dict[str, Any]]:
 
 @contextmanager
 def merged_road() -> Iterator[list[Outcome]]:
-    """The outcomes claim_and_run applied (declined messages left out)."""
+    """The outcomes the two texts applied (declined messages left out)."""
     taken: list[Outcome] = []
-    real = claim_and_run.claim_and_run
+    real = writing.claim_and_write
 
     def spy(*args: Any, **kwargs: Any) -> Outcome | None:
         outcome = real(*args, **kwargs)
@@ -96,7 +95,7 @@ def merged_road() -> Iterator[list[Outcome]]:
             taken.append(outcome)
         return outcome
 
-    with mock.patch.object(claim_and_run, "claim_and_run", spy):
+    with mock.patch.object(single, "claim_and_write", spy):
         yield taken
 
 
@@ -183,7 +182,7 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
     if way.startswith("single"):
         # A revision block of its own around each message: in the caller's transaction
         # (reversion's default), or not (then, on PostgreSQL and MariaDB, the read goes
-        # in the claim's round trip: claim_and_run).
+        # in the claim's round trip: writing.claim_and_write).
         atomic = way == "single-in-atomic"
         with merged_road() as merged:
             for m in deliveries:

@@ -25,7 +25,6 @@ from django_fsm.signals import pre_transition
 
 from idempotent_orders.consuming import batch as batch_module
 from idempotent_orders.consuming import writing
-from idempotent_orders.consuming.backends import claim_and_run
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.savepoints import Savepoints
@@ -233,10 +232,10 @@ def test_a_chunk_run_again_after_a_deadlock_sends_what_the_single_road_sends(
         return call
 
     with override_settings(IDEMPOTENT_ORDERS_ORDER_MODEL="shop.FlowOrder"):
-        # The single road's UPDATE: the ORM's (writing) or the second text (claim_and_run).
+        # The single road's UPDATE: the ORM's or the second text (writing._finish).
         with (
             mock.patch.object(writing, "commit", failing(writing.commit, "single")),
-            mock.patch.object(claim_and_run, "_finish", failing(claim_and_run._finish, "single")),
+            mock.patch.object(writing, "_finish", failing(writing._finish, "single")),
         ):
             assert _single(_messages(steps, single)) == [Outcome.APPLIED]
         with mock.patch.object(

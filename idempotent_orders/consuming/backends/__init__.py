@@ -11,9 +11,9 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
   with nothing of the project's to run), tried in order; each returns None to decline;
 - ``send_at_once``: how :mod:`~idempotent_orders.consuming.backends.at_once` sends a
   message's statements as one transaction (MariaDB and SQLite);
-- ``two_texts``: how a message the roads without a read decline is claimed and read in
-  one text, and written and committed in a second
-  (:mod:`~idempotent_orders.consuming.backends.claim_and_run`);
+- ``two_texts``: how the road after the read sends a message's statements in two texts
+  (its :class:`Texts`): the claim with the read, then the write with ``COMMIT``
+  (:func:`~idempotent_orders.consuming.writing.claim_and_write`);
 - a batch chunk's filter of its orders, its one UPDATE of many orders and its spent
   payments (PostgreSQL's: one array per column, ``unnest``);
 - the features that change the plan: whether a batch locks its orders before it claims.
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, router
@@ -34,13 +36,69 @@ from django.db.models.manager import BaseManager
 
 from idempotent_orders.vendors import Chooser, Vendor
 
-__all__ = ["Backend", "Statements", "backend"]
+__all__ = ["Backend", "Declined", "FirstText", "Statements", "Texts", "backend"]
 
 #: A road that applies a message before its order is read: ``(envelope, consumer, model)``
 #: to the outcome, or None when it declines (nothing written).
 RoadWithoutRead = Callable[[Any, str, Any], Any]
 #: A message's statements for :meth:`Backend.send_at_once`: ``(step, sql, args)``.
 Statements = Sequence[tuple[str, str, Sequence[Any]]]
+
+
+class Declined(Exception):
+    """The first text found the message is not the two texts' to apply: roll back, the
+    road reads and decides on its own."""
+
+
+@dataclass(frozen=True)
+class FirstText:
+    """What the first text claims and reads."""
+
+    #: The inbox row's per-message fields.
+    inbox: dict[str, Any]
+    #: The spent payment's row (payment, order, consumer, message id); None: no payment.
+    spent: list[Any] | None
+    #: The order's read and its arguments.
+    read: str
+    read_args: Sequence[Any]
+
+
+class Texts:
+    """How one database sends a message's statements in two texts (a backend's
+    ``two_texts``): the claim with the read, then the write with ``COMMIT``."""
+
+    def transaction(self, conn: Any) -> AbstractContextManager[Any]:
+        """Django's ``atomic`` block of the road, and the cursor both texts go through."""
+        raise NotImplementedError
+
+    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
+        """The first text: open the transaction, claim the message as applied and spend its
+        payment, read the order (:class:`FirstText`); the order's row. Raises
+        :class:`Declined` for a duplicate, a spent payment, an unknown order, a value a
+        column refuses."""
+        raise NotImplementedError
+
+    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> Any:
+        """The second text of one shape of transition: the conditional ``update``
+        (:func:`~idempotent_orders.consuming.running.guarded_update_sql`), the follow-up's
+        outbox row when ``queued``, ``COMMIT`` when ``commit``; it stops before ``COMMIT``
+        when the UPDATE matched no row."""
+        raise NotImplementedError
+
+    def write(
+        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
+    ) -> int | None:
+        """Send ``update`` (from :meth:`compile`) with the UPDATE's ``args`` and the
+        follow-up's ``queued`` fields; the outbox row's id (None: none written, its
+        message id was queued already). Raises :class:`Declined` when the order moved."""
+        raise NotImplementedError
+
+    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+        """Send the follow-up's outbox row of ``queued`` fields and ``COMMIT`` as one text,
+        the order written already by the model's own ``save()``; the row's id (None: its
+        message id was queued already). An insert that fails stops the text before
+        ``COMMIT``."""
+        raise NotImplementedError
 
 
 class Backend(Vendor):
@@ -62,8 +120,8 @@ class Backend(Vendor):
     at_once = False
     #: The most digits a decimal column keeps exactly (None: what it declares).
     exact_decimal_digits: int | None = None
-    #: How :mod:`~idempotent_orders.consuming.backends.claim_and_run` sends its two texts,
-    #: as ``module:class`` under ``idempotent_orders.consuming`` ("": not at all).
+    #: How the road sends a message's statements in two texts (:class:`Texts`), as
+    #: ``module:class`` under ``idempotent_orders.consuming`` ("": one at a time).
     two_texts = ""
 
     def __init__(self) -> None:
@@ -71,8 +129,7 @@ class Backend(Vendor):
         self._texts: list[Any] = []
 
     def texts(self) -> Any:
-        """The :class:`~idempotent_orders.consuming.backends.claim_and_run.Texts` that
-        ``two_texts`` names (one instance), or None."""
+        """The :class:`Texts` that ``two_texts`` names (one instance), or None."""
         if not self._texts:
             self._texts.append(_named(self.two_texts)() if self.two_texts else None)
         return self._texts[0]

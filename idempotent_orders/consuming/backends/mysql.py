@@ -9,7 +9,8 @@ fails, so a duplicate (the inbox's unique index), a spent payment (its unique in
 order the tests refuse (the guard fails when the UPDATE matched no row) never reaches
 ``COMMIT``; the transaction is rolled back and the usual road reads, decides and says why.
 
-:class:`MySQLTexts`, the two texts of :mod:`~idempotent_orders.consuming.backends.claim_and_run`:
+:class:`MySQLTexts`, the road's two texts
+(:func:`~idempotent_orders.consuming.writing.claim_and_write`):
 
 1. ``START TRANSACTION; SELECT <order> ... FOR UPDATE; INSERT <inbox>; [INSERT
    <spent payment>]``: the order is locked before the inbox row's foreign key
@@ -46,14 +47,8 @@ from django.db import (
 from django.db.models import Field
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends import Backend, Statements
+from idempotent_orders.consuming.backends import Backend, Declined, FirstText, Statements, Texts
 from idempotent_orders.consuming.backends.at_once import inserts
-from idempotent_orders.consuming.backends.claim_and_run import (
-    Conflict,
-    Declined,
-    FirstText,
-    Texts,
-)
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.prepared import watched
 from idempotent_orders.vendors import mysql
@@ -85,10 +80,7 @@ def _cursor(conn: Any) -> Any:
 
 
 class MySQL(mysql.MySQL, Backend):
-    without_read = (
-        "backends.at_once:apply_unread_at_once",
-        "backends.claim_and_run:claim_and_run",
-    )
+    without_read = ("backends.at_once:apply_unread_at_once",)
     two_texts = "backends.mysql:MySQLTexts"
     locks_orders_first = True
     at_once = True
@@ -224,7 +216,7 @@ class MySQLTexts(Texts):
                     pass
         except DatabaseError as exc:
             if exc.args and exc.args[0] == _GUARD_FAILED:
-                raise Conflict from None  # the order moved: rolled back, the usual road runs
+                raise Declined from None  # the order moved: rolled back, the usual road runs
             raise
         if update.commit:
             conn.connection.commit = _committed

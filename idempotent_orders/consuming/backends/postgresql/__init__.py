@@ -23,10 +23,7 @@ __all__ = ["PostgreSQL", "claim_and_spend_sql", "spent_after"]
 
 
 class PostgreSQL(postgresql.PostgreSQL, Backend):
-    without_read = (
-        "backends.postgresql.one_statement:apply_unread",
-        "backends.claim_and_run:claim_and_run",
-    )
+    without_read = ("backends.postgresql.one_statement:apply_unread",)
     two_texts = "backends.postgresql.texts:PostgreSQLTexts"
     one_statement = True
 

@@ -1,4 +1,5 @@
-"""PostgreSQL's two texts of :mod:`~idempotent_orders.consuming.backends.claim_and_run`.
+"""PostgreSQL's two texts of the road
+(:func:`~idempotent_orders.consuming.writing.claim_and_write`).
 
 1. ``BEGIN; <claim the message and spend its payment>; <read the order>``: the claim
    is one statement (``INSERT ... ON CONFLICT DO NOTHING`` with the spent payment in a
@@ -42,12 +43,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Field
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends.claim_and_run import (
-    Conflict,
-    Declined,
-    FirstText,
-    Texts,
-)
+from idempotent_orders.consuming.backends import Declined, FirstText, Texts
 from idempotent_orders.consuming.backends.postgresql import claim_and_spend_sql
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
@@ -233,11 +229,11 @@ class PostgreSQLTexts(Texts):
             row = cursor.fetchone()
         except DataError as exc:
             if getattr(exc.__cause__, "sqlstate", None) == _MOVED:
-                raise Conflict from None
+                raise Declined from None
             raise
         except (ProgrammingError, NotSupportedError) as exc:
             if missed(conn, exc):
-                raise Conflict from None  # rolled back whole: the usual road runs it again
+                raise Declined from None  # rolled back whole: the usual road runs it again
             raise
         return row[1] if queued is not None else None
 
@@ -250,7 +246,7 @@ class PostgreSQLTexts(Texts):
             row = cursor.fetchone()
         except (ProgrammingError, NotSupportedError) as exc:
             if missed(conn, exc):
-                raise Conflict from None  # rolled back whole: the usual road runs it again
+                raise Declined from None  # rolled back whole: the usual road runs it again
             raise
         return None if row is None else row[0]
 

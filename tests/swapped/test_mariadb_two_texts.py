@@ -1,4 +1,4 @@
-"""MariaDB's two texts for a transition that runs the project's code (``claim_and_run``):
+"""MariaDB's two texts for a transition that runs the project's code (``writing.claim_and_write``):
 ``START TRANSACTION`` + the order's read + the claim, then UPDATE + guard + outbox row +
 ``COMMIT``, with the same result as the usual road, and the usual road wherever that
 cannot hold.
@@ -17,8 +17,7 @@ from unittest import mock
 import pytest
 from django.test import override_settings
 
-from idempotent_orders.consuming import running
-from idempotent_orders.consuming.backends import claim_and_run
+from idempotent_orders.consuming import running, single
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
@@ -33,7 +32,7 @@ from tests.support.messages import payment
 from tests.support.round_trips import round_trips
 
 # The cases whose outcome is the same on both databases, run here on MariaDB.
-from tests.swapped.test_postgresql_claim_and_run import (  # noqa: F401
+from tests.swapped.test_postgresql_two_texts import (  # noqa: F401
     _Refusing,
     test_a_message_waiting_for_it_is_released,
     test_an_order_that_moved_after_the_read_rolls_everything_back,
@@ -50,7 +49,7 @@ def warm(make_order: Callable[..., Any]) -> None:
 
 
 def _declined(*args: Any, **kwargs: Any) -> None:
-    """claim_and_run standing aside: the usual road reads, then writes."""
+    """The two texts standing aside: the road reads, then writes one statement at a time."""
     return None
 
 
@@ -68,7 +67,7 @@ def test_a_transition_with_a_receiver_takes_two_round_trips(
     with round_trips(texts) as trips:
         assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
         sent = trips()
-    with mock.patch.object(claim_and_run, "claim_and_run", _declined), round_trips() as trips:
+    with mock.patch.object(single, "claim_and_write", _declined), round_trips() as trips:
         assert consume_message(payment(usual), consumer="payments") is Outcome.APPLIED
         usual_sent = trips()
     assert sent == 2, texts
