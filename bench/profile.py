@@ -332,7 +332,9 @@ def run(shop: bool, use_batch: bool, cprofile: bool) -> None:
     if profiler is not None:
         import pstats
 
-        pstats.Stats(profiler).sort_stats(os.environ.get("BENCH_PSTATS_SORT", "tottime")).print_stats(int(os.environ.get("BENCH_PSTATS_LINES", "25")))
+        pstats.Stats(profiler).sort_stats(
+            os.environ.get("BENCH_PSTATS_SORT", "tottime")
+        ).print_stats(int(os.environ.get("BENCH_PSTATS_LINES", "25")))
 
 
 def _print(elapsed: float, kind: str, total: bool = True) -> None:
@@ -476,7 +478,9 @@ def run_duplicates(cprofile: bool, use_batch: bool, elsewhere: bool = False) -> 
     if profiler is not None:
         import pstats
 
-        pstats.Stats(profiler).sort_stats(os.environ.get("BENCH_PSTATS_SORT", "tottime")).print_stats(int(os.environ.get("BENCH_PSTATS_LINES", "25")))
+        pstats.Stats(profiler).sort_stats(
+            os.environ.get("BENCH_PSTATS_SORT", "tottime")
+        ).print_stats(int(os.environ.get("BENCH_PSTATS_LINES", "25")))
 
 
 def main() -> None:
