@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from django.db import (
     DatabaseError,
@@ -22,11 +22,9 @@ from idempotent_orders import dedup, get_order_model, otel
 from idempotent_orders.conf import conf
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.decision import (
-    Verdict,
     announce,
     announce_known,
     consumed,
-    decide,
     unknown_order,
 )
 from idempotent_orders.consuming.envelope import (
@@ -53,10 +51,9 @@ from idempotent_orders.consuming.sql import read_order
 from idempotent_orders.consuming.writing import (
     Conflict,
     Duplicate,
-    Spent,
-    claim_and_write,
-    spent_verdict,
-    write,
+    MissingOrder,
+    StillParked,
+    apply,
 )
 from idempotent_orders.exceptions import ConcurrentUpdate, InvalidMessage
 from idempotent_orders.models import (
@@ -198,7 +195,7 @@ def consume_message(message: Any, *, consumer: str) -> Outcome:
         # releasing, and a parked one re-checks because its predecessor may
         # have committed while it was parking (the lost wake-up). Orders that
         # never had a parked message are skipped: their ``has_parked`` was read
-        # false and the write was conditional on it (see writing.write), so a message
+        # false and the write was conditional on it (see writing._write), so a message
         # parked concurrently either made our write conflict and re-read, or
         # committed after us and re-checks itself.
         release_parked(envelope.order_id)
@@ -322,7 +319,8 @@ def _consume(
     waiting: list[bool] | None = None,
     dead: list[bool] | None = None,
 ) -> Outcome:
-    """Decide and write in one transaction; loop while other writers win the race.
+    """Claim, read, decide and write in one transaction (:func:`writing.apply`); again
+    while other writers win the race.
 
     With ``parked`` set, the message is being released: its inbox row exists
     and is updated rather than inserted, and the parked row is claimed by
@@ -330,23 +328,11 @@ def _consume(
     order as last read (nothing when there is no order).
     """
     retrying = False
-    override: Verdict | None = None
     model = get_order_model()
-    if parked is None:
-        # Where the backend sends several statements a text: claimed, read and written in
-        # two (None: declined, nothing written; the road reads and decides here).
-        outcome = claim_and_write(envelope, consumer, model)
-        if outcome is not None:
-            if waiting is not None and not keeps_parked_flag(model):
-                waiting[:] = [True]  # no flag says whether a message waits for this one
-            announce(consumer, envelope, outcome, "")
-            return outcome
     for _attempt in range(conf.CONFLICT_RETRIES):
-        order = cast(AbstractOrder | None, read_order(model, envelope.order_id))
-        if order is not None and waiting is not None:
-            # Where the app keeps no flag, every message looks for parked successors.
-            waiting[:] = [order.has_parked or not keeps_parked_flag(type(order))]
-        if order is None:
+        try:
+            outcome, order, verdict = apply(envelope, consumer, model, parked, retrying=retrying)
+        except MissingOrder:
             if parked is not None:  # the order was deleted; its parked rows went with it
                 return Outcome.PARKED
             return _reject(
@@ -358,11 +344,8 @@ def _consume(
                 reason=unknown_order(envelope).reason,
                 body=serialise(envelope.as_dict())[:BODY_EXCERPT],
             )
-        verdict = override if override is not None else decide(order, envelope)
-        if parked is not None and verdict.outcome is Outcome.PARKED:
-            return Outcome.PARKED  # still waiting; leave the parked row alone
-        try:
-            outcome = write(envelope, consumer, order, verdict, parked, retrying=retrying)
+        except StillParked:
+            return Outcome.PARKED  # still waiting; the parked row is left alone
         except Duplicate:
             again: bool | None = None if parked is not None or retrying else False
             if parked is None and not retrying:
@@ -380,19 +363,21 @@ def _consume(
             if parked is None:
                 _database_conflict(consumer, envelope.message_id)
                 announce(consumer, envelope, Outcome.DUPLICATE, "already in the inbox")
+                if waiting is not None:
+                    # A copy may be the redelivery of one whose worker died before it
+                    # released the messages waiting for it.
+                    read = read_order(model, envelope.order_id)
+                    waiting[:] = [read is not None and _waited_for(read)]
             return Outcome.DUPLICATE
         except Conflict:
-            continue
-        except Spent as spent:
-            # Rolled back; decided again as what it is, and recorded.
-            override = spent_verdict(envelope, order, spent)
             continue
         except OperationalError as exc:
             if not is_retryable(exc):
                 raise
-            # The database rolled the whole transaction back (on MariaDB the inbox
-            # row's foreign-key lock and the order UPDATE can cross); run it again.
+            # The database rolled the whole transaction back (a deadlock); run it again.
             continue
+        if waiting is not None:
+            waiting[:] = [_waited_for(order)]
         if parked is not None:
             message_released.send(
                 sender=ParkedMessage,
@@ -406,6 +391,12 @@ def _consume(
     raise ConcurrentUpdate(
         f"order {envelope.order_id}: gave up after {conf.CONFLICT_RETRIES} conflicting writes"
     )
+
+
+def _waited_for(order: Any) -> bool:
+    """Whether messages may wait for ``order`` (as read): its flag, or where the app keeps
+    none (triggers watch the order), always."""
+    return bool(order.has_parked) or not keeps_parked_flag(type(order))
 
 
 def reused_id(envelope: Envelope) -> str:

@@ -173,8 +173,9 @@ def build(model: type[Model], alias: str, plan: _ReadPlan, row: Sequence[Any]) -
     return model.from_db(alias, plan.attnames, row)
 
 
-def read_order(model: type[Model], pk: Any) -> Model | None:
-    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it.
+def read_order(model: type[Model], pk: Any, *, lock: bool = False) -> Model | None:
+    """The order ``pk`` as ``model._default_manager.filter(pk=pk).first()`` reads it
+    (``lock``: ``select_for_update()``, the row locked until the transaction ends).
 
     The same SQL, compiled once per model and database instead of per message
     (the compile costs more than the query). A default manager with its own
@@ -182,12 +183,14 @@ def read_order(model: type[Model], pk: Any) -> Model | None:
     """
     alias, plan = compiled_read(model, "pk")
     if plan is None:
-        return model._default_manager.filter(pk=pk).first()
+        orders = model._default_manager.filter(pk=pk)
+        return (orders.select_for_update() if lock else orders).first()
     conn = connections[alias]
     pk_field = model._meta.pk
     assert pk_field is not None
     with conn.cursor() as cursor:
-        cursor.execute(plan.sql, (pk_field.get_db_prep_value(pk, conn),))
+        sql = f"{plan.sql} FOR UPDATE" if lock else plan.sql
+        cursor.execute(sql, (pk_field.get_db_prep_value(pk, conn),))
         row = cursor.fetchone()
     return None if row is None else build(model, alias, plan, row)
 

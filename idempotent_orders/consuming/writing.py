@@ -1,20 +1,26 @@
-"""The road after the read: claim the message, run the model's own transition, commit it
-(:func:`~idempotent_orders.consuming.running.commit`: the model's ``save()`` or one
-conditional UPDATE), and park what must wait; one transaction, on every database.
+"""The road: a message claimed, its order read, decided, and the verdict written, in one
+transaction, on every database (:func:`apply`). The verdict's writes: the model's own
+transition committed (:func:`~idempotent_orders.consuming.running.commit`: the model's
+``save()`` or one conditional UPDATE), a message parked, or the order's ``last_seq``
+moved on; the inbox row says what was decided.
 
-The fast paths (:mod:`~idempotent_orders.consuming.backends`) run before the read, where
-nothing of the project's would, and decline, writing nothing, what they cannot take.
+The fast paths (:mod:`~idempotent_orders.consuming.backends`) run before it, where nothing
+of the project's would, and decline, writing nothing, what they cannot take.
+:func:`~idempotent_orders.consuming.single.consume_message` calls :func:`apply` again
+while it raises :class:`Conflict` (another writer moved the order since the read);
+:class:`Duplicate` says the message was there already.
 
-:func:`~idempotent_orders.consuming.single.consume_message` reads the order, decides, and
-calls :func:`write`; the exceptions here tell it to decide again (:class:`Conflict`,
-:class:`Spent`) or that the message was there already (:class:`Duplicate`).
+The claim comes first: the message's inbox row as an applied message's (a retry takes its
+failed row, a release its parked row), then the read (on MariaDB the read comes first,
+``FOR UPDATE``, before the inbox row's foreign key share-locks the order); a verdict
+other than "apply" rewrites the row in the same transaction.
 
 Where the backend sends several statements a text (its
 :class:`~idempotent_orders.consuming.backends.Texts`), a new message's statements go in
-two texts (:func:`claim_and_write`), the usual road's five round trips in two:
+two texts (:func:`_in_two_texts`):
 
-1. the transaction's opening, the claim of the message as applied (and its spent
-   payment) and the read of the order; then, in Python,
+1. the transaction's opening, the claim of the message as applied with its spent
+   payment, and the read of the order; then, in Python,
    :func:`~idempotent_orders.consuming.decision.decide` on the order as read and the
    model's own transition (:func:`run`, as for every message);
 2. the conditional UPDATE (pk, state, version and the road's conditions), the
@@ -23,11 +29,11 @@ two texts (:func:`claim_and_write`), the usual road's five round trips in two:
    runs the project's code (:func:`~idempotent_orders.consuming.running.save_hooks`),
    :func:`settle` calls it, and the follow-up's row and ``COMMIT`` go in one text.
 
-The claim comes before the decision, so it is an applied message's row; any other
-decision (a duplicate, a message to park or reject, a spent payment, an order with
-parked messages), an order that moved, or a write only the ORM can make, rolls it back
-(:class:`~idempotent_orders.consuming.backends.Declined`) and the road reads, decides
-and writes in one round trip a statement, as on a database without texts.
+Any decision but "apply" (the spent payment would have to be taken back), a duplicate,
+a spent payment, an order with parked messages, an order that moved, or a write only
+the ORM can make, rolls the two texts back
+(:class:`~idempotent_orders.consuming.backends.Declined`), and the same attempt goes
+one statement at a time, as on a database without texts.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ from idempotent_orders.consuming.running import (
     save_hooks,
     transition_written,
 )
-from idempotent_orders.consuming.sql import build, compiled_read, handed_over
+from idempotent_orders.consuming.sql import build, compiled_read, handed_over, read_order
 from idempotent_orders.consuming.unread import fits
 from idempotent_orders.models import (
     PLAIN_TYPES,
@@ -85,13 +91,14 @@ from idempotent_orders.models import (
 __all__ = [
     "Conflict",
     "Duplicate",
+    "MissingOrder",
     "Spent",
-    "claim_and_write",
+    "StillParked",
+    "apply",
     "on_error_reason",
     "park",
     "settle",
     "spent_verdict",
-    "write",
 ]
 
 logger = logging.getLogger("idempotent_orders")
@@ -126,119 +133,153 @@ def spent_verdict(envelope: Envelope, order: AbstractOrder, spent: Spent) -> Ver
     return Verdict(Outcome.REJECTED, reason, advance_to=slot)
 
 
-def write(
+class MissingOrder(Exception):
+    """The message's order does not exist: nothing was written."""
+
+
+class StillParked(Exception):
+    """A released message must still wait: its release was rolled back."""
+
+
+def apply(
+    envelope: Envelope,
+    consumer: str,
+    model: type[Model],
+    parked: ParkedMessage | None = None,
+    *,
+    retrying: bool = False,
+) -> tuple[Outcome, AbstractOrder, Verdict]:
+    """One attempt of the road, in one transaction: claim the message, read its order,
+    decide, write the verdict; the outcome, the order as read and the verdict. Raises
+    :class:`Duplicate` (the claim found the message taken), :class:`Conflict` (the order
+    moved since the read: decide again), :class:`MissingOrder`, :class:`StillParked`;
+    an exception from the project's code propagates after the rollback.
+
+    ``parked``: the message is being released (its parked row is the claim, its inbox
+    row exists); ``retrying``: the message has a failed inbox row, which the claim takes.
+    A new message goes in two texts where the backend can (:func:`_in_two_texts`).
+    """
+    if parked is None and not retrying:
+        done = _in_two_texts(envelope, consumer, model)
+        if done is not None:
+            return done
+    # The order is locked before the claim where the inbox row's foreign key would
+    # share-lock it (MariaDB), else read after the claim: there the claim's INSERT takes
+    # the write lock first (SQLite), and the foreign key is checked at COMMIT.
+    lock_first = backend().locks_orders_first
+    with transaction.atomic():
+        order = read_order(model, envelope.order_id, lock=True) if lock_first else None
+        if lock_first and order is None:
+            raise MissingOrder
+        _claim(envelope, consumer, parked, retrying)
+        if not lock_first:
+            order = read_order(model, envelope.order_id)
+            if order is None:
+                raise MissingOrder  # rolls the claim back
+        assert isinstance(order, AbstractOrder)
+        verdict = decide(order, envelope)
+        if parked is not None and verdict.outcome is Outcome.PARKED:
+            raise StillParked  # the parked row stays
+        outcome, verdict = _write(envelope, consumer, order, verdict, parked)
+    return outcome, order, verdict
+
+
+def _claim(envelope: Envelope, consumer: str, parked: ParkedMessage | None, retrying: bool) -> None:
+    """The transaction's first write takes the message: its inbox row as an applied
+    message's (:func:`_write` records any other verdict), the failed row of a retry, or
+    the parked row of a release. Raises :class:`Duplicate` when it is taken already."""
+    if parked is not None:
+        if not ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
+            raise Duplicate  # another worker released it
+        return
+    row = {
+        "status": InboxStatus.DONE,
+        "outcome": Outcome.APPLIED,
+        "order_id": envelope.order_id,
+        "seq": envelope.seq,
+        "error": "",
+        "body": "",
+        "fingerprint": envelope.fingerprint,
+    }
+    if retrying:
+        claimed = ProcessedMessage.objects.filter(
+            RETRYABLE, consumer=consumer, message_id=envelope.message_id
+        ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
+        if not claimed:
+            raise Duplicate  # another delivery ran it meanwhile
+        return
+    try:
+        with transaction.atomic(savepoint=False):
+            ProcessedMessage.objects.create(
+                consumer=consumer,
+                message_id=envelope.message_id,
+                message_type=envelope.message_type,
+                **row,
+            )
+    except IntegrityError:
+        raise Duplicate from None
+
+
+def _write(
     envelope: Envelope,
     consumer: str,
     order: AbstractOrder,
     verdict: Verdict,
     parked: ParkedMessage | None,
-    *,
-    retrying: bool = False,
-) -> Outcome:
-    """Write ``verdict`` in one transaction; raise Duplicate or Conflict when it cannot.
-
-    ``retrying``: the message has a failed inbox row, which is claimed by a
-    conditional update instead of an insert.
-    """
-    outcome = verdict.outcome
+) -> tuple[Outcome, Verdict]:
+    """Write ``verdict`` in the claim's transaction: spend the payment and run the
+    transition, park, or move ``last_seq`` on; the inbox row says what was decided.
+    The outcome and the verdict as written (a spent payment's, where it was spent)."""
     # A write that may unblock a successor is conditional on the has_parked
     # flag as read, so a message parked since our read makes it conflict.
     flagged = order.has_parked or not keeps_parked_flag(type(order))
     unflagged: dict[str, Any] = {} if flagged else {"has_parked": False}
-    body = serialise(envelope.as_dict())[:BODY_EXCERPT] if outcome is Outcome.REJECTED else ""
-    # The payment id the transition spends (recorded with the claim where it can be).
     payment = payment_id(envelope) if verdict.transition else None
-    with transaction.atomic():
-        # The first statement claims the message: the inbox insert (the unique
-        # index decides duplicates), or for a release, deleting the parked row.
-        row = {
-            "status": verdict.inbox_status,
+    if payment is not None:
+        owner = spend(payment, order.pk, consumer, envelope.message_id)
+        if owner is not None:
+            verdict = spent_verdict(envelope, order, Spent(payment, owner))
+    outcome = verdict.outcome
+    if parked is not None or outcome is not Outcome.APPLIED:
+        recorded: dict[str, Any] = {
             "outcome": outcome,
-            "order_id": order.pk,
-            "seq": envelope.seq,
+            "status": verdict.inbox_status,
             "error": verdict.reason,
-            "body": body,
-            "fingerprint": envelope.fingerprint,
         }
-        if retrying:
-            claimed = ProcessedMessage.objects.filter(
-                RETRYABLE, consumer=consumer, message_id=envelope.message_id
-            ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
-            if not claimed:
-                raise Duplicate  # another delivery ran it meanwhile
-        elif parked is None and payment is not None and (chosen := backend()).one_statement:
-            # The claim and the spent payment in one statement (one round trip).
-            fields = {"consumer": consumer, "message_id": envelope.message_id, **row}
-            fields["message_type"] = envelope.message_type
-            try:
-                claimed, owner = chosen.claim_and_spend(fields, timezone.now(), payment, order.pk)
-            except IntegrityError:
-                raise Duplicate from None
-            if not claimed:
-                raise Duplicate
-            if owner is not None:
-                raise Spent(payment, owner)
-            payment = None  # recorded
-        elif parked is None:
-            try:
-                with transaction.atomic(savepoint=False):
-                    ProcessedMessage.objects.create(
-                        consumer=consumer,
-                        message_id=envelope.message_id,
-                        message_type=envelope.message_type,
-                        **row,
-                    )
-            except IntegrityError:
-                raise Duplicate from None
-        else:
-            claimed, _ = ParkedMessage.objects.filter(pk=parked.pk).delete()
-            if not claimed:
-                raise Duplicate  # another worker released it
+        if parked is not None:
+            recorded["attempts"] = F("attempts") + 1
+        elif outcome is Outcome.REJECTED:
+            recorded["body"] = serialise(envelope.as_dict())[:BODY_EXCERPT]
+        inbox = ProcessedMessage.objects.filter(consumer=consumer, message_id=envelope.message_id)
+        inbox.update(**recorded)
+    if verdict.transition:
+        extra: dict[str, Any] = dict(unflagged)
+        if envelope.seq is not None:
+            extra["last_seq"] = envelope.seq - 1
+        outcome = run(envelope, consumer, order, verdict, extra)
+    elif outcome is Outcome.PARKED:
+        if not park(consumer, envelope, order, verdict.reason):
+            # Another message already waits with this (order, seq): a producer bug.
+            reason = f"another message is already parked with seq {envelope.seq}"
             ProcessedMessage.objects.filter(
                 consumer=consumer, message_id=envelope.message_id
-            ).update(
-                outcome=outcome,
-                status=verdict.inbox_status,
-                error=verdict.reason,
-                attempts=F("attempts") + 1,
-            )
-
-        if verdict.transition:
-            if payment is not None:
-                owner = spend(payment, order.pk, consumer, envelope.message_id)
-                if owner is not None:
-                    raise Spent(payment, owner)
-            extra: dict[str, Any] = dict(unflagged)
-            if envelope.seq is not None:
-                extra["last_seq"] = envelope.seq - 1
-            outcome = run(envelope, consumer, order, verdict, extra)
-        elif outcome is Outcome.PARKED:
-            if not park(consumer, envelope, order, verdict.reason):
-                # Another message already waits with this (order, seq): a producer bug.
-                reason = f"another message is already parked with seq {envelope.seq}"
-                ProcessedMessage.objects.filter(
-                    consumer=consumer, message_id=envelope.message_id
-                ).update(
-                    outcome=Outcome.REJECTED,
-                    status=InboxStatus.REJECTED,
-                    error=reason,
-                )
-                outcome = Outcome.REJECTED
-            elif not flagged:
-                # In the parking transaction, so that a predecessor's
-                # conditional write either sees it or commits before it.
-                type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
-        elif verdict.advance_to is not None:
-            # The message used up its sequence slot without changing the state:
-            # advance last_seq so its successors are not parked forever.
-            advanced = (
-                type(order)
-                ._default_manager.filter(pk=order.pk, last_seq=order.last_seq, **unflagged)
-                .update(last_seq=verdict.advance_to)
-            )
-            if advanced != 1:
-                raise Conflict
-    return outcome
+            ).update(outcome=Outcome.REJECTED, status=InboxStatus.REJECTED, error=reason)
+            outcome = Outcome.REJECTED
+        elif not flagged:
+            # In the parking transaction, so that a predecessor's
+            # conditional write either sees it or commits before it.
+            type(order)._default_manager.filter(pk=order.pk).update(has_parked=True)
+    elif verdict.advance_to is not None:
+        # The message used up its sequence slot without changing the state:
+        # advance last_seq so its successors are not parked forever.
+        advanced = (
+            type(order)
+            ._default_manager.filter(pk=order.pk, last_seq=order.last_seq, **unflagged)
+            .update(last_seq=verdict.advance_to)
+        )
+        if advanced != 1:
+            raise Conflict
+    return outcome, verdict
 
 
 #: The two texts' connection, cursor and backend texts, for :func:`run` to write through.
@@ -345,20 +386,19 @@ def park(consumer: str, envelope: Envelope, order: AbstractOrder, reason: str) -
     return True
 
 
-def claim_and_write(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
+def _in_two_texts(
+    envelope: Envelope, consumer: str, model: type[Model]
+) -> tuple[Outcome, AbstractOrder, Verdict] | None:
     """A new message applied in two texts (see the module's docstring) where the backend
-    sends several statements a text; None with nothing written: the road reads, decides
-    and writes one statement at a time.
-
-    On APPLIED (or REJECTED: the body raised under fsm-2's ``on_error``) the message is
-    committed. An exception from the project's code propagates after the rollback.
-    """
+    sends several statements a text; None with nothing written: the road goes on one
+    statement at a time. Committed on APPLIED (or REJECTED: the body raised under fsm-2's
+    ``on_error``); an exception from the project's code propagates after the rollback."""
     alias, plan = compiled_read(model, "pk")
     if plan is None or alias != DEFAULT_DB_ALIAS:
         return None
     conn = connections[alias]
     chosen = backend(conn)
-    texts = chosen.texts()
+    texts = chosen.texts() if chosen.two_texts else None
     if texts is None or conn.in_atomic_block or not conn.get_autocommit():
         return None
     # The fast path's kind (at_once tests the state against several sources; one_statement
@@ -373,18 +413,19 @@ def claim_and_write(envelope: Envelope, consumer: str, model: type[Model]) -> Ou
             verdict = decide(order, envelope)
             if verdict.outcome is not Outcome.APPLIED:
                 raise Declined
-            # The road's conditions (write): the flag as read, where the app keeps it
+            # The road's conditions (_write): the flag as read, where the app keeps it
             # (elsewhere the caller looks for parked successors after commit).
             conditions: dict[str, Any] = {"has_parked": False} if keeps_parked_flag(model) else {}
             if envelope.seq is not None:
                 conditions["last_seq"] = envelope.seq - 1
-            return run(envelope, consumer, order, verdict, conditions, (conn, cursor, texts))
+            sent = (conn, cursor, texts)
+            return run(envelope, consumer, order, verdict, conditions, sent), order, verdict
     except (Declined, Conflict):
         return None
     except OperationalError as exc:
         if not is_retryable(exc):
             raise
-        return None  # rolled back whole (a deadlock, say): the road runs it again
+        return None  # rolled back whole (a deadlock, say): the road goes on as below
 
 
 def _claim_and_read(

@@ -1,11 +1,13 @@
-"""The one road after the order is read, on every database: a message the roads without a
+"""The road one statement at a time, on every database: a message the roads without a
 read decline (a guard the order failed, a caller's transaction, a follow-up that writes
-its own rows, a road switched off) is claimed, run and written in one transaction of
-Django's ``atomic``; a race lost between the read and that transaction rolls all of it
-back and decides again."""
+its own rows, a road switched off) is claimed, read, run and written in one transaction
+of Django's ``atomic``; a race lost between the read and the write rolls all of it back
+and decides again."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,8 +15,8 @@ from django.db import connection
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
-from idempotent_orders.consuming import single
-from idempotent_orders.consuming.backends import Backend
+from idempotent_orders.consuming import single, writing
+from idempotent_orders.consuming.backends import Backend, backend
 from idempotent_orders.models import (
     Order,
     OrderStatus,
@@ -30,8 +32,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def read_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every road without a read declines, and no backend sends two texts: the order is
-    read, then written one statement at a time."""
+    """Every road without a read declines, and no backend sends two texts: the message is
+    claimed, its order read and written one statement at a time."""
     monkeypatch.setattr(Backend, "roads_without_read", lambda self: [])
     monkeypatch.setattr(Backend, "texts", lambda self: None)
 
@@ -42,21 +44,49 @@ def _paid(make_order: Any) -> Order:
     return Order.objects.get(pk=order.pk)
 
 
+def _elsewhere(work: Callable[[], Any]) -> None:
+    """``work`` on a connection of its own (another writer), committed when it returns."""
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def _racing(monkeypatch: pytest.MonkeyPatch, change: Callable[[], Any]) -> list[int]:
+    """Another writer runs ``change`` between the road's read of the order and its write,
+    once; the versions the road read, in order."""
+    real = writing.decide
+    versions: list[int] = []
+
+    def racing(order: Any, envelope: Any) -> Any:
+        versions.append(order.version)
+        if len(versions) == 1:
+            _elsewhere(change)
+        return real(order, envelope)
+
+    monkeypatch.setattr(writing, "decide", racing)
+    return versions
+
+
+# The order is read after the claim and written optimistically on PostgreSQL; MariaDB
+# locks it with the read, and SQLite's transaction holds the write lock from the claim on:
+# another writer waits there, and no race is lost.
+@pytest.mark.backends("postgresql")
 def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
     make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order = make_order()
-    real = single.write
-    versions: list[int] = []
-
-    def racing(envelope: Any, consumer: str, read: Any, *args: Any, **kwargs: Any) -> Any:
-        versions.append(read.version)
-        if len(versions) == 1:
-            # Another writer changes the order between our read and our transaction.
-            Order.objects.filter(pk=order.pk).update(version=F("version") + 1)
-        return real(envelope, consumer, read, *args, **kwargs)
-
-    monkeypatch.setattr(single, "write", racing)
+    versions = _racing(
+        monkeypatch,
+        lambda: Order.objects.filter(pk=order.pk).update(version=F("version") + 1),
+    )
     message = payment(order)
     assert single.consume_message(message, consumer="payments") is Outcome.APPLIED
     assert versions == [0, 1]  # the first transaction was undone; the second read v1
@@ -69,24 +99,18 @@ def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
     assert OutboxMessage.objects.filter(message_id=f"fulfil-{order.pk}").count() == 1
 
 
+@pytest.mark.backends("postgresql")
 def test_a_transition_of_several_sources_that_loses_a_race_decides_again(
     make_order, read_first: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # ``ship`` leaves PAID or PROCESSING: the state as read is the source the write tests.
     order = _paid(make_order)
-    real = single.write
-    versions: list[int] = []
-
-    def racing(envelope: Any, consumer: str, read: Any, *args: Any, **kwargs: Any) -> Any:
-        versions.append(read.version)
-        if len(versions) == 1:
-            # Another writer moves the order on between our read and our transaction.
-            Order.objects.filter(pk=order.pk).update(
-                status=OrderStatus.PROCESSING, version=F("version") + 1
-            )
-        return real(envelope, consumer, read, *args, **kwargs)
-
-    monkeypatch.setattr(single, "write", racing)
+    versions = _racing(
+        monkeypatch,
+        lambda: Order.objects.filter(pk=order.pk).update(
+            status=OrderStatus.PROCESSING, version=F("version") + 1
+        ),
+    )
     message = shipment(order)
     with transitions_heard() as heard:
         assert single.consume_message(message, consumer="shipping") is Outcome.APPLIED
@@ -106,16 +130,18 @@ def test_a_claim_that_loses_to_the_inbox_writes_nothing(
 ) -> None:
     order = make_order()
     message = payment(order)
-    real = single.write
+    real = single.apply
 
     def overtaken(*args: Any, **kwargs: Any) -> Any:
-        # Another delivery of the same message commits between our read and our claim.
-        ProcessedMessage.objects.create(
-            consumer="payments", message_id=message["message_id"], outcome=Outcome.APPLIED
+        # Another delivery of the same message commits its claim before ours.
+        _elsewhere(
+            lambda: ProcessedMessage.objects.create(
+                consumer="payments", message_id=message["message_id"], outcome=Outcome.APPLIED
+            )
         )
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(single, "write", overtaken)
+    monkeypatch.setattr(single, "apply", overtaken)
     assert single.consume_message(message, consumer="payments") is Outcome.DUPLICATE
     row = Order.objects.get(pk=order.pk)
     assert (row.status, row.version, row.payment_id) == (OrderStatus.PENDING_PAYMENT, 0, "")
@@ -126,9 +152,9 @@ def test_a_claim_that_loses_to_the_inbox_writes_nothing(
 def test_a_message_the_roads_without_a_read_decline_is_a_read_and_one_transaction(
     make_order, read_first: None
 ) -> None:
-    """A dispatch (two sources) the roads without a read decline: the order's read, then
-    the claim and the conditional UPDATE in Django's ``atomic``; no statement of a road
-    without a read is sent."""
+    """A dispatch (two sources) the roads without a read decline: the claim, the order's
+    read (MariaDB: the read, locked, then the claim) and the conditional UPDATE in
+    Django's ``atomic``; no statement of a road without a read is sent."""
     single.consume_message(shipment(_paid(make_order)), consumer="shipping")  # first statements
     order = _paid(make_order)
     with CaptureQueriesContext(connection) as queries:
@@ -136,14 +162,18 @@ def test_a_message_the_roads_without_a_read_decline_is_a_read_and_one_transactio
     sql = [q["sql"] for q in queries.captured_queries]
     kinds = [s.split(" ", 1)[0] for s in sql]
     qn = connection.ops.quote_name
-    assert sql[0].startswith(f"SELECT {qn(Order._meta.db_table)}."), sql
+    reads = [s for s in sql if s.startswith(f"SELECT {qn(Order._meta.db_table)}.")]
+    assert len(reads) == 1, sql
+    assert reads[0].endswith(" FOR UPDATE") == backend().locks_orders_first, sql
     inserts = [s for s in sql if s.startswith("INSERT INTO")]
     assert len(inserts) == 1, sql
     assert ProcessedMessage._meta.db_table in inserts[0], sql
     updates = [s for s in sql if s.startswith(f"UPDATE {qn(Order._meta.db_table)}")]
     assert len(updates) == 1, sql
     assert not any(s.startswith(("WITH", "START TRANSACTION")) for s in sql), sql
-    # Five round trips: the read, BEGIN, the claim, the UPDATE and COMMIT.
-    assert kinds == ["SELECT", "BEGIN", "INSERT", "UPDATE", "COMMIT"], sql
+    # Five round trips: BEGIN, the claim and the read (MariaDB: the read first), the
+    # UPDATE and COMMIT.
+    first = ["SELECT", "INSERT"] if backend().locks_orders_first else ["INSERT", "SELECT"]
+    assert kinds == ["BEGIN", *first, "UPDATE", "COMMIT"], sql
     row = Order.objects.get(pk=order.pk)
     assert (row.status, row.version) == (OrderStatus.SHIPPED, 1)

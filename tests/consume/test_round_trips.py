@@ -18,7 +18,7 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from django_fsm.signals import pre_transition
 
 from idempotent_orders import outbox, prepared
-from idempotent_orders.consuming import current_message, registry, single, writing
+from idempotent_orders.consuming import current_message, registry, writing
 from idempotent_orders.consuming.envelope import parse_envelope
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.running import road
@@ -42,17 +42,29 @@ def _receiver(sender: Any, **kwargs: Any) -> None:
 
 @pytest.mark.backends("postgresql")
 @pytest.mark.django_db
-def test_the_read_decide_write_road_claims_and_spends_in_one_statement(make_order) -> None:
+def test_the_road_one_statement_at_a_time_claims_reads_then_spends(make_order) -> None:
+    """In a caller's transaction (no two texts): the claim, the read, then, the message
+    decided, the spent payment and the UPDATE."""
     pre_transition.connect(_receiver, sender=Order)
     try:
         order, other = make_order(), make_order()
         message = payment(order, payment_id=f"ch-{order.pk}")
         with CaptureQueriesContext(connection) as queries:
             assert consume_message(message, consumer="payments") is Outcome.APPLIED
-        spent_table = SpentPayment._meta.db_table
-        touching = [q["sql"] for q in queries if spent_table in q["sql"]]
-        assert len(touching) == 1, touching  # no separate spent-payment INSERT
-        assert ProcessedMessage._meta.db_table in touching[0]
+        tables = (ProcessedMessage, Order, SpentPayment)
+        touched = [
+            (q["sql"].split()[0], m.__name__)
+            for q in queries
+            for m in tables
+            if f'"{m._meta.db_table}"' in q["sql"].split(" WHERE ")[0]
+            and q["sql"].startswith(("INSERT", "SELECT", "UPDATE"))
+        ]
+        assert touched[:4] == [
+            ("INSERT", "ProcessedMessage"),
+            ("SELECT", "Order"),
+            ("INSERT", "SpentPayment"),
+            ("UPDATE", "Order"),
+        ], touched
         assert list(SpentPayment.objects.values_list("payment_id", "order_id")) == [
             (f"ch-{order.pk}", order.pk)
         ]
@@ -224,7 +236,7 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
         post_save.connect(watch, sender=Order, weak=False, dispatch_uid="test-save-road")
         try:
             assert road(Order, "pay")[0] == "save"
-            standing_aside = mock.patch.object(single, "claim_and_write", _declined)
+            standing_aside = mock.patch.object(writing, "_in_two_texts", _declined)
             with standing_aside, round_trips() as trips:
                 assert consume_message(payment(usual), consumer="payments") is Outcome.APPLIED
                 usual_trips = trips()
@@ -234,8 +246,9 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
                 merged_trips = trips()
         finally:
             post_save.disconnect(sender=Order, dispatch_uid="test-save-road")
-    # The read and the driver's own BEGIN; with a follow-up, its row's own round trip.
-    assert merged_trips == usual_trips - (3 if fulfil else 2)
+    # The driver's own BEGIN, the read and the spent payment; with a follow-up, its row's
+    # own round trip.
+    assert merged_trips == usual_trips - (4 if fulfil else 3)
     # BEGIN, the claim with the spent payment and the read; save()'s UPDATE; the
     # receiver's own SELECT; the follow-up's outbox row with COMMIT (or COMMIT alone).
     assert merged_trips == 4
@@ -396,7 +409,7 @@ def test_what_one_statement_cannot_take_is_claimed_and_read_in_one_text(
                 counted.append(trips())
             assert texts[0].startswith('"BEGIN; '), texts
             assert texts[-1].endswith('; COMMIT"'), texts
-        with mock.patch.object(single, "claim_and_write", _declined), round_trips() as trips:
+        with mock.patch.object(writing, "_in_two_texts", _declined), round_trips() as trips:
             message = shipment(usual)
             assert consume_message(message, consumer="shipping") is Outcome.APPLIED
             usual_trips = trips()
@@ -443,9 +456,9 @@ def test_a_message_one_statement_declined_is_not_claimed_again_before_the_read(
         return real(*args, **kwargs)
 
     sent = []
-    for order, road_ in ((orders[0], writing.claim_and_write), (orders[1], _declined)):
+    for order, road_ in ((orders[0], writing._in_two_texts), (orders[1], _declined)):
         with (
-            mock.patch.object(single, "claim_and_write", road_),
+            mock.patch.object(writing, "_in_two_texts", road_),
             mock.patch.object(writing, "_claim_and_read", spy),
             round_trips() as trips,
         ):
@@ -490,7 +503,7 @@ def test_mariadb_claims_and_reads_what_at_once_cannot_take_in_one_text(
                     counted.append(trips())
                 assert texts[0].startswith("START TRANSACTION; SELECT "), texts
                 assert texts[-1].endswith("; COMMIT"), texts
-            standing_aside = mock.patch.object(single, "claim_and_write", _declined)
+            standing_aside = mock.patch.object(writing, "_in_two_texts", _declined)
             with standing_aside, round_trips() as trips:
                 assert consume_message(cancel(usual), consumer="payments") is Outcome.APPLIED
                 usual_trips = trips()
@@ -522,7 +535,7 @@ def test_what_mariadb_two_texts_decline_leaves_nothing_written(
 ) -> None:
     """A duplicate, an order in another state, a message out of sequence, an order with
     parked messages: the first text's claim is rolled back (nothing of it written when
-    claim_and_write returns), and the road reads, decides and says why."""
+    _in_two_texts returns), and the road reads, decides and says why."""
     assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
     done, paid, early, waiting = (make_order() for _ in range(4))
     Order.objects.filter(pk=paid.pk).update(status=OrderStatus.PAID)
@@ -558,7 +571,7 @@ def test_what_mariadb_two_texts_decline_leaves_nothing_written(
         with round_trips(texts) as trips:
             # The road itself (the usual road's dedup fast path would answer a duplicate).
             envelope = parse_envelope(message, consumer="payments")
-            assert writing.claim_and_write(envelope, "payments", Order) is None
+            assert writing._in_two_texts(envelope, "payments", Order) is None
             trips()
         # The first text went, and was rolled back: nothing of it is left.
         assert texts[0].startswith("START TRANSACTION; SELECT "), texts

@@ -25,7 +25,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.db import connection
 from reversion.models import Version
 
-from idempotent_orders.consuming import current_message, registry, single, writing
+from idempotent_orders.consuming import current_message, registry, writing
 from idempotent_orders.consuming.batch import consume_batch
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.graph import TransitionStatus
@@ -87,15 +87,15 @@ def messages(order: Order, *, seq: bool) -> list[dict[str, Any]]:
 def merged_road() -> Iterator[list[Outcome]]:
     """The outcomes the two texts applied (declined messages left out)."""
     taken: list[Outcome] = []
-    real = writing.claim_and_write
+    real = writing._in_two_texts
 
-    def spy(*args: Any, **kwargs: Any) -> Outcome | None:
-        outcome = real(*args, **kwargs)
-        if outcome is not None:
-            taken.append(outcome)
-        return outcome
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        done = real(*args, **kwargs)
+        if done is not None:
+            taken.append(done[0])
+        return done
 
-    with mock.patch.object(single, "claim_and_write", spy):
+    with mock.patch.object(writing, "_in_two_texts", spy):
         yield taken
 
 
@@ -182,7 +182,7 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
     if way.startswith("single"):
         # A revision block of its own around each message: in the caller's transaction
         # (reversion's default), or not (then, on PostgreSQL and MariaDB, the read goes
-        # in the claim's round trip: writing.claim_and_write).
+        # in the claim's round trip: writing._in_two_texts).
         atomic = way == "single-in-atomic"
         with merged_road() as merged:
             for m in deliveries:

@@ -1,4 +1,4 @@
-"""MariaDB's two texts for a transition that runs the project's code (``writing.claim_and_write``):
+"""MariaDB's two texts for a transition that runs the project's code (``writing._in_two_texts``):
 ``START TRANSACTION`` + the order's read + the claim, then UPDATE + guard + outbox row +
 ``COMMIT``, with the same result as the usual road, and the usual road wherever that
 cannot hold.
@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 from django.test import override_settings
 
-from idempotent_orders.consuming import running, single
+from idempotent_orders.consuming import running, writing
 from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
@@ -67,7 +67,7 @@ def test_a_transition_with_a_receiver_takes_two_round_trips(
     with round_trips(texts) as trips:
         assert consume_message(payment(order), consumer="payments") is Outcome.APPLIED
         sent = trips()
-    with mock.patch.object(single, "claim_and_write", _declined), round_trips() as trips:
+    with mock.patch.object(writing, "_in_two_texts", _declined), round_trips() as trips:
         assert consume_message(payment(usual), consumer="payments") is Outcome.APPLIED
         usual_sent = trips()
     assert sent == 2, texts

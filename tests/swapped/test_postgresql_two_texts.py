@@ -1,4 +1,4 @@
-"""PostgreSQL's road for a transition that runs the project's code (``writing.claim_and_write``):
+"""PostgreSQL's road for a transition that runs the project's code (``writing._in_two_texts``):
 two texts, ``BEGIN`` + claim + read, then UPDATE + outbox row + ``COMMIT``, with the same
 result as the usual road, and the usual road wherever that cannot hold.
 

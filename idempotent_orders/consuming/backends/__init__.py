@@ -107,10 +107,6 @@ class Backend(Vendor):
     #: The roads that skip the order's read, as ``module:function`` under
     #: ``idempotent_orders.consuming``, tried in order (see :meth:`roads_without_read`).
     without_read: tuple[str, ...] = ()
-    #: A message's writes go in one statement (data-modifying ``WITH`` clauses): the
-    #: inbox claim and the spent payment (:meth:`claim_and_spend`), or the claim and the
-    #: order's UPDATE.
-    one_statement = False
     #: A batch locks its orders before it claims their inbox rows: the database checks a
     #: foreign key at once, share-locking the order the inbox row points to.
     locks_orders_first = False
@@ -214,15 +210,6 @@ class Backend(Vendor):
         :func:`~idempotent_orders.consuming.payments.record_spent`); the ids inserted, or
         None with nothing sent (the ORM writes them)."""
         return None
-
-    def claim_and_spend(
-        self, values: Mapping[str, Any], now: Any, payment: str, order_id: Any
-    ) -> tuple[bool, Any | None]:
-        """With ``one_statement``: the inbox row (``values``, its per-message columns) and
-        the spent payment in one statement, in the caller's transaction; ``(claimed,
-        owner)``: ``claimed`` False when the inbox holds the message already (nothing
-        written), ``owner`` the order the payment was spent on before (None: recorded)."""
-        raise NotImplementedError
 
     def ready_at_once(self, conn: Any) -> bool:
         """Whether :meth:`send_at_once` may send on ``conn`` (outside any transaction)."""

@@ -1,13 +1,10 @@
 """PostgreSQL: one statement for a message with nothing of the project's to run, two texts
-for one that runs the project's code, arrays for a batch's columns; the claim and the
-spent payment in one statement (data-modifying ``WITH`` clauses)."""
+for one that runs the project's code (its claim and spent payment in one statement, with
+data-modifying ``WITH`` clauses), arrays for a batch's columns."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-from django.db import connection
+from collections.abc import Sequence
 
 from idempotent_orders.consuming.backends import Backend
 from idempotent_orders.consuming.backends.postgresql.arrays import (
@@ -15,8 +12,7 @@ from idempotent_orders.consuming.backends.postgresql.arrays import (
     record_spent,
     update_orders,
 )
-from idempotent_orders.consuming.payments import spent_by, spent_table
-from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
+from idempotent_orders.consuming.payments import spent_table
 from idempotent_orders.vendors import postgresql
 
 __all__ = ["PostgreSQL", "claim_and_spend_sql", "spent_after"]
@@ -25,33 +21,11 @@ __all__ = ["PostgreSQL", "claim_and_spend_sql", "spent_after"]
 class PostgreSQL(postgresql.PostgreSQL, Backend):
     without_read = ("backends.postgresql.one_statement:apply_unread",)
     two_texts = "backends.postgresql.texts:PostgreSQLTexts"
-    one_statement = True
 
     # A batch's statements take one array per column.
     pk_in = staticmethod(any_of)
     update_orders = staticmethod(update_orders)
     record_spent = staticmethod(record_spent)
-
-    def claim_and_spend(
-        self, values: Mapping[str, Any], now: Any, payment: str, order_id: Any
-    ) -> tuple[bool, Any | None]:
-        template = inbox_template()
-        key = (connection.alias, inbox_partitioned())
-        sql = _claims.get(key)
-        if sql is None:
-            sql = _claims[key] = claim_and_spend_sql(template.sql)
-        params = template.params(values, now)
-        consumer, message_id = values["consumer"], values["message_id"]
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [*params, payment, order_id, consumer, message_id])
-            claimed, recorded = cursor.fetchone()
-        if not claimed:
-            return False, None
-        return True, None if recorded else spent_by(payment)
-
-
-#: The claim-and-spend statement's text, by (database alias, inbox partitioned).
-_claims: dict[tuple[str, bool], str] = {}
 
 
 def claim_and_spend_sql(inbox_sql: str) -> str:
