@@ -414,7 +414,7 @@ def test_what_one_statement_cannot_take_is_claimed_and_read_in_one_text(
             assert consume_message(message, consumer="shipping") is Outcome.APPLIED
             usual_trips = trips()
     assert counted == [2, 2, 2]
-    assert usual_trips == 5  # the read, BEGIN, the claim, the UPDATE, COMMIT
+    assert usual_trips == 5  # BEGIN, the claim, the read, the UPDATE, COMMIT
     # What the project's listeners hear: the source each order was in.
     assert heard == [
         (paid.pk, OrderStatus.SHIPPED, 1, OrderStatus.PAID),
@@ -478,8 +478,8 @@ def test_mariadb_claims_and_reads_what_at_once_cannot_take_in_one_text(
 ) -> None:
     """A project's own validator (``cancel``) and a transition with a receiver (``ship``):
     on MariaDB two texts, ``START TRANSACTION`` with the read and the claim, then the
-    UPDATE and ``COMMIT``, where the usual road sends the read, autocommit off, the claim,
-    the UPDATE, ``COMMIT`` and autocommit on."""
+    UPDATE and ``COMMIT``, where the road one statement at a time sends autocommit off,
+    the read, the claim, the UPDATE, ``COMMIT`` and autocommit on."""
     assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
     fresh, paid, usual = make_order(), make_order(), make_order()
     Order.objects.filter(pk=paid.pk).update(status=OrderStatus.PAID)
