@@ -86,6 +86,7 @@ from idempotent_orders.models import (
     Outcome,
     ParkedMessage,
     ProcessedMessage,
+    SpentPayment,
 )
 
 __all__ = [
@@ -171,7 +172,7 @@ def apply(
         order = read_order(model, envelope.order_id, lock=True) if lock_first else None
         if lock_first and order is None:
             raise MissingOrder
-        _claim(envelope, consumer, parked, retrying)
+        spent = _claim(envelope, consumer, parked, retrying)
         if not lock_first:
             order = read_order(model, envelope.order_id)
             if order is None:
@@ -180,18 +181,24 @@ def apply(
         verdict = decide(order, envelope)
         if parked is not None and verdict.outcome is Outcome.PARKED:
             raise StillParked  # the parked row stays
-        outcome, verdict = _write(envelope, consumer, order, verdict, parked)
+        outcome, verdict = _write(envelope, consumer, order, verdict, parked, spent)
     return outcome, order, verdict
 
 
-def _claim(envelope: Envelope, consumer: str, parked: ParkedMessage | None, retrying: bool) -> None:
+def _claim(
+    envelope: Envelope, consumer: str, parked: ParkedMessage | None, retrying: bool
+) -> list[Any] | None:
     """The transaction's first write takes the message: its inbox row as an applied
     message's (:func:`_write` records any other verdict), the failed row of a retry, or
-    the parked row of a release. Raises :class:`Duplicate` when it is taken already."""
+    the parked row of a release. Raises :class:`Duplicate` when it is taken already.
+
+    Where the backend claims and spends in one statement, a new message's payment is
+    spent with the claim: ``[owner]`` (None: recorded; else the order it paid before);
+    None: not spent yet."""
     if parked is not None:
         if not ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
             raise Duplicate  # another worker released it
-        return
+        return None
     row = {
         "status": InboxStatus.DONE,
         "outcome": Outcome.APPLIED,
@@ -207,7 +214,18 @@ def _claim(envelope: Envelope, consumer: str, parked: ParkedMessage | None, retr
         ).update(**row, attempts=F("attempts") + 1, dead_at=None, updated_at=timezone.now())
         if not claimed:
             raise Duplicate  # another delivery ran it meanwhile
-        return
+        return None
+    payment = payment_id(envelope)
+    if payment is not None:
+        fields = {**envelope.inbox_fields(consumer), **row}
+        try:
+            done = backend().claim_and_spend(fields, timezone.now(), payment, envelope.order_id)
+        except IntegrityError:
+            raise Duplicate from None
+        if done is not None:
+            if not done[0]:
+                raise Duplicate
+            return [done[1]]
     try:
         with transaction.atomic(savepoint=False):
             ProcessedMessage.objects.create(
@@ -218,6 +236,7 @@ def _claim(envelope: Envelope, consumer: str, parked: ParkedMessage | None, retr
             )
     except IntegrityError:
         raise Duplicate from None
+    return None
 
 
 def _write(
@@ -226,17 +245,24 @@ def _write(
     order: AbstractOrder,
     verdict: Verdict,
     parked: ParkedMessage | None,
+    spent: list[Any] | None = None,
 ) -> tuple[Outcome, Verdict]:
     """Write ``verdict`` in the claim's transaction: spend the payment and run the
     transition, park, or move ``last_seq`` on; the inbox row says what was decided.
-    The outcome and the verdict as written (a spent payment's, where it was spent)."""
+    The outcome and the verdict as written (a spent payment's, where it was spent).
+    ``spent``: the claim spent the payment already (:func:`_claim`)."""
     # A write that may unblock a successor is conditional on the has_parked
     # flag as read, so a message parked since our read makes it conflict.
     flagged = order.has_parked or not keeps_parked_flag(type(order))
     unflagged: dict[str, Any] = {} if flagged else {"has_parked": False}
-    payment = payment_id(envelope) if verdict.transition else None
-    if payment is not None:
-        owner = spend(payment, order.pk, consumer, envelope.message_id)
+    payment = payment_id(envelope)
+    if spent is not None and spent[0] is None and not verdict.transition:
+        # Spent with the claim, by a message that does not apply: taken back.
+        SpentPayment.objects.filter(payment_id=payment, message_id=envelope.message_id).delete()
+    elif payment is not None and verdict.transition:
+        owner = (
+            spend(payment, order.pk, consumer, envelope.message_id) if spent is None else spent[0]
+        )
         if owner is not None:
             verdict = spent_verdict(envelope, order, Spent(payment, owner))
     outcome = verdict.outcome

@@ -211,6 +211,16 @@ class Backend(Vendor):
         None with nothing sent (the ORM writes them)."""
         return None
 
+    def claim_and_spend(
+        self, values: Mapping[str, Any], now: Any, payment: str, order_id: Any
+    ) -> tuple[bool, Any | None] | None:
+        """The inbox row (``values``, its per-message columns) and the spent payment in one
+        statement, in the caller's transaction: ``(claimed, owner)``, ``claimed`` False
+        when the inbox holds the message already (nothing written), ``owner`` the order the
+        payment was spent on before (None: recorded). None with nothing sent: the claim
+        and the payment go one statement each."""
+        return None
+
     def ready_at_once(self, conn: Any) -> bool:
         """Whether :meth:`send_at_once` may send on ``conn`` (outside any transaction)."""
         return self.at_once

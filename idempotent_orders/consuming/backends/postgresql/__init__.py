@@ -4,7 +4,10 @@ data-modifying ``WITH`` clauses), arrays for a batch's columns."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from django.db import connection
 
 from idempotent_orders.consuming.backends import Backend
 from idempotent_orders.consuming.backends.postgresql.arrays import (
@@ -12,7 +15,8 @@ from idempotent_orders.consuming.backends.postgresql.arrays import (
     record_spent,
     update_orders,
 )
-from idempotent_orders.consuming.payments import spent_table
+from idempotent_orders.consuming.payments import spent_by, spent_table
+from idempotent_orders.consuming.sql import inbox_partitioned, inbox_template
 from idempotent_orders.vendors import postgresql
 
 __all__ = ["PostgreSQL", "claim_and_spend_sql", "spent_after"]
@@ -26,6 +30,27 @@ class PostgreSQL(postgresql.PostgreSQL, Backend):
     pk_in = staticmethod(any_of)
     update_orders = staticmethod(update_orders)
     record_spent = staticmethod(record_spent)
+
+    def claim_and_spend(
+        self, values: Mapping[str, Any], now: Any, payment: str, order_id: Any
+    ) -> tuple[bool, Any | None]:
+        template = inbox_template()
+        key = (connection.alias, inbox_partitioned())
+        sql = _claims.get(key)
+        if sql is None:
+            sql = _claims[key] = claim_and_spend_sql(template.sql)
+        params = template.params(values, now)
+        consumer, message_id = values["consumer"], values["message_id"]
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [*params, payment, order_id, consumer, message_id])
+            claimed, recorded = cursor.fetchone()
+        if not claimed:
+            return False, None
+        return True, None if recorded else spent_by(payment)
+
+
+#: The claim-and-spend statement's text, by (database alias, inbox partitioned).
+_claims: dict[tuple[str, bool], str] = {}
 
 
 def claim_and_spend_sql(inbox_sql: str) -> str:
