@@ -257,7 +257,12 @@ def _report(name: str, seconds: float) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_storm_on_a_healthy_cluster(on_cluster, answers) -> None:
-    seconds, orders, deliveries = _storm(seed=31)
+    # "Never failed" is about the cluster, not the bound: with the default 50 ms, a node
+    # that answers late on a loaded machine (three test legs on two cores) counts as down.
+    loaded = {**settings.IDEMPOTENT_ORDERS, "DEDUP_REDIS_TIMEOUT": 0.5}
+    with override_settings(IDEMPOTENT_ORDERS=loaded):
+        dedup.reset()
+        seconds, orders, deliveries = _storm(seed=31)
     _assert_exactly_once(orders, deliveries)
     # The fast path answered duplicates itself, from every master, and never failed.
     assert answers[Layer.REDIS_HIT] > 0
