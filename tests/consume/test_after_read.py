@@ -7,11 +7,12 @@ and decides again."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
@@ -177,3 +178,54 @@ def test_a_message_the_roads_without_a_read_decline_is_a_read_and_one_transactio
     assert kinds == ["BEGIN", *first, "UPDATE", "COMMIT"], sql
     row = Order.objects.get(pk=order.pk)
     assert (row.status, row.version) == (OrderStatus.SHIPPED, 1)
+
+
+@pytest.mark.backends("mysql")
+def test_two_payments_of_one_order_in_callers_transactions_meet_no_deadlock(
+    make_order, read_first: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On MariaDB the order is read ``FOR UPDATE`` before the claim: a second payment of the
+    same order waits for the first to commit, then decides against what it wrote. Were the
+    inbox row's foreign key to share-lock the order first, two claims would hold it and
+    their UPDATEs cross: a deadlock, and MariaDB rolls the caller's transaction back."""
+    order = make_order()
+    second_claimed = threading.Event()
+    real_claim, real_call = writing._claim, writing.call_transition
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        done = real_claim(*args, **kwargs)
+        if threading.current_thread().name == "second":
+            second_claimed.set()
+        return done
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "first":
+            # Give the second payment every chance to claim before this one writes.
+            second_claimed.wait(2)
+        return real_call(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "_claim", claim)
+    monkeypatch.setattr(writing, "call_transition", call)
+    outcomes: dict[str, Any] = {}
+
+    def pay(name: str) -> None:
+        message = payment(order, payment_id=f"{name}-{order.pk}")
+        message["message_id"] = f"{name}-{order.pk}"
+        try:
+            with transaction.atomic():
+                outcomes[name] = single.consume_message(message, consumer="payments")
+        except Exception as exc:  # what the caller would meet
+            outcomes[name] = exc
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=pay, args=("first",), name="first")
+    second = threading.Thread(target=pay, args=("second",), name="second")
+    first.start()
+    time.sleep(0.3)  # the first has read (and locked) the order
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert outcomes == {"first": Outcome.APPLIED, "second": Outcome.REJECTED}
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version, row.payment_id) == (OrderStatus.PAID, 1, f"first-{order.pk}")
