@@ -7,7 +7,6 @@ and decides again."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -189,13 +188,13 @@ def test_two_payments_of_one_order_in_callers_transactions_meet_no_deadlock(
     inbox row's foreign key to share-lock the order first, two claims would hold it and
     their UPDATEs cross: a deadlock, and MariaDB rolls the caller's transaction back."""
     order = make_order()
-    second_claimed = threading.Event()
+    first_claimed, second_claimed = threading.Event(), threading.Event()
     real_claim, real_call = writing._claim, writing.call_transition
 
     def claim(*args: Any, **kwargs: Any) -> Any:
         done = real_claim(*args, **kwargs)
-        if threading.current_thread().name == "second":
-            second_claimed.set()
+        name = threading.current_thread().name
+        (first_claimed if name == "first" else second_claimed).set()
         return done
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -222,7 +221,7 @@ def test_two_payments_of_one_order_in_callers_transactions_meet_no_deadlock(
     first = threading.Thread(target=pay, args=("first",), name="first")
     second = threading.Thread(target=pay, args=("second",), name="second")
     first.start()
-    time.sleep(0.3)  # the first has read (and locked) the order
+    assert first_claimed.wait(30)  # the first has read the order, then claimed
     second.start()
     first.join(30)
     second.join(30)
