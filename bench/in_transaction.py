@@ -1,12 +1,18 @@
-"""The road one statement at a time, timed: ``python -m bench.in_transaction``.
+"""Messages consumed inside a caller's transaction, timed: ``python -m bench.in_transaction``.
 
 ``BENCH_IN_TRANSACTION_MESSAGES`` (600) new payments of the app's ``Order`` with a
-``pre_transition`` receiver (so no road without a read takes them), each
-``consume_message`` called inside a caller's ``transaction.atomic()`` block, where the
-two texts stand aside and every statement is a round trip of its own: the road of a
-consumer inside the project's transaction, and of SQLite. Three rounds; prints each
-round's rate. The database is ``IO_TEST_DATABASE`` (``postgres``, the default here,
-``mariadb`` or ``sqlite``); on MariaDB the database ``BENCH_DB_NAME`` must exist.
+``pre_transition`` receiver (so no road without a read takes them), three ways, round
+by round (three rounds), each round's rate printed:
+
+- ``in a caller's transaction``: each ``consume_message`` inside the project's own
+  ``transaction.atomic()`` block (the road's two texts in a savepoint, where the
+  database sends several statements a text);
+- ``the same, one statement at a time``: the same, the two texts standing aside (every
+  statement a round trip of its own: the road of SQLite, and what the texts decline);
+- ``alone``: each ``consume_message`` outside any transaction (its own).
+
+The database is ``IO_TEST_DATABASE`` (``postgres``, the default here, ``mariadb`` or
+``sqlite``); on MariaDB the database ``BENCH_DB_NAME`` must exist.
 
 ``--race``: four threads at once, each with a payment of its own for every one of 200
 orders, in the same order (one applies, the others are money to give back): how long
@@ -20,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from bench.common import make_orders, payment, setup
 
@@ -88,20 +95,34 @@ def main() -> None:
         """A receiver: the project's code runs with the transition."""
 
     pre_transition.connect(heard, sender=Order, weak=False)
-    rates = []
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from idempotent_orders.consuming import writing
+
+    def one_at_a_time() -> Any:
+        return mock.patch.object(writing, "_in_two_texts", return_value=None)
+
+    ways = {
+        "in a caller's transaction": (transaction.atomic, nullcontext),
+        "the same, one statement at a time": (transaction.atomic, one_at_a_time),
+        "alone": (nullcontext, nullcontext),
+    }
+    rates: dict[str, list[float]] = {way: [] for way in ways}
     for round_ in range(ROUNDS):
-        orders = make_orders(N)
-        tag = f"in-tx-{round_}-{time.time_ns()}-"
-        start = time.perf_counter()
-        for order in orders:
-            with transaction.atomic():
-                outcome = consume_message(payment(order, tag), consumer="payments")
-            assert outcome is Outcome.APPLIED, outcome
-        rates.append(N / (time.perf_counter() - start))
-    print(
-        f"{connection.vendor}: consume_message in a caller's transaction, {N} new payments"
-        f" a round: " + " / ".join(f"{rate:,.0f}/s" for rate in rates)
-    )
+        for way, (around, road) in ways.items():
+            orders = make_orders(N)
+            tag = f"in-tx-{round_}-{time.time_ns()}-"
+            with road():
+                start = time.perf_counter()
+                for order in orders:
+                    with around():
+                        outcome = consume_message(payment(order, tag), consumer="payments")
+                    assert outcome is Outcome.APPLIED, outcome
+                rates[way].append(N / (time.perf_counter() - start))
+    print(f"{connection.vendor}: consume_message, {N} new payments a round, {ROUNDS} rounds")
+    for way, got in rates.items():
+        print(f"  {way}: " + " / ".join(f"{rate:,.0f}/s" for rate in got))
 
 
 if __name__ == "__main__":

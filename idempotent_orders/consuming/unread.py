@@ -113,7 +113,7 @@ def fits(envelope: Envelope, model: type[Model], *, several: bool = False) -> bo
     it, its transition has a :func:`shape` (of one source, unless the road tests
     ``several``), nothing of the project's runs. A message of another
     kind is read first (on PostgreSQL and MariaDB in the same text as its claim:
-    :func:`~idempotent_orders.consuming.writing.claim_and_write`)."""
+    :func:`~idempotent_orders.consuming.writing.apply`)."""
     if not isinstance(envelope.handler.validate, Rule):
         return False  # a project's own validator runs on the order as read
     name = envelope.handler.transition

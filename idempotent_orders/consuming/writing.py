@@ -29,6 +29,11 @@ two texts (:func:`_in_two_texts`):
    runs the project's code (:func:`~idempotent_orders.consuming.running.save_hooks`),
    :func:`settle` calls it, and the follow-up's row and ``COMMIT`` go in one text.
 
+Inside a caller's transaction the same two texts open and end the message's savepoint
+instead (``SAVEPOINT`` at the head of the first, its release in place of ``COMMIT``:
+:func:`~idempotent_orders.consuming.backends.atomic_block`), and a declined message is
+rolled back to it.
+
 Any decision but "apply" (the spent payment would have to be taken back), a duplicate,
 a spent payment, an order with parked messages, an order that moved, or a write only
 the ORM can make, rolls the two texts back
@@ -47,7 +52,7 @@ from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connec
 from django.db.models import F, Field, Model
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends import Declined, FirstText, Texts, backend
+from idempotent_orders.consuming.backends import Block, Declined, FirstText, Texts, backend
 from idempotent_orders.consuming.decision import (
     REFUND,
     Verdict,
@@ -308,7 +313,7 @@ def _write(
     return outcome, verdict
 
 
-#: The two texts' connection, cursor and backend texts, for :func:`run` to write through.
+#: The two texts' connection, block and backend texts, for :func:`run` to write through.
 _Sent = tuple[Any, Any, Texts]
 
 
@@ -326,7 +331,7 @@ def run(
     writer changed the order since it was read (the caller reads and decides
     again); an exception from the body, a condition or a receiver propagates
     and rolls the transaction back. ``sent``: the message was claimed in the first of
-    two texts (:func:`claim_and_write`), and the write goes in the second.
+    two texts (:func:`_in_two_texts`), and the write goes in the second.
     """
     version: int = order.version
     ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
@@ -425,17 +430,25 @@ def _in_two_texts(
     conn = connections[alias]
     chosen = backend(conn)
     texts = chosen.texts() if chosen.two_texts else None
-    if texts is None or conn.in_atomic_block or not conn.get_autocommit():
+    if texts is None:
         return None
-    # The fast path's kind (at_once tests the state against several sources; one_statement
-    # against one): it took the message, or declined it for a reason the order gave.
-    if fits(envelope, model, several=chosen.at_once) or not chosen.several_statements(conn):
+    if conn.in_atomic_block:
+        # In a caller's transaction the block is a savepoint (no road without a read runs
+        # there); one the caller's transaction must roll back to has none.
+        if conn.needs_rollback or not conn.features.uses_savepoints:
+            return None
+    elif not conn.get_autocommit() or fits(envelope, model, several=chosen.at_once):
+        # The fast path's kind (at_once tests the state against several sources;
+        # one_statement against one): it took the message, or declined it for a reason
+        # the order gave.
+        return None
+    if not chosen.several_statements(conn):
         return None
     payment = payment_id(envelope)
     try:
         # One cursor for both texts (the project's code in between may use its own).
-        with texts.transaction(conn) as cursor:
-            order = _claim_and_read(envelope, consumer, model, conn, cursor, texts, plan, payment)
+        with texts.transaction(conn) as block:
+            order = _claim_and_read(envelope, consumer, model, conn, block, texts, plan, payment)
             verdict = decide(order, envelope)
             if verdict.outcome is not Outcome.APPLIED:
                 raise Declined
@@ -444,7 +457,7 @@ def _in_two_texts(
             conditions: dict[str, Any] = {"has_parked": False} if keeps_parked_flag(model) else {}
             if envelope.seq is not None:
                 conditions["last_seq"] = envelope.seq - 1
-            sent = (conn, cursor, texts)
+            sent = (conn, block, texts)
             return run(envelope, consumer, order, verdict, conditions, sent), order, verdict
     except (Declined, Conflict):
         return None
@@ -459,7 +472,7 @@ def _claim_and_read(
     consumer: str,
     model: type[Model],
     conn: Any,
-    cursor: Any,
+    block: Block,
     texts: Texts,
     plan: Any,
     payment: str | None,
@@ -472,7 +485,7 @@ def _claim_and_read(
     read_args = [pk.get_db_prep_value(envelope.order_id, conn)]
     inbox = envelope.inbox_fields(consumer)
     spent = None if payment is None else [payment, envelope.order_id, consumer, envelope.message_id]
-    row = texts.claim_and_read(conn, cursor, FirstText(inbox, spent, plan.sql, read_args))
+    row = texts.claim_and_read(conn, block, FirstText(inbox, spent, plan.sql, read_args))
     order = build(model, conn.alias, plan, row)
     if order.has_parked:  # type: ignore[attr-defined]
         raise Declined  # released after the write, by the road's own read
@@ -482,8 +495,9 @@ def _claim_and_read(
 def _follow_up(
     model: type[Model], pk: Any, ran: Ran
 ) -> tuple[bool, tuple[FollowUp, FollowUpRow] | None]:
-    """Whether ``COMMIT`` may go with the last text (no follow-up writes on its own after
-    it), and the one follow-up whose outbox row that text writes, if any."""
+    """Whether the last text may end the block (``COMMIT``, or the savepoint's release: no
+    follow-up writes on its own after it), and the one follow-up whose outbox row that
+    text writes, if any."""
     rows = follow_up_rows(model, pk, ran.name, ran.target)
     handed: tuple[FollowUp, FollowUpRow] | None = None
     if rows and len(rows) == 1 and handed_over(rows[0][1].fields):
@@ -492,7 +506,7 @@ def _follow_up(
 
 
 def _queue_and_commit(
-    conn: Any, cursor: Any, texts: Texts, order: AbstractOrder, ran: Ran
+    conn: Any, block: Block, texts: Texts, order: AbstractOrder, ran: Ran
 ) -> tuple[FollowUp, ...] | None:
     """After the model's ``save()`` and its receivers: the follow-up's outbox row and
     ``COMMIT`` in one text (:meth:`Texts.queue`); the follow-up it wrote, or None with
@@ -500,7 +514,7 @@ def _queue_and_commit(
     _, handed = _follow_up(type(order), order.pk, ran)
     if handed is None:
         return None
-    queued_id = texts.queue(conn, cursor, dict(handed[1].fields))
+    queued_id = texts.queue(conn, block, dict(handed[1].fields))
     if queued_id is not None:  # None: the message was queued already
         handed[1].written(conn.alias, queued_id)
     return (handed[0],)
@@ -520,7 +534,7 @@ def _compile(
     values: Sequence[str],
     conditions: Sequence[str],
     queued: bool,
-    commit: bool,
+    closes: bool,
 ) -> Any:
     """The backend's second text for ``values`` and ``conditions`` (attnames) as
     :func:`~idempotent_orders.consuming.running.commit` writes them; None when a column is
@@ -538,7 +552,7 @@ def _compile(
     assert texts is not None
     column = str(state_field(model).column)
     sets, tests = [by_attname[n] for n in values], [by_attname[n] for n in conditions]
-    return texts.compile(conn, guarded_update_sql(conn, meta, column, sets, tests), queued, commit)
+    return texts.compile(conn, guarded_update_sql(conn, meta, column, sets, tests), queued, closes)
 
 
 def _finish(
@@ -547,7 +561,7 @@ def _finish(
     version: int,
     conditions: Mapping[str, Any],
     conn: Any,
-    cursor: Any,
+    block: Block,
     texts: Texts,
 ) -> bool:
     """The second text: write what the transition did, queue its follow-up and commit,
@@ -561,13 +575,13 @@ def _finish(
     ):
         return False
     model = type(order)
-    commit, handed = _follow_up(model, order.pk, ran)
-    key = (conn.alias, model, tuple(ran.values), tuple(conditions), handed is not None, commit)
+    closes, handed = _follow_up(model, order.pk, ran)
+    key = (conn.alias, model, tuple(ran.values), tuple(conditions), handed is not None, closes)
     try:
         update = _updates[key]
     except KeyError:
         update = _updates[key] = _compile(
-            conn, model, list(ran.values), list(conditions), handed is not None, commit
+            conn, model, list(ran.values), list(conditions), handed is not None, closes
         )
     if update is None:
         return False
@@ -581,7 +595,7 @@ def _finish(
     args.append(version)
     args += [by_attname[n].get_db_prep_value(v, conn) for n, v in conditions.items()]
     queued_id = texts.write(
-        conn, cursor, update, args, None if handed is None else dict(handed[1].fields)
+        conn, block, update, args, None if handed is None else dict(handed[1].fields)
     )
     order.__dict__["version"] = version + 1
     if handed is not None and queued_id is not None:  # None: the message was queued already

@@ -45,9 +45,11 @@ def _receiver(sender: Any, **kwargs: Any) -> None:
 def test_the_road_one_statement_at_a_time_claims_and_spends_in_one_statement(
     make_order,
 ) -> None:
-    """In a caller's transaction (no two texts): the claim and the spent payment in one
-    statement, then the order's read, then its UPDATE."""
+    """One statement at a time (the two texts standing aside): the claim and the spent
+    payment in one statement, then the order's read, then its UPDATE."""
     pre_transition.connect(_receiver, sender=Order)
+    standing_aside = mock.patch.object(writing, "_in_two_texts", _declined)
+    standing_aside.start()
     try:
         order, other = make_order(), make_order()
         message = payment(order, payment_id=f"ch-{order.pk}")
@@ -91,6 +93,7 @@ def test_the_road_one_statement_at_a_time_claims_and_spends_in_one_statement(
         assert not SpentPayment.objects.filter(payment_id=f"ch-{refused.pk}").exists()
         assert SpentPayment.objects.count() == 1
     finally:
+        standing_aside.stop()
         pre_transition.disconnect(_receiver, sender=Order)
 
 

@@ -181,14 +181,15 @@ def test_messages_leave_the_trail_of_plain_calls(seed: int, way: str, seq: bool)
     outcomes = []
     if way.startswith("single"):
         # A revision block of its own around each message: in the caller's transaction
-        # (reversion's default), or not (then, on PostgreSQL and MariaDB, the read goes
-        # in the claim's round trip: writing._in_two_texts).
+        # (reversion's default), or not. Either way, on PostgreSQL and MariaDB, the read
+        # goes in the claim's round trip (writing._in_two_texts; in the caller's
+        # transaction the two texts open and release a savepoint).
         atomic = way == "single-in-atomic"
         with merged_road() as merged:
             for m in deliveries:
                 with reversion.create_revision(atomic=atomic):
                     outcomes.append(consume_message(m, consumer="payments"))
-        if connection.vendor in ("postgresql", "mysql") and not atomic:
+        if connection.vendor in ("postgresql", "mysql"):
             # Each message that did not wait for another (those are released by the
             # usual road after their predecessor), the payment at least.
             assert merged

@@ -12,8 +12,9 @@ road asks :func:`backend` for its :class:`Backend` and uses what it names:
 - ``send_at_once``: how :mod:`~idempotent_orders.consuming.backends.at_once` sends a
   message's statements as one transaction (MariaDB and SQLite);
 - ``two_texts``: how the road after the read sends a message's statements in two texts
-  (its :class:`Texts`): the claim with the read, then the write with ``COMMIT``
-  (:func:`~idempotent_orders.consuming.writing.claim_and_write`);
+  (its :class:`Texts`): the claim with the read, then the write with ``COMMIT`` (or,
+  inside a caller's transaction, with the release of the message's savepoint:
+  :func:`atomic_block`);
 - a batch chunk's filter of its orders, its one UPDATE of many orders and its spent
   payments (PostgreSQL's: one array per column, ``unnest``);
 - the features that change the plan: whether a batch locks its orders before it claims.
@@ -25,18 +26,29 @@ instance is shared by every connection of its vendor.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections, router
+from django.db import connections, router, transaction
 from django.db.models import Field, Model, Q
 from django.db.models.manager import BaseManager
 
+from idempotent_orders.prepared import watched
 from idempotent_orders.vendors import Chooser, Vendor
 
-__all__ = ["Backend", "Declined", "FirstText", "Statements", "Texts", "backend"]
+__all__ = [
+    "Backend",
+    "Block",
+    "Declined",
+    "FirstText",
+    "Statements",
+    "Texts",
+    "atomic_block",
+    "backend",
+]
 
 #: A road that applies a message before its order is read: ``(envelope, consumer, model)``
 #: to the outcome, or None when it declines (nothing written).
@@ -63,41 +75,122 @@ class FirstText:
     read_args: Sequence[Any]
 
 
+@dataclass
+class Block:
+    """The two texts' transaction (:meth:`Texts.transaction`): the cursor both texts go
+    through, and the statements that open the block at the head of the first text and
+    end it at the end of the last."""
+
+    cursor: Any = None
+    #: Inside a caller's transaction: the block is Django's savepoint (:func:`atomic_block`).
+    nested: bool = False
+    opening: tuple[str, ...] = ()
+    closing: tuple[str, ...] = ()
+    #: The first text went out (its opening with it).
+    opened: bool = False
+    #: A text that ends with the closing ran whole.
+    closed: bool = False
+
+
+@contextmanager
+def atomic_block(conn: Any) -> Iterator[Block]:
+    """Django's ``atomic`` block of the two texts, as a :class:`Block` whose ``opening``
+    and ``closing`` the backend fills in (its transaction's own), except inside a
+    caller's transaction.
+
+    There Django opens the block with a savepoint and ends it with the savepoint's
+    release, or a rollback to it, each a round trip of its own: here the savepoint's
+    statement is held back for the head of the first text (``opening``), and its release
+    goes at the end of the text that ends the block (``closing``). Django sends the end it
+    would have sent unless the last text released the savepoint already, or the first
+    text never went out (then there is none). Django's bookkeeping is its own as ever:
+    the savepoint ids, and the ``on_commit`` callbacks dropped with a rolled-back
+    savepoint. Where something must see the statements
+    (:func:`~idempotent_orders.prepared.watched`), Django sends them itself."""
+    atomic = transaction.atomic(using=conn.alias)
+    if not conn.in_atomic_block:
+        with atomic:
+            yield Block()
+        return
+    if watched(conn):
+        # Something must see the statements (DEBUG, a toolbar, a test capturing them):
+        # Django sends the savepoint's as ever, in round trips of their own.
+        with atomic:
+            yield Block(nested=True, opened=True)
+        return
+    held: list[str] = []
+
+    def hold(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not held and params is None and sql.startswith("SAVEPOINT "):
+            held.append(sql)
+            return None
+        return execute(sql, params, many, context)
+
+    with conn.execute_wrapper(hold):
+        atomic.__enter__()
+    sid = conn.savepoint_ids[-1]
+    block = Block(nested=True, opening=tuple(held))
+    ours: set[str] = set()
+    if sid is not None:
+        block.closing = (conn.ops.savepoint_commit_sql(sid),)
+        ours = {conn.ops.savepoint_rollback_sql(sid), *block.closing}
+    if held and (sid is None or held[0] != conn.ops.savepoint_create_sql(sid)):
+        with conn.cursor() as cursor:  # not the block's savepoint: sent as Django would
+            cursor.execute(held[0])
+        block.opening, block.opened = (), True
+
+    def end(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql in ours and (not block.opened or block.closed):
+            return None  # a savepoint never made, or released by the last text
+        return execute(sql, params, many, context)
+
+    try:
+        yield block
+    except BaseException:
+        with conn.execute_wrapper(end):
+            atomic.__exit__(*sys.exc_info())
+        raise
+    with conn.execute_wrapper(end):
+        atomic.__exit__(None, None, None)
+
+
 class Texts:
     """How one database sends a message's statements in two texts (a backend's
-    ``two_texts``): the claim with the read, then the write with ``COMMIT``."""
+    ``two_texts``): the claim with the read, then the write with ``COMMIT`` (inside a
+    caller's transaction, the release of the message's savepoint)."""
 
-    def transaction(self, conn: Any) -> AbstractContextManager[Any]:
-        """Django's ``atomic`` block of the road, and the cursor both texts go through."""
+    def transaction(self, conn: Any) -> AbstractContextManager[Block]:
+        """Django's ``atomic`` block of the road (:func:`atomic_block`), its cursor and the
+        statements that open and end it."""
         raise NotImplementedError
 
-    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
-        """The first text: open the transaction, claim the message as applied and spend its
+    def claim_and_read(self, conn: Any, block: Block, first: FirstText) -> Sequence[Any]:
+        """The first text: open the block, claim the message as applied and spend its
         payment, read the order (:class:`FirstText`); the order's row. Raises
         :class:`Declined` for a duplicate, a spent payment, an unknown order, a value a
         column refuses."""
         raise NotImplementedError
 
-    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> Any:
+    def compile(self, conn: Any, update: str, queued: bool, closes: bool) -> Any:
         """The second text of one shape of transition: the conditional ``update``
         (:func:`~idempotent_orders.consuming.running.guarded_update_sql`), the follow-up's
-        outbox row when ``queued``, ``COMMIT`` when ``commit``; it stops before ``COMMIT``
-        when the UPDATE matched no row."""
+        outbox row when ``queued``, the block's end when ``closes``; it stops before the
+        end when the UPDATE matched no row."""
         raise NotImplementedError
 
     def write(
-        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
+        self, conn: Any, block: Block, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         """Send ``update`` (from :meth:`compile`) with the UPDATE's ``args`` and the
         follow-up's ``queued`` fields; the outbox row's id (None: none written, its
         message id was queued already). Raises :class:`Declined` when the order moved."""
         raise NotImplementedError
 
-    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
-        """Send the follow-up's outbox row of ``queued`` fields and ``COMMIT`` as one text,
-        the order written already by the model's own ``save()``; the row's id (None: its
-        message id was queued already). An insert that fails stops the text before
-        ``COMMIT``."""
+    def queue(self, conn: Any, block: Block, queued: dict[str, Any]) -> int | None:
+        """Send the follow-up's outbox row of ``queued`` fields and the block's end as one
+        text, the order written already by the model's own ``save()``; the row's id (None:
+        its message id was queued already). An insert that fails stops the text before the
+        end."""
         raise NotImplementedError
 
 

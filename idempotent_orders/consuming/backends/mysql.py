@@ -10,7 +10,7 @@ order the tests refuse (the guard fails when the UPDATE matched no row) never re
 ``COMMIT``; the transaction is rolled back and the usual road reads, decides and says why.
 
 :class:`MySQLTexts`, the road's two texts
-(:func:`~idempotent_orders.consuming.writing.claim_and_write`):
+(:func:`~idempotent_orders.consuming.writing.apply`):
 
 1. ``START TRANSACTION; SELECT <order> ... FOR UPDATE; INSERT <inbox>; [INSERT
    <spent payment>]``: the order is locked before the inbox row's foreign key
@@ -21,6 +21,12 @@ order the tests refuse (the guard fails when the UPDATE matched no row) never re
    matched no row, so ``COMMIT`` never runs; the road rolls back and the usual road
    decides again. On the save() road, the model's ``save()`` having written the order:
    ``INSERT IGNORE <outbox>; COMMIT``.
+
+Inside a caller's transaction the block is Django's savepoint
+(:func:`~idempotent_orders.consuming.backends.atomic_block`): ``SAVEPOINT`` opens the
+first text instead of ``START TRANSACTION`` and ``RELEASE SAVEPOINT`` ends the last
+instead of ``COMMIT``. The order's row lock stays until the caller's transaction ends
+(InnoDB keeps it through a rollback to the savepoint too).
 
 Django's ``atomic`` block around them switches the session's autocommit off on entry
 and on again on exit, a round trip each, and commits with a round trip of its own:
@@ -38,16 +44,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import (
-    DatabaseError,
-    DataError,
-    IntegrityError,
-    transaction,
-)
+from django.db import DatabaseError, DataError, IntegrityError
 from django.db.models import Field
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends import Backend, Declined, FirstText, Statements, Texts
+from idempotent_orders.consuming.backends import (
+    Backend,
+    Block,
+    Declined,
+    FirstText,
+    Statements,
+    Texts,
+    atomic_block,
+)
 from idempotent_orders.consuming.backends.at_once import inserts
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.prepared import watched
@@ -147,65 +156,79 @@ class _Update:
     sql: str
     queued: tuple[Field[Any, Any], ...]
     queued_defaults: tuple[Any, ...]
-    commit: bool
+    closes: bool
 
 
 class MySQLTexts(Texts):
     """mysqlclient with multi statements on (unless ``OPTIONS`` turned them off)."""
 
     @contextlib.contextmanager
-    def transaction(self, conn: Any) -> Iterator[Any]:
+    def transaction(self, conn: Any) -> Iterator[Block]:
         raw = conn.connection
-        raw.autocommit = _kept
+        if not conn.in_atomic_block:
+            raw.autocommit = _kept
         try:
-            with transaction.atomic(using=conn.alias), _cursor(conn) as cursor:
-                yield cursor
+            with atomic_block(conn) as block, _cursor(conn) as cursor:
+                block.cursor = cursor
+                if not block.nested:
+                    block.opening, block.closing = ("START TRANSACTION",), ("COMMIT",)
+                yield block
         finally:
             raw.__dict__.pop("autocommit", None)
             raw.__dict__.pop("commit", None)
 
-    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
+    def claim_and_read(self, conn: Any, block: Block, first: FirstText) -> Sequence[Any]:
         texts = inserts()
-        statements = ["START TRANSACTION", f"{first.read} FOR UPDATE", texts.inbox]
+        statements = [*block.opening, f"{first.read} FOR UPDATE", texts.inbox]
         args = [*first.read_args, *inbox_template().params(first.inbox, timezone.now())]
         if first.spent is not None:
             statements.append(texts.spent)
             args += first.spent
+        cursor = block.cursor
+        block.opened = True
         try:
             with conn.wrap_database_errors:
                 cursor.execute("; ".join(statements), args)
-                cursor.nextset()
+                for _ in block.opening:
+                    cursor.nextset()
                 row = cursor.fetchone()
                 while cursor.nextset():
                     pass
-        except (IntegrityError, DataError):
-            # A duplicate, a spent payment, an unknown order, a value a column refuses: the
-            # statements after it did not run; the usual road says why.
-            raise Declined from None
+        except BaseException as exc:
+            # Refused before it was sent (an argument the driver cannot escape, say): no
+            # savepoint to roll back to. A server's error (a MySQL error number) ran the
+            # opening, the first statement; a lost connection took it along.
+            code = exc.args[0] if isinstance(exc, DatabaseError) and exc.args else None
+            block.opened = isinstance(code, int)
+            if isinstance(exc, (IntegrityError, DataError)):
+                # A duplicate, a spent payment, an unknown order, a value a column refuses:
+                # the statements after it did not run; the usual road says why.
+                raise Declined from None
+            raise
         if row is None:
             raise Declined
         return row
 
-    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> _Update:
+    def compile(self, conn: Any, update: str, queued: bool, closes: bool) -> _Update:
         statements = [update, _GUARD]
         texts = inserts()
         if queued:
             statements.append(texts.queue)
-        if commit:
-            statements.append("COMMIT")
-        return _Update("; ".join(statements), texts.queued, texts.queued_defaults, commit)
+        return _Update("; ".join(statements), texts.queued, texts.queued_defaults, closes)
 
     def write(
-        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
+        self, conn: Any, block: Block, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
         args = list(args)
         if queued is not None:
             args += [f.get_db_prep_save(queued[f.name], conn) for f in update.queued]
             args += update.queued_defaults
+        sql = "; ".join([update.sql, *(block.closing if update.closes else ())])
         queued_id: int | None = None
+        cursor = block.cursor
         try:
             with conn.wrap_database_errors:
-                cursor.execute(update.sql, args)  # the UPDATE's result
+                cursor.execute(sql, args)  # the UPDATE's result
                 cursor.nextset()  # the guard's
                 if queued is not None:
                     cursor.nextset()
@@ -218,18 +241,26 @@ class MySQLTexts(Texts):
             if exc.args and exc.args[0] == _GUARD_FAILED:
                 raise Declined from None  # the order moved: rolled back, the usual road runs
             raise
-        if update.commit:
-            conn.connection.commit = _committed
+        if update.closes:
+            _closed(conn, block)
         return queued_id
 
-    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+    def queue(self, conn: Any, block: Block, queued: dict[str, Any]) -> int | None:
         texts = inserts()
         args = [f.get_db_prep_save(queued[f.name], conn) for f in texts.queued]
+        cursor, sql = block.cursor, "; ".join([texts.queue, *block.closing])
         with conn.wrap_database_errors:
-            cursor.execute(f"{texts.queue}; COMMIT", [*args, *texts.queued_defaults])
+            cursor.execute(sql, [*args, *texts.queued_defaults])
             # One row inserted, and its id (0 rows: the message id was in the outbox already).
             queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
             while cursor.nextset():
                 pass
-        conn.connection.commit = _committed
+        _closed(conn, block)
         return queued_id
+
+
+def _closed(conn: Any, block: Block) -> None:
+    """A text that ended the block ran whole: Django's end of it has nothing to send."""
+    block.closed = True
+    if not block.nested:
+        conn.connection.commit = _committed

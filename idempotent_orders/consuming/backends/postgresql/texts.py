@@ -1,5 +1,5 @@
 """PostgreSQL's two texts of the road
-(:func:`~idempotent_orders.consuming.writing.claim_and_write`).
+(:func:`~idempotent_orders.consuming.writing.apply`).
 
 1. ``BEGIN; <claim the message and spend its payment>; <read the order>``: the claim
    is one statement (``INSERT ... ON CONFLICT DO NOTHING`` with the spent payment in a
@@ -10,6 +10,12 @@
    so ``COMMIT`` never runs, the transaction rolls back and the usual road decides
    again. On the save() road, the model's ``save()`` having written the order: ``WITH
    queued AS (INSERT <outbox> ...) SELECT id; COMMIT``.
+
+Inside a caller's transaction the block is Django's savepoint
+(:func:`~idempotent_orders.consuming.backends.atomic_block`): ``SAVEPOINT`` opens the first
+text (after ``BEGIN`` when the caller's transaction has sent nothing yet) and ``RELEASE
+SAVEPOINT`` ends the last instead of ``COMMIT``; a text that fails leaves Django's
+rollback to the savepoint.
 
 Each statement of the two texts runs as a prepared statement of the session, its
 arguments as literals of an ``EXECUTE`` (``PREPARE`` goes in the text that first needs
@@ -25,7 +31,7 @@ Django's cursor as they are.
 ``BEGIN`` goes in the first text because the driver's own autocommit is switched on
 inside Django's ``atomic`` block (where Django switched it off, and the driver would
 send ``BEGIN`` by itself, one more round trip); Django's ``commit()`` and
-``rollback()`` at the end of the block send ``COMMIT``/``ROLLBACK`` only for a
+``rollback()`` at the end of the outermost block send ``COMMIT``/``ROLLBACK`` only for a
 transaction still open, then switch autocommit on anyway. Not where ``OPTIONS`` set
 an isolation level or read-only mode: the driver's own ``BEGIN`` says so.
 """
@@ -38,12 +44,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DataError, IntegrityError, NotSupportedError, ProgrammingError, transaction
+from django.db import (
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    NotSupportedError,
+    OperationalError,
+    ProgrammingError,
+)
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Field
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends import Declined, FirstText, Texts
+from idempotent_orders.consuming.backends import Block, Declined, FirstText, Texts, atomic_block
 from idempotent_orders.consuming.backends.postgresql import claim_and_spend_sql
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
@@ -57,7 +70,6 @@ __all__ = ["PostgreSQLTexts"]
 
 #: SQLSTATE of the division by zero that stops the second text when the order moved.
 _MOVED = "22012"
-_COMMIT = "; COMMIT"
 #: libpq's PQTRANS_IDLE: no transaction open on the connection.
 _IDLE = 0
 
@@ -99,16 +111,29 @@ def _send(conn: Any, cursor: Any, head: str, statements: Sequence[_Statement], t
         return 0
 
 
-def _opening(conn: Any) -> str:
-    """``"BEGIN; "`` when the first text may open the transaction itself (the driver's
-    autocommit switched on for it), else ``""`` (the driver sends its own ``BEGIN``)."""
+def _begins(conn: Any) -> bool:
+    """Whether the first text opens the transaction itself with ``BEGIN`` (the driver's
+    autocommit switched on for it); else the driver sends its own ``BEGIN``, or the
+    transaction is open already."""
     raw = conn.connection
     if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
-        return ""
+        return False
     if raw.pgconn.transaction_status != _IDLE:
-        return ""  # begun already (the inbox's shape was looked up on this connection)
-    raw.autocommit = True  # idle: no round trip; Django's atomic switches it back on exit
-    return "BEGIN; "
+        return False  # begun already (by the caller, or a lookup of the inbox's shape)
+    # Idle: no round trip. Django's outermost atomic switches it back at its end.
+    raw.autocommit = True
+    return True
+
+
+def _answered(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's answer to a text (an error with a SQLSTATE), or a
+    lost connection (whatever ran is gone with it), not the driver refusing to send it."""
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) and exc.__cause__ else exc
+    return getattr(cause, "sqlstate", None) is not None or isinstance(exc, OperationalError)
+
+
+def _tail(block: Block) -> str:
+    return "".join(f"; {sql}" for sql in block.closing)
 
 
 @dataclass(frozen=True)
@@ -155,23 +180,26 @@ class _Update:
 
     sql: str
     queued: tuple[Field[Any, Any], ...]
-    commit: bool
+    closes: bool
 
 
 class PostgreSQLTexts(Texts):
     """psycopg 3 with client-side binding cursors (Django's default)."""
 
     @contextmanager
-    def transaction(self, conn: Any) -> Iterator[Any]:
+    def transaction(self, conn: Any) -> Iterator[Block]:
         # The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper
         # skipped, its error mapping kept by _send), or Django's where something must see
         # the texts: there they go as they are, not as ``EXECUTE`` of a prepared statement.
-        with transaction.atomic(using=conn.alias):
+        with atomic_block(conn) as block:
+            if not block.nested:
+                block.closing = ("COMMIT",)
             cursor = driver_cursor(conn, in_transaction=True)
             with conn.cursor() if cursor is None else cursor as opened:
-                yield opened
+                block.cursor = opened
+                yield block
 
-    def claim_and_read(self, conn: Any, cursor: Any, first: FirstText) -> Sequence[Any]:
+    def claim_and_read(self, conn: Any, block: Block, first: FirstText) -> Sequence[Any]:
         claim = _claim(conn, first.spent is not None)
         now = claim.updated_at.get_db_prep_save(timezone.now(), conn)
         per_message = {**first.inbox, "updated_at": now}
@@ -181,26 +209,36 @@ class PostgreSQLTexts(Texts):
             (claim.sql, _named(claim.sql), args),
             (first.read, _named(first.read), first.read_args),
         ]
-        opening = _opening(conn)
+        cursor = block.cursor
+        opening = (*(["BEGIN"] if _begins(conn) else []), *block.opening)
+        block.opened = True
         try:
-            skipped = _send(conn, cursor, opening, statements, "")
-            for _ in range(skipped + bool(opening)):
+            skipped = _send(conn, cursor, "".join(f"{sql}; " for sql in opening), statements, "")
+            for _ in range(skipped + len(opening)):
                 cursor.nextset()
             claimed = cursor.fetchone()
             cursor.nextset()
             row = cursor.fetchone()
-        except (IntegrityError, DataError):
-            # Our own statements only (a value a column refuses, say): the usual road says why.
-            raise Declined from None
-        except (ProgrammingError, NotSupportedError) as exc:
-            if missed(conn, exc):
+        except BaseException as exc:
+            # Refused before it was sent (an argument the driver cannot adapt, say): no
+            # savepoint to roll back to. Whatever the server answered ran the opening.
+            block.opened = _answered(exc)
+            raw = conn.connection
+            if block.nested and raw.autocommit and raw.pgconn.transaction_status == _IDLE:
+                # Its BEGIN never ran: the caller's transaction is the driver's to open.
+                raw.autocommit = False
+            if isinstance(exc, (IntegrityError, DataError)):
+                # Our own statements only (a value a column refuses, say): the usual road
+                # says why.
+                raise Declined from None
+            if isinstance(exc, (ProgrammingError, NotSupportedError)) and missed(conn, exc):
                 raise Declined from None
             raise
         if claimed is None or not claimed[0] or not claimed[1] or row is None:
             raise Declined
         return row
 
-    def compile(self, conn: Any, update: str, queued: bool, commit: bool) -> _Update:
+    def compile(self, conn: Any, update: str, queued: bool, closes: bool) -> _Update:
         sql = f"WITH moved AS ({update} RETURNING 1)"
         outbox: list[Field[Any, Any]] = []
         if queued:
@@ -213,16 +251,16 @@ class PostgreSQLTexts(Texts):
             sql += " SELECT 1 / (SELECT count(*) FROM moved), (SELECT id FROM queued)"
         else:
             sql += " SELECT 1 / (SELECT count(*) FROM moved)"
-        return _Update(sql, tuple(outbox), commit)
+        return _Update(sql, tuple(outbox), closes)
 
     def write(
-        self, conn: Any, cursor: Any, update: Any, args: list[Any], queued: dict[str, Any] | None
+        self, conn: Any, block: Block, update: Any, args: list[Any], queued: dict[str, Any] | None
     ) -> int | None:
-        sql = update.sql
+        sql, cursor = update.sql, block.cursor
         args = list(args)
         if queued is not None:
             args += [f.get_db_prep_save(queued[f.name], conn) for f in update.queued]
-        tail = _COMMIT if update.commit else ""
+        tail = _tail(block) if update.closes else ""
         try:
             for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], tail)):
                 cursor.nextset()
@@ -235,19 +273,22 @@ class PostgreSQLTexts(Texts):
             if missed(conn, exc):
                 raise Declined from None  # rolled back whole: the usual road runs it again
             raise
+        block.closed = update.closes
         return row[1] if queued is not None else None
 
-    def queue(self, conn: Any, cursor: Any, queued: dict[str, Any]) -> int | None:
+    def queue(self, conn: Any, block: Block, queued: dict[str, Any]) -> int | None:
         sql, fields = _queue_text(conn)
         args = [f.get_db_prep_save(queued[f.name], conn) for f in fields]
+        cursor = block.cursor
         try:
-            for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], _COMMIT)):
+            for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], _tail(block))):
                 cursor.nextset()
             row = cursor.fetchone()
         except (ProgrammingError, NotSupportedError) as exc:
             if missed(conn, exc):
                 raise Declined from None  # rolled back whole: the usual road runs it again
             raise
+        block.closed = True
         return None if row is None else row[0]
 
 
