@@ -442,15 +442,9 @@ def release_parked(order_id: int) -> list[Outcome]:
                 envelope = None
                 reason = exc.message
             if envelope is None:
-                with transaction.atomic():
-                    if ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
-                        ProcessedMessage.objects.filter(
-                            consumer=parked.consumer, message_id=parked.message_id
-                        ).update(
-                            outcome=Outcome.REJECTED,
-                            status=InboxStatus.REJECTED,
-                            error=reason,
-                        )
+                _leave_park(
+                    parked, outcome=Outcome.REJECTED, status=InboxStatus.REJECTED, error=reason
+                )
                 continue
             try:
                 with consuming(envelope, parked.consumer):
@@ -470,20 +464,27 @@ def release_parked(order_id: int) -> list[Outcome]:
     return outcomes
 
 
-def _release_failed(parked: ParkedMessage, envelope: Envelope, exc: Exception) -> None:
-    """A parked message whose release raised: out of the park, its inbox row ``failed``."""
-    reason = describe(exc)
+def _leave_park(parked: ParkedMessage, **recorded: Any) -> None:
+    """Take ``parked`` out of the park (unless another worker did) and write ``recorded`` on
+    its inbox row, in one transaction."""
     with transaction.atomic():
         if ParkedMessage.objects.filter(pk=parked.pk).delete()[0]:
             ProcessedMessage.objects.filter(
                 consumer=parked.consumer, message_id=parked.message_id
-            ).update(
-                status=InboxStatus.FAILED,
-                outcome="",
-                error=reason,
-                body=json.dumps(envelope.as_dict(), ensure_ascii=True, default=repr),
-                updated_at=timezone.now(),
-            )
+            ).update(**recorded)
+
+
+def _release_failed(parked: ParkedMessage, envelope: Envelope, exc: Exception) -> None:
+    """A parked message whose release raised: out of the park, its inbox row ``failed``."""
+    reason = describe(exc)
+    _leave_park(
+        parked,
+        status=InboxStatus.FAILED,
+        outcome="",
+        error=reason,
+        body=json.dumps(envelope.as_dict(), ensure_ascii=True, default=repr),
+        updated_at=timezone.now(),
+    )
     dedup.forget(parked.consumer, parked.message_id)  # its redelivery must reach us
     logger.error(
         "parked message %s (%s) failed on release: %s",
