@@ -7,9 +7,13 @@ by round (three rounds), each round's rate printed:
 - ``in a caller's transaction``: each ``consume_message`` inside the project's own
   ``transaction.atomic()`` block (the road's two texts in a savepoint, where the
   database sends several statements a text);
-- ``the same, one statement at a time``: the same, the two texts standing aside (every
-  statement a round trip of its own: the road of SQLite, and what the texts decline);
+- ``the same, one statement at a time``: the same, the two texts and the roads without a
+  read standing aside (every statement a round trip of its own: the road of SQLite, and
+  what the texts decline);
 - ``alone``: each ``consume_message`` outside any transaction (its own).
+
+``--plain``: the app's ``Order`` as it is (nothing of the project's runs: on PostgreSQL
+the road's one statement, in a caller's transaction in one text with its savepoint).
 
 The database is ``IO_TEST_DATABASE`` (``postgres``, the default here, ``mariadb`` or
 ``sqlite``); on MariaDB the database ``BENCH_DB_NAME`` must exist.
@@ -94,14 +98,20 @@ def main() -> None:
     def heard(sender: object, **kwargs: object) -> None:
         """A receiver: the project's code runs with the transition."""
 
-    pre_transition.connect(heard, sender=Order, weak=False)
-    from contextlib import nullcontext
+    if "--plain" not in sys.argv:
+        pre_transition.connect(heard, sender=Order, weak=False)
+    from contextlib import ExitStack, nullcontext
     from unittest import mock
 
     from idempotent_orders.consuming import writing
+    from idempotent_orders.consuming.backends import Backend
 
     def one_at_a_time() -> Any:
-        return mock.patch.object(writing, "_in_two_texts", return_value=None)
+        """The two texts and the roads without a read standing aside."""
+        stack = ExitStack()
+        stack.enter_context(mock.patch.object(writing, "_in_two_texts", return_value=None))
+        stack.enter_context(mock.patch.object(Backend, "roads_without_read", return_value=[]))
+        return stack
 
     ways = {
         "in a caller's transaction": (transaction.atomic, nullcontext),
@@ -120,7 +130,10 @@ def main() -> None:
                         outcome = consume_message(payment(order, tag), consumer="payments")
                     assert outcome is Outcome.APPLIED, outcome
                 rates[way].append(N / (time.perf_counter() - start))
-    print(f"{connection.vendor}: consume_message, {N} new payments a round, {ROUNDS} rounds")
+    kind = "Order as it is" if "--plain" in sys.argv else "Order with a pre_transition receiver"
+    print(
+        f"{connection.vendor}: consume_message, {N} new payments of {kind} a round, {ROUNDS} rounds"
+    )
     for way, got in rates.items():
         print(f"  {way}: " + " / ".join(f"{rate:,.0f}/s" for rate in got))
 

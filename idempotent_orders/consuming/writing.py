@@ -432,12 +432,12 @@ def _in_two_texts(
     texts = chosen.texts() if chosen.two_texts else None
     if texts is None:
         return None
-    if conn.in_atomic_block:
-        # In a caller's transaction the block is a savepoint (no road without a read runs
-        # there); one the caller's transaction must roll back to has none.
-        if conn.needs_rollback or not conn.features.uses_savepoints:
-            return None
-    elif not conn.get_autocommit() or fits(envelope, model, several=chosen.at_once):
+    nested = conn.in_atomic_block
+    if nested and (conn.needs_rollback or not conn.features.uses_savepoints):
+        return None  # in a caller's transaction the block is a savepoint: it has none
+    if not nested and not conn.get_autocommit():
+        return None
+    if (not nested or chosen.unread_in_savepoint) and fits(envelope, model, several=chosen.at_once):
         # The fast path's kind (at_once tests the state against several sources;
         # one_statement against one): it took the message, or declined it for a reason
         # the order gave.

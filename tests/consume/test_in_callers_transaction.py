@@ -40,8 +40,8 @@ def _receiver(sender: Any, **kwargs: Any) -> None:
     """A pre_transition receiver: the order's transition must be run by its own method."""
 
 
-@pytest.fixture(autouse=True)
-def _with_a_receiver() -> Iterator[None]:
+@pytest.fixture
+def with_a_receiver() -> Iterator[None]:
     pre_transition.connect(_receiver, sender=Order)
     yield
     pre_transition.disconnect(_receiver, sender=Order)
@@ -74,14 +74,12 @@ def _ends(texts: list[str]) -> str:
     return texts[-1].strip('"')
 
 
-def test_a_message_in_a_callers_transaction_takes_two_texts_and_a_savepoint(
-    make_order, fulfil
-) -> None:
-    """Two round trips, whether the caller's transaction has sent something already or
-    not; the same order, inbox row, spent payment and outbox row as outside it; the caller's
-    later statements in the same transaction."""
-    alone, begun, fresh, usual = (make_order() for _ in range(4))
-    assert consume_message(payment(alone), consumer="payments") is Outcome.APPLIED
+def _paid_inside(
+    alone: Order, begun: Order, fresh: Order
+) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Pay ``begun`` and ``fresh`` each inside a caller's transaction (one that has read
+    ``alone`` first, one that has sent nothing yet), then write to each after the payment
+    in that transaction; the round trips and the texts each payment sent."""
     counted: dict[str, int] = {}
     sent: dict[str, list[str]] = {}
     for name, order in (("begun", begun), ("fresh", fresh)):
@@ -94,6 +92,19 @@ def test_a_message_in_a_callers_transaction_takes_two_texts_and_a_savepoint(
                 counted[name] = trips()
             Order.objects.filter(pk=order.pk).update(carrier=f"after {name}")
         sent[name] = texts
+    return counted, sent
+
+
+@pytest.mark.usefixtures("with_a_receiver")
+def test_a_message_in_a_callers_transaction_takes_two_texts_and_a_savepoint(
+    make_order, fulfil
+) -> None:
+    """Two round trips, whether the caller's transaction has sent something already or
+    not; the same order, inbox row, spent payment and outbox row as outside it; the caller's
+    later statements in the same transaction."""
+    alone, begun, fresh, usual = (make_order() for _ in range(4))
+    assert consume_message(payment(alone), consumer="payments") is Outcome.APPLIED
+    counted, sent = _paid_inside(alone, begun, fresh)
     standing_aside = mock.patch.object(writing, "_in_two_texts", _declined)
     with transaction.atomic(), standing_aside, round_trips() as trips:
         assert consume_message(payment(usual), consumer="payments") is Outcome.APPLIED
@@ -115,6 +126,7 @@ def test_a_message_in_a_callers_transaction_takes_two_texts_and_a_savepoint(
     assert after == {begun.pk: "after begun", fresh.pk: "after fresh"}
 
 
+@pytest.mark.usefixtures("with_a_receiver")
 def test_a_callers_rollback_takes_the_message_with_it(make_order, fulfil) -> None:
     """The message's writes and its after-commit work (the publish, the memory of the id)
     go with the caller's transaction: rolled back, the redelivery applies it."""
@@ -140,6 +152,7 @@ def test_a_callers_rollback_takes_the_message_with_it(make_order, fulfil) -> Non
     assert (order.status, order.version) == (OrderStatus.PAID, 1)
 
 
+@pytest.mark.usefixtures("with_a_receiver")
 def test_what_the_texts_decline_in_a_callers_transaction_is_rolled_back_to_the_savepoint(
     make_order,
 ) -> None:
@@ -186,17 +199,18 @@ def test_what_the_texts_decline_in_a_callers_transaction_is_rolled_back_to_the_s
 
 
 @pytest.mark.backends("postgresql")
+@pytest.mark.usefixtures("with_a_receiver")
 def test_a_first_text_the_driver_refuses_leaves_the_callers_transaction_usable(
     make_order,
 ) -> None:
     """Refused before it was sent, the first text made no savepoint: nothing is rolled back
     to one (a rollback to a savepoint that does not exist would abort the caller's
     transaction); the failure is kept in the caller's transaction, which commits."""
-    from idempotent_orders.consuming.backends.postgresql import texts
+    from idempotent_orders.consuming.backends import postgresql
 
     order, kept = make_order(), make_order()
     message = payment(order)
-    real = texts._send
+    real = postgresql.send_text
     calls: list[int] = []
 
     def refused(*args: Any, **kwargs: Any) -> int:
@@ -205,7 +219,7 @@ def test_a_first_text_the_driver_refuses_leaves_the_callers_transaction_usable(
             raise ProgrammingError("cannot adapt type 'Thing'")
         return real(*args, **kwargs)
 
-    with mock.patch.object(texts, "_send", refused), transaction.atomic():
+    with mock.patch.object(postgresql, "send_text", refused), transaction.atomic():
         Order.objects.filter(pk=kept.pk).update(carrier="before")
         with pytest.raises(MessageFailed):
             consume_message(message, consumer="payments")
@@ -216,3 +230,42 @@ def test_a_first_text_the_driver_refuses_leaves_the_callers_transaction_usable(
     assert row.status == InboxStatus.FAILED
     assert "cannot adapt type" in row.error
     assert calls == [1]
+
+
+@pytest.mark.backends("postgresql")
+def test_the_one_statement_runs_in_a_callers_transaction_in_one_text_with_its_savepoint(
+    make_order, fulfil
+) -> None:
+    """A message with nothing of the project's to run: its one statement, in one text with
+    the savepoint's statements (after ``BEGIN`` when the caller's transaction has sent
+    nothing yet); one the order refuses is rolled back to the savepoint and the road reads
+    it and says why, in the same caller's transaction."""
+    alone, begun, fresh, refused = (make_order() for _ in range(4))
+    Order.objects.filter(pk=refused.pk).update(status=OrderStatus.CANCELLED)
+    assert consume_message(payment(alone), consumer="payments") is Outcome.APPLIED
+    counted, sent = _paid_inside(alone, begun, fresh)
+    assert counted == {"begun": 1, "fresh": 1}, sent
+    assert _opens(sent["begun"]).startswith("SAVEPOINT "), sent
+    assert _opens(sent["fresh"]).startswith("BEGIN; SAVEPOINT "), sent
+    for texts in sent.values():
+        assert "EXECUTE " in texts[0], texts
+        assert "RELEASE SAVEPOINT " in _ends(texts), texts
+    wanted = _kept(alone)
+    for order in (begun, fresh):
+        assert _kept(order) == wanted
+        assert OutboxMessage.objects.filter(message_id=fulfilment_message_id(order.pk)).exists()
+    after = dict(Order.objects.filter(pk__in=[begun.pk, fresh.pk]).values_list("pk", "carrier"))
+    assert after == {begun.pk: "after begun", fresh.pk: "after fresh"}
+    with transaction.atomic():
+        assert consume_message(payment(refused), consumer="payments") is Outcome.REJECTED
+        Order.objects.filter(pk=refused.pk).update(carrier="kept")
+    refused.refresh_from_db()
+    assert (refused.status, refused.version, refused.carrier) == (
+        OrderStatus.CANCELLED,
+        0,
+        "kept",
+    )
+    refusal = ProcessedMessage.objects.get(order_id=refused.pk)
+    assert (refusal.outcome, refusal.status) == (Outcome.REJECTED, InboxStatus.REJECTED)
+    assert not SpentPayment.objects.filter(order_id=refused.pk).exists()
+    assert not OutboxMessage.objects.filter(message_id=fulfilment_message_id(refused.pk)).exists()

@@ -200,6 +200,9 @@ class Backend(Vendor):
     #: The roads that skip the order's read, as ``module:function`` under
     #: ``idempotent_orders.consuming``, tried in order (see :meth:`roads_without_read`).
     without_read: tuple[str, ...] = ()
+    #: They run inside a caller's transaction too, in the message's savepoint
+    #: (:func:`atomic_block`); else they decline there.
+    unread_in_savepoint = False
     #: A batch locks its orders before it claims their inbox rows: the database checks a
     #: foreign key at once, share-locking the order the inbox row points to.
     locks_orders_first = False

@@ -16,6 +16,12 @@ written by the same statement (``queued AS (INSERT outbox ... WHERE EXISTS (move
 ON CONFLICT (message_id) DO NOTHING)``); any other follow-up puts the statement in a
 transaction with it.
 
+Inside a caller's transaction the statement goes in the message's savepoint, in one text
+with it (:func:`~idempotent_orders.consuming.backends.atomic_block`): ``SAVEPOINT``, the
+statement, ``RELEASE SAVEPOINT`` (unless a follow-up writes its own rows after it); a
+statement that wrote nothing is rolled back to the savepoint, and the caller's
+transaction goes on.
+
 PostgreSQL checks the WHERE clause on the row version it locks (a concurrent
 writer's committed change included), so the tests hold on the order the
 update writes. Every test is at least as strict as the Python validator (text
@@ -30,11 +36,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DataError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DataError,
+    NotSupportedError,
+    ProgrammingError,
+    connections,
+    transaction,
+)
 from django.db.models import DateTimeField, Field, Model
 from django.utils import timezone
 
-from idempotent_orders.consuming.backends.postgresql import spent_after
+from idempotent_orders.consuming.backends import Block, atomic_block
+from idempotent_orders.consuming.backends.postgresql import send_first, spent_after
 from idempotent_orders.consuming.envelope import Envelope
 from idempotent_orders.consuming.payments import SPENT_FIELDS
 from idempotent_orders.consuming.running import written_values
@@ -49,7 +63,7 @@ from idempotent_orders.consuming.sql import (
 )
 from idempotent_orders.consuming.unread import Plan, Shape, plan, update_sql, written
 from idempotent_orders.models import Outcome, SpentPayment
-from idempotent_orders.prepared import PreparedMissing, fetch_one
+from idempotent_orders.prepared import PreparedMissing, driver_cursor, fetch_one, missed
 from idempotent_orders.signals import order_transitioned
 
 __all__ = ["apply_unread"]
@@ -193,16 +207,22 @@ _statements: dict[tuple[Any, ...], _Statement] = {}
 def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outcome | None:
     """Apply ``envelope`` in one statement when its verdict is "apply"; None: read first.
 
-    Declines inside a caller's transaction: the statement would not be the whole
-    transaction (and its deliberate error would abort the caller's). On APPLIED the inbox
-    row and the transition are committed and ``transition_written`` was called (when
-    anyone listens for the order); the caller announces the outcome.
+    Inside a caller's transaction it goes in the message's savepoint (see the module's
+    docstring), where the driver takes it in one text with the savepoint's statements;
+    else it declines there. On APPLIED the inbox row and the transition are committed
+    (in a caller's transaction, released into it) and ``transition_written`` was called
+    (when anyone listens for the order); the caller announces the outcome.
     """
     # The wrapper itself, not the ``connection`` proxy: each attribute read
     # through the proxy costs a context-local lookup.
     conn = connections[DEFAULT_DB_ALIAS]
+    cursor = None
     if conn.in_atomic_block:
-        return None
+        if conn.needs_rollback or not conn.features.uses_savepoints:
+            return None
+        cursor = driver_cursor(conn, in_transaction=True)
+        if cursor is None:
+            return None  # something must see the statements: the two texts take it
     p = plan(envelope, model)
     if p is None:
         return None
@@ -269,6 +289,8 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
         for field_name, value in handed[1].fields.items():
             values[f"outbox:{field_name}"] = value
     args = [prepare(values[source], conn) for source, prepare in statement.sources]
+    if cursor is not None:
+        return _in_savepoint(statement, args, conn, cursor, model, p, announced, follow_up)
     if not follow_up:
         return _apply(statement, args, conn, model, p, announced)
     try:
@@ -285,6 +307,30 @@ class _Declined(Exception):
     """The statement wrote nothing: leave the transaction that held it."""
 
 
+def _in_savepoint(
+    statement: _Statement,
+    args: list[Any],
+    conn: Any,
+    cursor: Any,
+    model: type[Model],
+    p: Plan,
+    announced: bool,
+    follow_up: bool,
+) -> Outcome | None:
+    """In a caller's transaction: the statement in one text with the message's savepoint,
+    released at its end unless a follow-up writes its own rows after it; None (rolled
+    back to the savepoint) when it wrote nothing."""
+    try:
+        with atomic_block(conn) as block, cursor:
+            block.cursor = cursor
+            applied = _apply(statement, args, conn, model, p, announced, follow_up, block)
+            if applied is None:
+                raise _Declined
+            return applied
+    except _Declined:
+        return None
+
+
 def _apply(
     statement: _Statement,
     args: list[Any],
@@ -293,19 +339,31 @@ def _apply(
     p: Plan,
     announced: bool,
     in_transaction: bool = False,
+    block: Block | None = None,
 ) -> Outcome | None:
     """Run the statement; on APPLIED announce the transition (follow-ups write here).
 
     ``in_transaction``: in the follow-up's ``atomic`` block, where the statement is
-    prepared too (see :func:`~idempotent_orders.prepared.fetch_one`).
+    prepared too (see :func:`~idempotent_orders.prepared.fetch_one`). ``block``: in a
+    caller's transaction, the message's savepoint, sent in one text with the statement.
     """
     handed = None if in_transaction else p.handed
     try:
-        row = fetch_one(statement.sql, args, conn, in_transaction=in_transaction)
+        if block is None:
+            row = fetch_one(statement.sql, args, conn, in_transaction=in_transaction)
+        else:
+            closing = "" if in_transaction else "".join(f"; {sql}" for sql in block.closing)
+            send_first(conn, block, [(None, statement.sql, args)], closing)
+            row = block.cursor.fetchone()
+            block.closed = bool(closing)
     except DataError:
         # The deliberate division by zero (the tests failed: nothing was written),
         # or a value a column cannot take: the usual path decides and says why.
         return None
+    except (ProgrammingError, NotSupportedError) as exc:
+        if block is not None and missed(conn, exc):
+            return None  # the session lost the prepared statement: rolled back
+        raise
     if row is None or not row[0]:
         return None  # a duplicate: the usual path reads the order and answers it
     start = 2

@@ -38,98 +38,39 @@ an isolation level or read-only mode: the driver's own ``BEGIN`` says so.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import (
-    DatabaseError,
     DataError,
     IntegrityError,
     NotSupportedError,
-    OperationalError,
     ProgrammingError,
 )
-from django.db.backends.utils import CursorWrapper
 from django.db.models import Field
 from django.utils import timezone
 
 from idempotent_orders.consuming.backends import Block, Declined, FirstText, Texts, atomic_block
-from idempotent_orders.consuming.backends.postgresql import claim_and_spend_sql
+from idempotent_orders.consuming.backends.postgresql import (
+    claim_and_spend_sql,
+    named,
+    send_first,
+    send_text,
+)
 from idempotent_orders.consuming.sql import (
     FOLLOW_UP_FIELDS,
     inbox_partitioned,
     inbox_template,
     queue_follow_up,
 )
-from idempotent_orders.prepared import driver_cursor, execute_text, missed
+from idempotent_orders.prepared import driver_cursor, missed
 
 __all__ = ["PostgreSQLTexts"]
 
 #: SQLSTATE of the division by zero that stops the second text when the order moved.
 _MOVED = "22012"
-#: libpq's PQTRANS_IDLE: no transaction open on the connection.
-_IDLE = 0
-
-#: A statement of a text: as it is (``%s`` arguments), its arguments named (``%(a0)s``).
-_Statement = tuple[str, str, Sequence[Any]]
-_named_forms: dict[str, str] = {}
-
-
-def _named(sql: str) -> str:
-    """``sql`` with its ``%s`` arguments named by position, as prepared statements take them."""
-    named = _named_forms.get(sql)
-    if named is None:
-        count = iter(range(sql.count("%s")))
-        named = _named_forms[sql] = re.sub(
-            r"%s|%%", lambda m: m[0] if m[0] == "%%" else f"%(a{next(count)})s", sql
-        )
-    return named
-
-
-def _send(conn: Any, cursor: Any, head: str, statements: Sequence[_Statement], tail: str) -> int:
-    """Send ``head``, ``statements`` and ``tail`` as one text; the number of results
-    before the first statement's (its ``PREPARE``s)."""
-    composed: list[tuple[str | None, str]] = []
-    if not isinstance(cursor, CursorWrapper):  # Django's: something must see the SQL
-        for _, named, args in statements:
-            one = execute_text(conn, named, args)
-            if one is None:
-                composed = []
-                break
-            composed.append(one)
-    with conn.wrap_database_errors:
-        if composed:
-            prepares = [prepare for prepare, _ in composed if prepare is not None]
-            executes = [execute for _, execute in composed]
-            cursor.execute(head + "; ".join([*prepares, *executes]) + tail)
-            return len(prepares)
-        text = head + "; ".join(sql for sql, _, _ in statements) + tail
-        cursor.execute(text, [arg for _, _, args in statements for arg in args])
-        return 0
-
-
-def _begins(conn: Any) -> bool:
-    """Whether the first text opens the transaction itself with ``BEGIN`` (the driver's
-    autocommit switched on for it); else the driver sends its own ``BEGIN``, or the
-    transaction is open already."""
-    raw = conn.connection
-    if raw.isolation_level is not None or raw.read_only is not None or raw.deferrable:
-        return False
-    if raw.pgconn.transaction_status != _IDLE:
-        return False  # begun already (by the caller, or a lookup of the inbox's shape)
-    # Idle: no round trip. Django's outermost atomic switches it back at its end.
-    raw.autocommit = True
-    return True
-
-
-def _answered(exc: BaseException) -> bool:
-    """Whether ``exc`` is the server's answer to a text (an error with a SQLSTATE), or a
-    lost connection (whatever ran is gone with it), not the driver refusing to send it."""
-    cause = exc.__cause__ if isinstance(exc, DatabaseError) and exc.__cause__ else exc
-    return getattr(cause, "sqlstate", None) is not None or isinstance(exc, OperationalError)
 
 
 def _tail(block: Block) -> str:
@@ -189,7 +130,7 @@ class PostgreSQLTexts(Texts):
     @contextmanager
     def transaction(self, conn: Any) -> Iterator[Block]:
         # The driver's own cursor inside the ``atomic`` block (Django's cursor wrapper
-        # skipped, its error mapping kept by _send), or Django's where something must see
+        # skipped, its error mapping kept by send_text), or Django's where something must see
         # the texts: there they go as they are, not as ``EXECUTE`` of a prepared statement.
         with atomic_block(conn) as block:
             if not block.nested:
@@ -206,32 +147,20 @@ class PostgreSQLTexts(Texts):
         args = [per_message[name] for name in claim.names]
         args += first.spent or []
         statements = [
-            (claim.sql, _named(claim.sql), args),
-            (first.read, _named(first.read), first.read_args),
+            (claim.sql, named(claim.sql), args),
+            (first.read, named(first.read), first.read_args),
         ]
         cursor = block.cursor
-        opening = (*(["BEGIN"] if _begins(conn) else []), *block.opening)
-        block.opened = True
         try:
-            skipped = _send(conn, cursor, "".join(f"{sql}; " for sql in opening), statements, "")
-            for _ in range(skipped + len(opening)):
-                cursor.nextset()
+            send_first(conn, block, statements)
             claimed = cursor.fetchone()
             cursor.nextset()
             row = cursor.fetchone()
-        except BaseException as exc:
-            # Refused before it was sent (an argument the driver cannot adapt, say): no
-            # savepoint to roll back to. Whatever the server answered ran the opening.
-            block.opened = _answered(exc)
-            raw = conn.connection
-            if block.nested and raw.autocommit and raw.pgconn.transaction_status == _IDLE:
-                # Its BEGIN never ran: the caller's transaction is the driver's to open.
-                raw.autocommit = False
-            if isinstance(exc, (IntegrityError, DataError)):
-                # Our own statements only (a value a column refuses, say): the usual road
-                # says why.
-                raise Declined from None
-            if isinstance(exc, (ProgrammingError, NotSupportedError)) and missed(conn, exc):
+        except (IntegrityError, DataError):
+            # Our own statements only (a value a column refuses, say): the usual road says why.
+            raise Declined from None
+        except (ProgrammingError, NotSupportedError) as exc:
+            if missed(conn, exc):
                 raise Declined from None
             raise
         if claimed is None or not claimed[0] or not claimed[1] or row is None:
@@ -262,7 +191,7 @@ class PostgreSQLTexts(Texts):
             args += [f.get_db_prep_save(queued[f.name], conn) for f in update.queued]
         tail = _tail(block) if update.closes else ""
         try:
-            for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], tail)):
+            for _ in range(send_text(conn, cursor, "", [(sql, named(sql), args)], tail)):
                 cursor.nextset()
             row = cursor.fetchone()
         except DataError as exc:
@@ -281,7 +210,7 @@ class PostgreSQLTexts(Texts):
         args = [f.get_db_prep_save(queued[f.name], conn) for f in fields]
         cursor = block.cursor
         try:
-            for _ in range(_send(conn, cursor, "", [(sql, _named(sql), args)], _tail(block))):
+            for _ in range(send_text(conn, cursor, "", [(sql, named(sql), args)], _tail(block))):
                 cursor.nextset()
             row = cursor.fetchone()
         except (ProgrammingError, NotSupportedError) as exc:
