@@ -216,16 +216,15 @@ def apply_unread(envelope: Envelope, consumer: str, model: type[Model]) -> Outco
     # The wrapper itself, not the ``connection`` proxy: each attribute read
     # through the proxy costs a context-local lookup.
     conn = connections[DEFAULT_DB_ALIAS]
-    cursor = None
-    if conn.in_atomic_block:
-        if conn.needs_rollback or not conn.features.uses_savepoints:
-            return None
-        cursor = driver_cursor(conn, in_transaction=True)
-        if cursor is None:
-            return None  # something must see the statements: the two texts take it
+    nested = conn.in_atomic_block
+    if nested and (conn.needs_rollback or not conn.features.uses_savepoints):
+        return None
     p = plan(envelope, model)
     if p is None:
         return None
+    cursor = driver_cursor(conn, in_transaction=True) if nested else None
+    if nested and cursor is None:
+        return None  # something must see the statements: the road reads the message
     shape, name, fields, tests = p.shape, p.name, p.fields, p.tests
     # The order as written is built only for someone to hand it to: a receiver of
     # ``order_transitioned``, or a follow-up that writes its own row (then the statement
