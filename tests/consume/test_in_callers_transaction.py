@@ -173,16 +173,26 @@ def test_what_the_texts_decline_in_a_callers_transaction_is_rolled_back_to_the_s
     charge = f"ch-{paid_first.pk}"
     first = payment(paid_first, payment_id=charge)
     outcomes = []
+    refusal_texts: list[str] = []
     with mock.patch.object(texts_class, "claim_and_read", spy), transaction.atomic():
         Order.objects.filter(pk=kept.pk).update(carrier="before")
         outcomes.append(consume_message(first, consumer="payments"))
-        outcomes.append(consume_message(payment(refused), consumer="payments"))
+        with round_trips(refusal_texts) as trips:
+            outcomes.append(consume_message(payment(refused), consumer="payments"))
+            trips()
         outcomes.append(consume_message(payment(other, payment_id=charge), consumer="payments"))
         outcomes.append(consume_message(first, consumer="payments"))
         Order.objects.filter(pk=kept.pk).update(tracking_number="after")
     assert outcomes == [Outcome.APPLIED, Outcome.REJECTED, Outcome.REJECTED, Outcome.DUPLICATE]
     # Each took a first text, the copy too: its id is remembered once the caller commits.
     assert len(first_texts) == 4
+    # The refused payment's first text is rolled back to its savepoint, released in the
+    # same text; then the road claims it one statement at a time.
+    undone = [t for t in refusal_texts if "ROLLBACK TO SAVEPOINT" in t]
+    assert len(undone) == 1, refusal_texts
+    assert "RELEASE SAVEPOINT" in undone[0], refusal_texts
+    after = refusal_texts[refusal_texts.index(undone[0]) + 1]
+    assert not after.strip('"').startswith("RELEASE SAVEPOINT"), refusal_texts
     kept.refresh_from_db()
     assert (kept.carrier, kept.tracking_number) == ("before", "after")
     refusal = ProcessedMessage.objects.get(order_id=refused.pk)

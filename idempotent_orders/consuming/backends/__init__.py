@@ -103,7 +103,8 @@ def atomic_block(conn: Any) -> Iterator[Block]:
     statement is held back for the head of the first text (``opening``), and its release
     goes at the end of the text that ends the block (``closing``). Django sends the end it
     would have sent unless the last text released the savepoint already, or the first
-    text never went out (then there is none). Django's bookkeeping is its own as ever:
+    text never went out (then there is none); its rollback to the savepoint takes the
+    release with it, in one text. Django's bookkeeping is its own as ever:
     the savepoint ids, and the ``on_commit`` callbacks dropped with a rolled-back
     savepoint. Where something must see the statements
     (:func:`~idempotent_orders.prepared.watched`), Django sends them itself."""
@@ -130,19 +131,28 @@ def atomic_block(conn: Any) -> Iterator[Block]:
         atomic.__enter__()
     sid = conn.savepoint_ids[-1]
     block = Block(nested=True, opening=tuple(held))
-    ours: set[str] = set()
+    rollback = release = ""
     if sid is not None:
-        block.closing = (conn.ops.savepoint_commit_sql(sid),)
-        ours = {conn.ops.savepoint_rollback_sql(sid), *block.closing}
+        rollback, release = conn.ops.savepoint_rollback_sql(sid), conn.ops.savepoint_commit_sql(sid)
+        block.closing = (release,)
     if held and (sid is None or held[0] != conn.ops.savepoint_create_sql(sid)):
         with conn.cursor() as cursor:  # not the block's savepoint: sent as Django would
             cursor.execute(held[0])
         block.opening, block.opened = (), True
 
     def end(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if sql in ours and (not block.opened or block.closed):
+        if not sql or sql not in (rollback, release):
+            return execute(sql, params, many, context)
+        if not block.opened or block.closed:
             return None  # a savepoint never made, or released by the last text
-        return execute(sql, params, many, context)
+        if sql == release:
+            return execute(sql, params, many, context)
+        # Django releases the savepoint right after it rolled back to it: one text.
+        done = execute(f"{rollback}; {release}", params, many, context)
+        while context["cursor"].nextset():
+            pass
+        block.closed = True
+        return done
 
     try:
         yield block
