@@ -81,8 +81,7 @@ WAITS_DATABASES = {"sqlite"}
 #: The databases whose first-Django leg runs its worker tests (marker ``workers``) as a
 #: leg of their own: the rest leaves RabbitMQ alone, so it can run beside the chaos runs
 #: that restart it (:func:`without_brokers`), where the places would otherwise stand idle.
-#: PostgreSQL's rest is the longest leg: apart, it starts with the chaos runs, not after.
-WORKERS_APART_DATABASES = {"sqlite", "mariadb", "postgres"}
+WORKERS_APART_DATABASES = {"sqlite", "mariadb"}
 # The long runs (marker ``heavy``): on the first Django's PostgreSQL leg they run as a
 # leg of their own, beside the rest of it; the first Django's MariaDB leg runs the few
 # that are MariaDB's too (the webhook load run) in line; the Django 6 legs leave them out.
@@ -104,8 +103,7 @@ WAITS = "waits"
 # 2-core machine; only the order matters).
 ESTIMATE = {
     ("heavy", "postgres"): 225,
-    ("", "postgres"): 400,
-    ("workers", "postgres"): 150,
+    ("", "postgres"): 530,
     ("", "mariadb"): 330,
     ("workers", "mariadb"): 100,
     ("", "sqlite"): 200,
