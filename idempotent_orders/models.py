@@ -21,6 +21,9 @@ from idempotent_orders.prepared import driver_cursor
 
 #: Where a guarded ``save()`` keeps its optimistic condition until ``_do_update`` takes it.
 SAVE_GUARD = "_idempotent_orders_guard"
+#: Where it keeps what may hold its UPDATE back for the next text (the consumer's
+#: ``HeldUpdate``: ``hold(connection, sql, params)``, False when it sends nothing held).
+SAVE_HOLD = "_idempotent_orders_hold"
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,11 @@ PLAIN_TYPES = frozenset(
 
 
 def _guarded_update(
-    base_qs: Any, guard: Mapping[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    base_qs: Any,
+    guard: Mapping[str, Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    hold: Any = None,
 ) -> Any:
     """What Django's ``Model._do_update(base_qs.filter(**guard), *args)`` returns, sending
     the same UPDATE (every column ``save()`` passed, ``WHERE <guard> AND pk``) from SQL
@@ -51,7 +58,9 @@ def _guarded_update(
     None, with nothing sent, where Django's query must build it: a value that is an
     expression or a model, a field with its own placeholder, ``select_on_save``, values
     returned by the UPDATE, a base manager with its own queryset or filters, a guard
-    Django would not spell as ``=``/``IN``."""
+    Django would not spell as ``=``/``IN``. ``hold``: it may keep the UPDATE for the next
+    text on the connection (then the row counts as written: the text that carries it
+    stops the transaction when it matched none)."""
     if kwargs or len(args) not in (5, 6):
         return None
     using, pk_val, values, _update_fields, forced_update = args[:5]
@@ -100,13 +109,14 @@ def _guarded_update(
             params += [field.get_db_prep_value(v, conn) for v in value]
     assert meta.pk is not None
     params.append(meta.pk.get_db_prep_value(pk_val, conn))
-    rows = _send_update(conn, update.sql, params)
+    held = hold is not None and hold.hold(conn, update.sql, params)
+    rows = 1 if held else send_update(conn, update.sql, params)
     if len(args) == 6:  # Django 6: the rows updated, each with its returned values (none)
         return [()] * rows
     return rows > 0
 
 
-def _send_update(conn: Any, sql: str, params: Sequence[Any]) -> int:
+def send_update(conn: Any, sql: str, params: Sequence[Any]) -> int:
     """Send a guarded UPDATE; the rows it matched. On the driver's own cursor where nothing
     watches the statement (:func:`~idempotent_orders.prepared.driver_cursor`: no execute
     wrapper, no query logging; and a transaction not marked for rollback, which Django's
@@ -207,9 +217,10 @@ class AbstractOrder(FSMModelMixin, models.Model):
         taken by its first UPDATE; any other save is Django's own.
         """
         guard = self.__dict__.pop(SAVE_GUARD, None)
+        hold = self.__dict__.pop(SAVE_HOLD, None)
         if guard is None:
             return super()._do_update(base_qs, *args, **kwargs)
-        updated = _guarded_update(base_qs, guard, args, kwargs)
+        updated = _guarded_update(base_qs, guard, args, kwargs, hold)
         if updated is None:  # not a plain UPDATE of plain values: Django's query builds it
             updated = super()._do_update(base_qs.filter(**guard), *args, **kwargs)
         if not updated:

@@ -25,6 +25,7 @@ LAYERS = (
     "backends.postgresql",
     "failures",
     "savepoints",
+    "held",
     "unread",
     "backends.postgresql.one_statement",
     "backends.at_once",

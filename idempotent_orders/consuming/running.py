@@ -39,7 +39,7 @@ from idempotent_orders.consuming.graph import (
     state_field,
 )
 from idempotent_orders.exceptions import OrderChanged, TransitionNotSaved
-from idempotent_orders.models import SAVE_GUARD
+from idempotent_orders.models import SAVE_GUARD, SAVE_HOLD
 from idempotent_orders.signals import order_transitioned
 
 
@@ -588,12 +588,18 @@ def call_transition(
 
 
 def commit(
-    instance: Model, ran: Ran, version: int, extra_filters: Mapping[str, Any] | None = None
+    instance: Model,
+    ran: Ran,
+    version: int,
+    extra_filters: Mapping[str, Any] | None = None,
+    hold: Any = None,
 ) -> bool:
     """Write what :func:`call_transition` did, ``WHERE pk AND state AND version`` (and
     ``extra_filters``): through the model's ``save()`` where :func:`save_hooks` finds
     anything of the project's, else with one conditional UPDATE of the state, every
     changed field and ``version + 1``. False when another writer changed the row first.
+    ``hold``: a :class:`~idempotent_orders.consuming.held.HeldUpdate` that may keep
+    ``save()``'s UPDATE for the next text (then True says only that ``save()`` ran).
     """
     model = type(instance)
     field = state_field(model)
@@ -615,7 +621,7 @@ def commit(
         # app moves last_seq on without a transition, and so without a new version).
         if "last_seq" not in guard and "last_seq__in" not in guard:
             guard["last_seq"] = getattr(instance, "last_seq", 0)
-        return _save(instance, guard, version)
+        return _save(instance, guard, version, hold)
     rows = model._default_manager.filter(pk=instance.pk, **guard).update(
         **{field.attname: ran.target, "version": F("version") + 1}, **ran.values
     )
@@ -625,7 +631,7 @@ def commit(
     return True
 
 
-def _save(instance: Model, guard: Mapping[str, Any], version: int) -> bool:
+def _save(instance: Model, guard: Mapping[str, Any], version: int, hold: Any = None) -> bool:
     """Commit a transition through the model's own ``save()``, called as the project's
     code calls it after a transition (no ``update_fields``), with ``guard`` added to the
     UPDATE it sends (:meth:`~idempotent_orders.models.AbstractOrder._do_update`). Its
@@ -634,6 +640,8 @@ def _save(instance: Model, guard: Mapping[str, Any], version: int) -> bool:
     (nothing after the UPDATE ran: the caller rolls back)."""
     instance.__dict__["version"] = version + 1
     instance.__dict__[SAVE_GUARD] = dict(guard)
+    if hold is not None:
+        instance.__dict__[SAVE_HOLD] = hold
     try:
         instance.save()
     except OrderChanged:
@@ -641,6 +649,7 @@ def _save(instance: Model, guard: Mapping[str, Any], version: int) -> bool:
         return False
     finally:
         unsent = instance.__dict__.pop(SAVE_GUARD, None) is not None
+        instance.__dict__.pop(SAVE_HOLD, None)
     if unsent:
         # The project's save() returned without writing the row (it never reached
         # super().save()): the message must not be recorded as applied.

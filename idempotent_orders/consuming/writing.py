@@ -69,6 +69,7 @@ from idempotent_orders.consuming.failures import (
     is_retryable,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
+from idempotent_orders.consuming.held import HeldUpdate
 from idempotent_orders.consuming.payments import payment_id, spend
 from idempotent_orders.consuming.running import (
     FollowUp,
@@ -335,13 +336,15 @@ def run(
     """
     version: int = order.version
     ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
-    last = None
+    last = held = None
     if sent is not None:
         if not save_hooks(type(order)) and _finish(order, ran, version, conditions, *sent):
             return Outcome.APPLIED
-        # The model's own save() writes the order; the follow-up's row goes with COMMIT.
-        last = partial(_queue_and_commit, *sent)
-    return settle(envelope, consumer, order, ran, version, conditions, last=last)
+        # The model's own save() writes the order, its UPDATE held for the next text; the
+        # follow-up's row goes with COMMIT.
+        held = HeldUpdate.arm(sent[0], sent[2])
+        last = partial(_queue_and_commit, *sent, held)
+    return settle(envelope, consumer, order, ran, version, conditions, last=last, held=held)
 
 
 def settle(
@@ -353,6 +356,7 @@ def settle(
     conditions: Mapping[str, Any],
     *,
     last: Callable[[AbstractOrder, Ran], Collection[FollowUp] | None] | None = None,
+    held: HeldUpdate | None = None,
 ) -> Outcome:
     """Commit what the model's transition did (``ran``, on ``order`` read at ``version``)
     with one conditional UPDATE and announce it: :func:`run`'s second half. Raises
@@ -360,11 +364,19 @@ def settle(
 
     ``last``: called once the order is written (its ``save()`` and receivers done), to
     write the follow-ups' rows and commit in one text; it returns the follow-ups it
-    wrote, or None having sent nothing (they are written here and Django commits)."""
-    if not commit(order, ran, version, conditions):
-        raise Conflict
+    wrote, or None having sent nothing (they are written here and Django commits).
+    ``held``: where ``save()``'s UPDATE may wait for the next text
+    (:class:`~idempotent_orders.consuming.held.HeldUpdate`)."""
+    try:
+        if not commit(order, ran, version, conditions, held):
+            raise Conflict
+        handed = last(order, ran) if last is not None and ran.error is None else None
+        if held is not None and not held.settle():
+            raise Conflict  # the held UPDATE matched no row: the order moved since the read
+    finally:
+        if held is not None:
+            held.close()
     result = TransitionResult(TransitionStatus.APPLIED, ran.source, ran.target, version + 1)
-    handed = last(order, ran) if last is not None and ran.error is None else None
     transition_written(order, ran.name, result, fsm_sent=True, handed=handed or ())
     if ran.error is None:
         return Outcome.APPLIED
@@ -506,15 +518,19 @@ def _follow_up(
 
 
 def _queue_and_commit(
-    conn: Any, block: Block, texts: Texts, order: AbstractOrder, ran: Ran
+    conn: Any, block: Block, texts: Texts, held: HeldUpdate | None, order: AbstractOrder, ran: Ran
 ) -> tuple[FollowUp, ...] | None:
     """After the model's ``save()`` and its receivers: the follow-up's outbox row and
-    ``COMMIT`` in one text (:meth:`Texts.queue`); the follow-up it wrote, or None with
-    nothing sent (several follow-ups, or one that writes its own row: Django commits)."""
+    ``COMMIT`` in one text (:meth:`Texts.queue`), after ``save()``'s UPDATE where it was
+    held for it; the follow-up it wrote, or None with nothing sent (several follow-ups,
+    or one that writes its own row: Django commits)."""
     _, handed = _follow_up(type(order), order.pk, ran)
     if handed is None:
         return None
-    queued_id = texts.queue(conn, block, dict(handed[1].fields))
+    if held is not None and held.moved:
+        raise Conflict
+    update = None if held is None else held.take()
+    queued_id = texts.queue(conn, block, dict(handed[1].fields), update)
     if queued_id is not None:  # None: the message was queued already
         handed[1].written(conn.alias, queued_id)
     return (handed[0],)

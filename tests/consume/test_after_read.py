@@ -7,7 +7,6 @@ and decides again."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from idempotent_orders.models import (
     SpentPayment,
 )
 from tests.support.messages import payment, shipment, transitions_heard
+from tests.support.threads import after_the_read, elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -44,37 +44,6 @@ def _paid(make_order: Any) -> Order:
     return Order.objects.get(pk=order.pk)
 
 
-def _elsewhere(work: Callable[[], Any]) -> None:
-    """``work`` on a connection of its own (another writer), committed when it returns."""
-
-    def run() -> None:
-        try:
-            work()
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
-
-
-def _racing(monkeypatch: pytest.MonkeyPatch, change: Callable[[], Any]) -> list[int]:
-    """Another writer runs ``change`` between the road's read of the order and its write,
-    once; the versions the road read, in order."""
-    real = writing.decide
-    versions: list[int] = []
-
-    def racing(order: Any, envelope: Any) -> Any:
-        versions.append(order.version)
-        if len(versions) == 1:
-            _elsewhere(change)
-        return real(order, envelope)
-
-    monkeypatch.setattr(writing, "decide", racing)
-    return versions
-
-
 # The order is read after the claim and written optimistically on PostgreSQL; MariaDB
 # locks it with the read, and SQLite's transaction holds the write lock from the claim on:
 # another writer waits there, and no race is lost.
@@ -83,7 +52,7 @@ def test_an_order_moved_after_the_read_rolls_everything_back_and_decides_again(
     make_order, fulfil: None, read_first: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order = make_order()
-    versions = _racing(
+    versions = after_the_read(
         monkeypatch,
         lambda: Order.objects.filter(pk=order.pk).update(version=F("version") + 1),
     )
@@ -105,7 +74,7 @@ def test_a_transition_of_several_sources_that_loses_a_race_decides_again(
 ) -> None:
     # ``ship`` leaves PAID or PROCESSING: the state as read is the source the write tests.
     order = _paid(make_order)
-    versions = _racing(
+    versions = after_the_read(
         monkeypatch,
         lambda: Order.objects.filter(pk=order.pk).update(
             status=OrderStatus.PROCESSING, version=F("version") + 1
@@ -134,7 +103,7 @@ def test_a_claim_that_loses_to_the_inbox_writes_nothing(
 
     def overtaken(*args: Any, **kwargs: Any) -> Any:
         # Another delivery of the same message commits its claim before ours.
-        _elsewhere(
+        elsewhere(
             lambda: ProcessedMessage.objects.create(
                 consumer="payments", message_id=message["message_id"], outcome=Outcome.APPLIED
             )

@@ -258,14 +258,17 @@ def test_the_save_road_claims_and_reads_in_one_text_then_calls_save(make_order, 
                 merged_trips = trips()
         finally:
             post_save.disconnect(sender=Order, dispatch_uid="test-save-road")
-    # The driver's own BEGIN and the read; with a follow-up, its row's own round trip.
-    assert merged_trips == usual_trips - (3 if fulfil else 2)
-    # BEGIN, the claim with the spent payment and the read; save()'s UPDATE; the
-    # receiver's own SELECT; the follow-up's outbox row with COMMIT (or COMMIT alone).
-    assert merged_trips == 4
+    # The driver's own BEGIN, the read and save()'s own round trip; with a follow-up, its
+    # row's own round trip.
+    assert merged_trips == usual_trips - (4 if fulfil else 3)
+    # BEGIN, the claim with the spent payment and the read; save()'s UPDATE, held for the
+    # text of the receiver's own SELECT; the follow-up's outbox row with COMMIT (or COMMIT
+    # alone).
+    assert merged_trips == 3
     assert texts[0].startswith('"BEGIN; ')
     assert texts[0].count("EXECUTE idempotent_orders_") == 2  # the claim, the read
-    assert texts[1].startswith(f'"UPDATE "{Order._meta.db_table}" SET ')
+    assert texts[1].startswith(f'"WITH moved AS (UPDATE "{Order._meta.db_table}" SET ')
+    assert f'SELECT "{ProcessedMessage._meta.db_table}"' in texts[1]
     if fulfil:
         assert f'INSERT INTO "{OutboxMessage._meta.db_table}"' in "".join(texts[2:])
         assert texts[-1].endswith('; COMMIT"'), texts

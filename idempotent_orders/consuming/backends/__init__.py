@@ -196,11 +196,29 @@ class Texts:
         message id was queued already). Raises :class:`Declined` when the order moved."""
         raise NotImplementedError
 
-    def queue(self, conn: Any, block: Block, queued: dict[str, Any]) -> int | None:
+    #: The last text can carry the UPDATE of the model's own ``save()``, held back for it
+    #: (:mod:`~idempotent_orders.consuming.held`): :meth:`queue` takes it, and
+    #: :meth:`counted` gives the statement that sends it before the project's next one.
+    holds_save_update = False
+
+    def queue(
+        self,
+        conn: Any,
+        block: Block,
+        queued: dict[str, Any],
+        held: tuple[str, list[Any]] | None = None,
+    ) -> int | None:
         """Send the follow-up's outbox row of ``queued`` fields and the block's end as one
-        text, the order written already by the model's own ``save()``; the row's id (None:
-        its message id was queued already). An insert that fails stops the text before the
-        end."""
+        text, the order written by the model's own ``save()``: before now, or by ``held``
+        (its UPDATE and arguments) at the head of this text, which stops before the end
+        (raising :class:`Declined`) when that UPDATE matched no row. The row's id (None:
+        its message id was queued already). An insert that fails stops the text before
+        the end."""
+        raise NotImplementedError
+
+    def counted(self, update: str) -> str:
+        """A statement that runs ``update`` (its arguments as they are) and returns one row:
+        the number of rows it matched."""
         raise NotImplementedError
 
 

@@ -245,7 +245,14 @@ class MySQLTexts(Texts):
             _closed(conn, block)
         return queued_id
 
-    def queue(self, conn: Any, block: Block, queued: dict[str, Any]) -> int | None:
+    def queue(
+        self,
+        conn: Any,
+        block: Block,
+        queued: dict[str, Any],
+        held: tuple[str, list[Any]] | None = None,
+    ) -> int | None:
+        assert held is None  # no UPDATE is held here (holds_save_update)
         texts = inserts()
         args = [f.get_db_prep_save(queued[f.name], conn) for f in texts.queued]
         cursor, sql = block.cursor, "; ".join([texts.queue, *block.closing])

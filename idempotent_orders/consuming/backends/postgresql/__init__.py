@@ -25,6 +25,7 @@ from idempotent_orders.vendors import postgresql
 
 __all__ = [
     "PostgreSQL",
+    "Statement",
     "claim_and_spend_sql",
     "named",
     "send_first",

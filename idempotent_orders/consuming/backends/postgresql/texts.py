@@ -54,6 +54,7 @@ from django.utils import timezone
 
 from idempotent_orders.consuming.backends import Block, Declined, FirstText, Texts, atomic_block
 from idempotent_orders.consuming.backends.postgresql import (
+    Statement,
     claim_and_spend_sql,
     named,
     send_first,
@@ -205,20 +206,46 @@ class PostgreSQLTexts(Texts):
         block.closed = update.closes
         return row[1] if queued is not None else None
 
-    def queue(self, conn: Any, block: Block, queued: dict[str, Any]) -> int | None:
+    holds_save_update = True
+
+    def counted(self, update: str) -> str:
+        return f"WITH moved AS ({update} RETURNING 1) SELECT count(*) FROM moved"
+
+    def queue(
+        self,
+        conn: Any,
+        block: Block,
+        queued: dict[str, Any],
+        held: tuple[str, list[Any]] | None = None,
+    ) -> int | None:
         sql, fields = _queue_text(conn)
         args = [f.get_db_prep_save(queued[f.name], conn) for f in fields]
+        statements: list[Statement] = [(sql, named(sql), args)]
+        if held is not None:
+            # save()'s UPDATE first: no row matched stops the text before COMMIT.
+            guard = _stopping(held[0])
+            statements.insert(0, (guard, named(guard), held[1]))
         cursor = block.cursor
         try:
-            for _ in range(send_text(conn, cursor, "", [(sql, named(sql), args)], _tail(block))):
+            skipped = send_text(conn, cursor, "", statements, _tail(block))
+            for _ in range(skipped + len(statements) - 1):
                 cursor.nextset()
             row = cursor.fetchone()
+        except DataError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) == _MOVED:
+                raise Declined from None
+            raise
         except (ProgrammingError, NotSupportedError) as exc:
             if missed(conn, exc):
                 raise Declined from None  # rolled back whole: the usual road runs it again
             raise
         block.closed = True
         return None if row is None else row[0]
+
+
+def _stopping(update: str) -> str:
+    """``update`` as a statement that fails (division by zero) when it matched no row."""
+    return f"WITH moved AS ({update} RETURNING 1) SELECT 1 / (SELECT count(*) FROM moved)"
 
 
 _queue_texts: dict[str, tuple[str, tuple[Field[Any, Any], ...]]] = {}
