@@ -214,7 +214,9 @@ class AbstractOrder(FSMModelMixin, models.Model):
         :class:`~idempotent_orders.exceptions.OrderChanged` instead of an INSERT.
 
         The condition is set by the consumer for one ``save()`` of a transition and
-        taken by its first UPDATE; any other save is Django's own.
+        taken by its first UPDATE; any other save is Django's own. With it the consumer
+        may hand over what holds the UPDATE back for its next text
+        (:mod:`~idempotent_orders.consuming.held`).
         """
         guard = self.__dict__.pop(SAVE_GUARD, None)
         hold = self.__dict__.pop(SAVE_HOLD, None)

@@ -15,7 +15,7 @@ sent on the connection, in the order it was sent:
   history package's row, a savepoint of its own), through an execute wrapper: the
   UPDATE returns the rows it matched, and the project's statement runs after it, as it
   would have, its cursor left on its own result;
-- or, where nothing else goes after it, a round trip of its own, as before.
+- or, where nothing else goes after it, a round trip of its own.
 
 An UPDATE that matched no row (another writer moved the order since the read) rolls the
 message back like any lost race, and the road reads and decides again. The project's
@@ -38,9 +38,10 @@ __all__ = ["HeldUpdate"]
 class HeldUpdate:
     """The guarded UPDATE of one ``save()`` on the road's connection, held for the next text.
 
-    Handed to the model's ``_do_update`` (:func:`~idempotent_orders.models.hold_next_update`):
-    :meth:`hold` keeps the statement and installs this object as the connection's
-    execute wrapper until the statement goes out.
+    Handed to the model's ``_do_update`` (through the instance, as its guard is:
+    :data:`~idempotent_orders.models.SAVE_HOLD`): :meth:`hold` keeps the statement and
+    installs this object as the connection's execute wrapper until the statement goes
+    out.
     """
 
     def __init__(self, conn: Any, texts: Any) -> None:
@@ -109,13 +110,10 @@ class HeldUpdate:
             if not send_update(self.conn, *held):
                 self.moved = True
             return execute(sql, params, many, context)
-        text = self.conn.ops.compose_sql(self.texts.counted(held[0]), held[1])
+        text = self.texts.held_prefix(self.conn, *held)
         if params is not None:  # the driver reads the text for its own arguments
             text = text.replace("%", "%%")
         done = execute(f"{text}; {sql}", params, many, context)
-        with self.conn.wrap_database_errors:
-            row = cursor.fetchone()
-            cursor.nextset()
-        if not row or not row[0]:
+        if self.texts.held_rows(self.conn, cursor) != 1:
             self.moved = True
         return done

@@ -1,5 +1,5 @@
-"""The save() road's UPDATE held back for the next text (PostgreSQL): ``save()`` is told the
-row was written, and its guarded UPDATE goes at the head of the project's next statement or
+"""The save() road's UPDATE held back for the next text (PostgreSQL, MariaDB): ``save()`` is
+told the row was written, and its guarded UPDATE goes at the head of the project's next statement or
 of the road's last text. The project's code sees the row as written; an UPDATE that matched
 no row (another writer moved the order after the read) rolls the message back whole, and
 the road decides again, with no exception reaching the project's code."""
@@ -14,7 +14,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 from django.db.models import F
-from django.db.models.signals import post_save
+from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext, override_settings
 
 from idempotent_orders.consuming.running import road
@@ -31,7 +31,10 @@ from tests.support.messages import payment
 from tests.support.round_trips import round_trips
 from tests.support.threads import after_the_read
 
-pytestmark = [pytest.mark.backends("postgresql"), pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.backends("postgresql", "mysql"),
+    pytest.mark.django_db(transaction=True),
+]
 
 
 @contextmanager
@@ -98,25 +101,33 @@ def test_a_receiver_reads_the_row_as_written_and_the_update_rides_its_text(
             assert consume_message(quiet_message, consumer="payments") is Outcome.APPLIED
             quiet_trips = trips()
     assert seen == [(OrderStatus.PAID, 1)]
-    table = Order._meta.db_table
+    table = connection.ops.quote_name(Order._meta.db_table)
     assert reading_trips == 3  # the claim and read; the UPDATE with the receiver's read; the end
-    assert texts[1].startswith(f'"WITH moved AS (UPDATE "{table}" SET ')
-    assert "SELECT count(*) FROM moved; SELECT " in texts[1]  # then the receiver's read-back
+    if connection.vendor == "postgresql":
+        assert texts[1].startswith(f'"WITH moved AS (UPDATE {table} SET ')
+        assert "SELECT count(*) FROM moved; SELECT " in texts[1]  # then the receiver's read
+    else:
+        assert texts[1].startswith(f"UPDATE {table} SET "), texts
+        assert f"; SELECT {table}." in texts[1]
     if fulfil:
         assert quiet_trips == 2  # the claim and read; the UPDATE, the outbox row and COMMIT
-        assert "EXECUTE idempotent_orders_" in quiet_texts[1]
         assert quiet_texts[1].rstrip('"').endswith("; COMMIT")
+        assert "UPDATE " in quiet_texts[1]
     else:
         assert quiet_trips == 3  # nothing after the UPDATE: it goes alone, then COMMIT
     _applied_once(reading, message, 1, fulfil)
     _applied_once(quiet, quiet_message, 1, fulfil)
 
 
-@pytest.mark.parametrize(
+_WHERE = pytest.mark.parametrize(
     ("fulfil", "reads"),
     [(True, True), (True, False), (False, False)],
     ids=["receiver-statement", "last-text", "alone"],
 )
+
+
+@pytest.mark.backends("postgresql")  # MariaDB's first text locks the order: no one moves it
+@_WHERE
 def test_an_order_moved_after_the_read_rolls_the_held_update_back_and_decides_again(
     make_order, monkeypatch: pytest.MonkeyPatch, fulfil: bool, reads: bool
 ) -> None:
@@ -152,6 +163,41 @@ def test_an_order_moved_after_the_read_rolls_the_held_update_back_and_decides_ag
     _applied_once(order, message, 2, fulfil)
 
 
+@_WHERE
+def test_an_order_the_projects_code_moved_before_save_rolls_back_and_decides_again(
+    make_order, fulfil: bool, reads: bool
+) -> None:
+    """The same on every database that holds the UPDATE: the project's own ``pre_save``
+    receiver moves the order on (a new version) in the message's transaction, once; the
+    held UPDATE matches no row, the attempt rolls back with that write, and the road applies
+    the message on the order as it is."""
+    seen: list[Any] = []
+    moves: list[int] = []
+
+    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
+        if not moves:
+            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
+
+    def receiver(sender: Any, instance: Any, **kwargs: Any) -> None:
+        if reads:
+            seen.append(Order.objects.values_list("status", "version").get(pk=instance.pk))
+
+    order = make_order()
+    with _config(fulfil):
+        assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+        message = payment(order)
+        pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-move")
+        try:
+            with _receiver(receiver):
+                assert consume_message(message, consumer="payments") is Outcome.APPLIED
+        finally:
+            pre_save.disconnect(sender=Order, dispatch_uid="test-held-move")
+    assert moves == [1]
+    if reads:
+        assert seen == [(OrderStatus.PENDING_PAYMENT, 1), (OrderStatus.PAID, 1)]
+    _applied_once(order, message, 1, fulfil)
+
+
 def test_percent_signs_in_the_held_update_and_in_the_receiver_statement(make_order) -> None:
     """The held UPDATE's values are written into the receiver's text: a ``%`` in either
     (a value of the order's, an argument of the receiver's) comes through as it is."""
@@ -166,11 +212,12 @@ def test_percent_signs_in_the_held_update_and_in_the_receiver_statement(make_ord
         assert consume_message(message, consumer="payments") is Outcome.APPLIED
         trips()
     assert counted == [1]
-    assert any(text.startswith('"WITH moved AS (UPDATE') for text in texts)
+    assert any(text.lstrip('"').startswith(("WITH moved AS (UPDATE", "UPDATE")) for text in texts)
     row = Order.objects.get(pk=order.pk)
     assert (row.status, row.payment_id) == (OrderStatus.PAID, f"pay-%s%%-{order.pk}")
 
 
+@pytest.mark.backends("postgresql")  # the one database with server-side cursors here
 def test_a_receiver_on_a_server_side_cursor_reads_after_the_update(make_order) -> None:
     """A named cursor takes one statement: the held UPDATE goes alone just before it."""
     seen: list[tuple[str, int]] = []

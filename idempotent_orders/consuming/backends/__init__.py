@@ -196,9 +196,9 @@ class Texts:
         message id was queued already). Raises :class:`Declined` when the order moved."""
         raise NotImplementedError
 
-    #: The last text can carry the UPDATE of the model's own ``save()``, held back for it
+    #: The UPDATE of the model's own ``save()`` can be held back for the next text
     #: (:mod:`~idempotent_orders.consuming.held`): :meth:`queue` takes it, and
-    #: :meth:`counted` gives the statement that sends it before the project's next one.
+    #: :meth:`held_prefix` sends it before the project's next statement.
     holds_save_update = False
 
     def queue(
@@ -216,9 +216,14 @@ class Texts:
         the end."""
         raise NotImplementedError
 
-    def counted(self, update: str) -> str:
-        """A statement that runs ``update`` (its arguments as they are) and returns one row:
-        the number of rows it matched."""
+    def held_prefix(self, conn: Any, update: str, params: list[Any]) -> str:
+        """The held ``update`` with its ``params`` written in as literals: the head of the
+        text of the project's next statement."""
+        raise NotImplementedError
+
+    def held_rows(self, conn: Any, cursor: Any) -> int:
+        """After a text that :meth:`held_prefix` opened: the rows the held UPDATE matched,
+        ``cursor`` left on the project's statement's result."""
         raise NotImplementedError
 
 

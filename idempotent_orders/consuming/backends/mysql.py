@@ -20,7 +20,8 @@ order the tests refuse (the guard fails when the UPDATE matched no row) never re
    <outbox>]; COMMIT``: the guard fails (a scalar subquery of two rows) when the UPDATE
    matched no row, so ``COMMIT`` never runs; the road rolls back and the usual road
    decides again. On the save() road, the model's ``save()`` having written the order:
-   ``INSERT IGNORE <outbox>; COMMIT``.
+   ``[<save()'s UPDATE, held for this text>; <guard>;] INSERT IGNORE <outbox>; COMMIT``
+   (:mod:`~idempotent_orders.consuming.held`).
 
 Inside a caller's transaction the block is Django's savepoint
 (:func:`~idempotent_orders.consuming.backends.atomic_block`): ``SAVEPOINT`` opens the
@@ -60,7 +61,7 @@ from idempotent_orders.consuming.backends import (
 from idempotent_orders.consuming.backends.at_once import inserts
 from idempotent_orders.consuming.sql import inbox_template
 from idempotent_orders.prepared import watched
-from idempotent_orders.vendors import mysql
+from idempotent_orders.vendors import mysql, vendor
 
 __all__ = ["MySQL", "MySQLTexts"]
 
@@ -252,18 +253,47 @@ class MySQLTexts(Texts):
         queued: dict[str, Any],
         held: tuple[str, list[Any]] | None = None,
     ) -> int | None:
-        assert held is None  # no UPDATE is held here (holds_save_update)
         texts = inserts()
         args = [f.get_db_prep_save(queued[f.name], conn) for f in texts.queued]
-        cursor, sql = block.cursor, "; ".join([texts.queue, *block.closing])
-        with conn.wrap_database_errors:
-            cursor.execute(sql, [*args, *texts.queued_defaults])
-            # One row inserted, and its id (0 rows: the message id was in the outbox already).
-            queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
-            while cursor.nextset():
-                pass
+        args += texts.queued_defaults
+        statements = [texts.queue, *block.closing]
+        if held is not None:
+            # save()'s UPDATE first, and the guard that stops the text when it matched no row.
+            statements[:0] = [held[0], _GUARD]
+            args[:0] = held[1]
+        cursor = block.cursor
+        try:
+            with conn.wrap_database_errors:
+                cursor.execute("; ".join(statements), args)
+                if held is not None:
+                    cursor.nextset()  # the guard's
+                    cursor.nextset()  # the INSERT IGNORE's
+                # One row inserted, and its id (0 rows: the message id was queued already).
+                queued_id = cursor.lastrowid if cursor.rowcount == 1 else None
+                while cursor.nextset():
+                    pass
+        except DatabaseError as exc:
+            if held is not None and exc.args and exc.args[0] == _GUARD_FAILED:
+                raise Declined from None  # the order moved: rolled back, the usual road runs
+            raise
         _closed(conn, block)
         return queued_id
+
+    holds_save_update = True
+
+    def held_prefix(self, conn: Any, update: str, params: list[Any]) -> str:
+        raw = conn.connection.cursor()
+        try:
+            text = raw.mogrify(update, params)
+        finally:
+            raw.close()
+        return text.decode() if isinstance(text, bytes) else str(text)
+
+    def held_rows(self, conn: Any, cursor: Any) -> int:
+        rows = int(cursor.rowcount)  # matched: Django's connection counts found rows
+        with conn.wrap_database_errors:
+            vendor(conn).skip_results(cursor, 1)
+        return rows
 
 
 def _closed(conn: Any, block: Block) -> None:

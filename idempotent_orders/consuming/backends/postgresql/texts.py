@@ -8,8 +8,10 @@
    queued AS (INSERT <outbox> <the follow-up's row> ...) SELECT 1 / count(moved), ...;
    COMMIT``: an order that moved since the read makes the division fail on purpose,
    so ``COMMIT`` never runs, the transaction rolls back and the usual road decides
-   again. On the save() road, the model's ``save()`` having written the order: ``WITH
-   queued AS (INSERT <outbox> ...) SELECT id; COMMIT``.
+   again. On the save() road, the model's ``save()`` having written the order: ``[WITH
+   moved AS (<save()'s UPDATE, held for this text>) SELECT 1 / count(moved);] WITH
+   queued AS (INSERT <outbox> ...) SELECT id; COMMIT``
+   (:mod:`~idempotent_orders.consuming.held`).
 
 Inside a caller's transaction the block is Django's savepoint
 (:func:`~idempotent_orders.consuming.backends.atomic_block`): ``SAVEPOINT`` opens the first
@@ -208,8 +210,15 @@ class PostgreSQLTexts(Texts):
 
     holds_save_update = True
 
-    def counted(self, update: str) -> str:
-        return f"WITH moved AS ({update} RETURNING 1) SELECT count(*) FROM moved"
+    def held_prefix(self, conn: Any, update: str, params: list[Any]) -> str:
+        counted = f"WITH moved AS ({update} RETURNING 1) SELECT count(*) FROM moved"
+        return str(conn.ops.compose_sql(counted, params))
+
+    def held_rows(self, conn: Any, cursor: Any) -> int:
+        with conn.wrap_database_errors:
+            row = cursor.fetchone()
+            cursor.nextset()
+        return int(row[0]) if row else 0
 
     def queue(
         self,
