@@ -12,7 +12,9 @@ from django.dispatch import Signal
 #: Arguments: ``order``, ``transition`` (method name), ``source``, ``target``, ``version``.
 order_transitioned = Signal(use_caching=True)
 
-#: Sent by consume_message() for every message it decides, after commit.
+#: Sent by consume_message() for every message it decides, after commit (inside a
+#: caller's transaction, when that commits; never for one rolled back). A copy the fast
+#: path answers, settled by an earlier commit, is reported at once.
 #: Arguments: ``consumer``, ``message_id``, ``message_type``, ``order_id`` (or None),
 #: ``outcome`` (an Outcome), ``reason`` (str, empty unless parked/rejected/stale).
 message_consumed = Signal(use_caching=True)

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import Model
 
 from idempotent_orders.consuming.envelope import Envelope
@@ -198,8 +200,15 @@ def consumed(
     """Send :data:`~idempotent_orders.signals.message_consumed`: the one place that does.
 
     Every path that decides a message (single, batch, parked release, the
-    fulfilment step, ``@idempotent``) reports its outcome through here.
+    fulfilment step, ``@idempotent``) reports its outcome through here, once what
+    decided it is committed (:func:`when_committed`).
     """
+    when_committed(partial(_send, consumer, message_id, outcome, message_type, order_id, reason))
+
+
+def _send(
+    consumer: str, message_id: str, outcome: Outcome, message_type: str, order_id: Any, reason: str
+) -> None:
     message_consumed.send(
         sender=ProcessedMessage,
         consumer=consumer,
@@ -209,6 +218,17 @@ def consumed(
         outcome=outcome,
         reason=reason,
     )
+
+
+def when_committed(report: Callable[[], Any]) -> None:
+    """Run ``report`` now, or, inside a caller's transaction (the message decided in its
+    savepoint), when that transaction commits: never for one rolled back, whose
+    redelivery reports the message again."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.in_atomic_block:
+        conn.on_commit(report)
+    else:
+        report()
 
 
 #: The app's own receivers of ``message_consumed`` that only count, by ``dispatch_uid``:
@@ -236,9 +256,7 @@ def announce_many(consumer: str, reports: Sequence[tuple[Envelope, Outcome, str]
     counters = _counters_only()
     if counters is not None:
         counts = Counter(outcome for _, outcome, _ in reports)
-        for count in counters:
-            for outcome, n in counts.items():
-                count(consumer, outcome, n)
+        when_committed(partial(_count, counters, consumer, counts))
         return
     for envelope, outcome, reason in reports:
         announce(consumer, envelope, outcome, reason)
@@ -253,21 +271,25 @@ def announce_known(
 ) -> None:
     """:func:`announce` for a message known by its id alone (a copy the fast path answers):
     where only :data:`COUNTERS` listen it is counted and the message is read no further;
-    any other receiver gets the type and order ``described()`` reads from it."""
+    any other receiver gets the type and order ``described()`` reads from it. At once,
+    even inside a caller's transaction: the copy was settled before it, by a commit."""
     counters = _counters_only()
     if counters is not None:
         for count in counters:
             count(consumer, outcome, 1)
         return
     message_type, order_id = described()
-    consumed(
-        consumer,
-        message_id,
-        outcome,
-        message_type=message_type,
-        order_id=order_id,
-        reason=reason,
-    )
+    _send(consumer, message_id, outcome, message_type, order_id, reason)
+
+
+def _count(
+    counters: Sequence[Callable[[str, Outcome, int], None]],
+    consumer: str,
+    counts: Mapping[Outcome, int],
+) -> None:
+    for count in counters:
+        for outcome, n in counts.items():
+            count(consumer, outcome, n)
 
 
 def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -> None:
@@ -275,8 +297,7 @@ def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -
     count it without the signal, as :func:`announce_many` does)."""
     counters = _counters_only()
     if counters is not None:
-        for count in counters:
-            count(consumer, outcome, 1)
+        when_committed(partial(_count, counters, consumer, {outcome: 1}))
         return
     consumed(
         consumer,

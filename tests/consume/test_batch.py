@@ -418,7 +418,7 @@ def test_a_redelivered_batch_is_answered_by_the_fast_path_with_one_redis_read(
         server.stop()
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # message_consumed is sent after commit
 @pytest.mark.parametrize("listening", [False, True])
 def test_every_outcome_of_a_batch_is_counted_whether_or_not_anyone_listens(
     make_order, listening: bool

@@ -168,6 +168,7 @@ def test_signals_are_sent_after_commit(make_order, django_capture_on_commit_call
     ]
 
 
+@pytest.mark.django_db(transaction=True)  # message_consumed is sent after commit
 def test_message_consumed_signal_counts_every_outcome(make_order) -> None:
     order = make_order()
     outcomes: list[Outcome] = []
@@ -345,6 +346,7 @@ def test_a_message_id_reused_with_another_payload_is_kept_and_flagged(
     assert ProcessedMessage.objects.filter(consumer="payments").count() == 2
 
 
+@pytest.mark.django_db(transaction=True)  # message_consumed is sent after commit
 @pytest.mark.parametrize("listening", [False, True])
 def test_every_outcome_of_a_message_is_counted_whether_or_not_anyone_listens(
     make_order, listening: bool

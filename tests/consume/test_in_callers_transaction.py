@@ -13,6 +13,7 @@ import pytest
 from django.db import ProgrammingError, connection, transaction
 from django_fsm.signals import pre_transition
 
+from idempotent_orders import stats
 from idempotent_orders.consuming import writing
 from idempotent_orders.consuming.backends import backend
 from idempotent_orders.consuming.failures import MessageFailed
@@ -27,6 +28,7 @@ from idempotent_orders.models import (
     ProcessedMessage,
     SpentPayment,
 )
+from idempotent_orders.signals import message_consumed
 from tests.support.messages import payment
 from tests.support.round_trips import round_trips
 
@@ -279,3 +281,50 @@ def test_the_one_statement_runs_in_a_callers_transaction_in_one_text_with_its_sa
     assert (refusal.outcome, refusal.status) == (Outcome.REJECTED, InboxStatus.REJECTED)
     assert not SpentPayment.objects.filter(order_id=refused.pk).exists()
     assert not OutboxMessage.objects.filter(message_id=fulfilment_message_id(refused.pk)).exists()
+
+
+@pytest.mark.parametrize("listening", ["receiver", "counters"])
+def test_message_consumed_comes_after_the_callers_commit_and_never_for_its_rollback(
+    make_order, listening: str
+) -> None:
+    """``message_consumed`` (and the app's own counting, where only it listens) is sent once
+    the caller's transaction commits, as ``order_transitioned`` is; a rolled-back one never
+    reports the message, and its redelivery does."""
+    heard: list[tuple[str, bool]] = []
+
+    def receiver(sender: Any, message_id: str, outcome: Any, **kwargs: Any) -> None:
+        heard.append((str(outcome), connection.in_atomic_block))
+
+    undone, kept = make_order(), make_order()
+    messages = {order.pk: payment(order) for order in (undone, kept)}
+    if listening == "receiver":
+        message_consumed.connect(receiver, weak=False, dispatch_uid="test-consumed-after")
+    counted = stats.local().get("outcome:applied", 0)
+
+    class Undone(Exception):
+        pass
+
+    def consumed_then_undone() -> None:
+        with transaction.atomic():
+            assert consume_message(messages[undone.pk], consumer="payments") is Outcome.APPLIED
+            raise Undone
+
+    try:
+        with pytest.raises(Undone):
+            consumed_then_undone()
+        after_rollback = (list(heard), stats.local().get("outcome:applied", 0) - counted)
+        with transaction.atomic():
+            assert consume_message(messages[kept.pk], consumer="payments") is Outcome.APPLIED
+            before_commit = (list(heard), stats.local().get("outcome:applied", 0) - counted)
+        after_commit = (list(heard), stats.local().get("outcome:applied", 0) - counted)
+        assert consume_message(messages[undone.pk], consumer="payments") is Outcome.APPLIED
+    finally:
+        message_consumed.disconnect(dispatch_uid="test-consumed-after")
+    assert after_rollback == ([], 0)
+    assert before_commit == ([], 0)
+    if listening == "receiver":
+        assert after_commit == ([("applied", False)], 1)
+        assert heard == [("applied", False), ("applied", False)]
+    else:
+        assert after_commit == ([], 1)
+    assert stats.local().get("outcome:applied", 0) - counted == 2

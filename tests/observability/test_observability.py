@@ -36,6 +36,7 @@ def test_json_logs_carry_message_and_order_ids(make_order, caplog) -> None:
     assert lines[1]["level"] == "WARNING"
 
 
+@pytest.mark.django_db(transaction=True)  # message_consumed is sent after commit
 def test_metrics_count_outcomes_stuck_rows_and_lag(make_order) -> None:
     client = Client()
     before = client.get("/metrics").content.decode()
