@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import F
 from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext, override_settings
@@ -243,3 +243,38 @@ def test_where_statements_are_watched_the_update_goes_at_once(make_order) -> Non
     assert len(updates) == 1
     assert "WITH moved" not in " ".join(q["sql"] for q in captured.captured_queries)
     assert Order.objects.get(pk=order.pk).status == OrderStatus.PAID
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["applied", "moved"])
+def test_in_a_callers_transaction_the_held_update_ends_with_the_savepoint(
+    make_order, moved: bool
+) -> None:
+    """Inside the project's own transaction the held UPDATE goes in the text that releases
+    the message's savepoint; one that matched no row is rolled back to the savepoint, the
+    road decides again, and the caller's transaction goes on to commit its own writes."""
+    moves: list[int] = []
+
+    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
+        if moved and not moves:
+            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
+
+    order, other = make_order(), make_order()
+    message = payment(order)
+    with _config(True):
+        assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
+        pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-nested")
+        try:
+            with _receiver(_quiet), transaction.atomic():
+                Order.objects.filter(pk=other.pk).update(currency="EUR")  # the caller's own
+                with round_trips(texts := []) as trips:
+                    assert consume_message(message, consumer="payments") is Outcome.APPLIED
+                    counted = trips()
+        finally:
+            pre_save.disconnect(sender=Order, dispatch_uid="test-held-nested")
+    assert moves == ([1] if moved else [])
+    if not moved:
+        assert counted == 2  # the savepoint, claim and read; the UPDATE, outbox row, release
+        assert "RELEASE SAVEPOINT" in texts[-1]
+        assert "UPDATE " in texts[-1]
+    _applied_once(order, message, 1, True)
+    assert Order.objects.get(pk=other.pk).currency == "EUR"
