@@ -114,6 +114,9 @@ class HeldUpdate:
         if params is not None:  # the driver reads the text for its own arguments
             text = text.replace("%", "%%")
         done = execute(f"{text}; {sql}", params, many, context)
-        if self.texts.held_rows(self.conn, cursor) != 1:
-            self.moved = True
+        self.texts.held_rows(self.conn, cursor, self._matched)
         return done
+
+    def _matched(self, rows: int) -> None:
+        if rows != 1:
+            self.moved = True

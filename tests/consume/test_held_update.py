@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import F
 from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext, override_settings
@@ -278,3 +278,36 @@ def test_in_a_callers_transaction_the_held_update_ends_with_the_savepoint(
         assert "UPDATE " in texts[-1]
     _applied_once(order, message, 1, True)
     assert Order.objects.get(pk=other.pk).currency == "EUR"
+
+
+@pytest.mark.backends("mysql")  # InnoDB undoes only the failed statement, not the transaction
+def test_a_failed_statement_a_receiver_swallows_still_reports_the_order_moved(make_order) -> None:
+    """The held UPDATE's rows are read before the error of the project's statement in the
+    same text is raised: a receiver that swallows that error still leaves the order known
+    to have moved, and the message is decided again instead of committed unapplied."""
+    moves: list[int] = []
+    swallowed: list[str] = []
+
+    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
+        if not moves:
+            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
+
+    def failing(sender: Any, instance: Any, **kwargs: Any) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO io_no_such_table VALUES (1)")
+        except DatabaseError as exc:
+            swallowed.append(type(exc).__name__)
+
+    order = make_order()
+    message = payment(order)
+    with _config(True):
+        pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-swallowed")
+        try:
+            with _receiver(failing):
+                assert consume_message(message, consumer="payments") is Outcome.APPLIED
+        finally:
+            pre_save.disconnect(sender=Order, dispatch_uid="test-held-swallowed")
+    assert moves == [1]
+    assert len(swallowed) == 2  # the attempt rolled back, and the one that applied
+    _applied_once(order, message, 1, True)

@@ -221,8 +221,9 @@ class Texts:
         text of the project's next statement."""
         raise NotImplementedError
 
-    def held_rows(self, conn: Any, cursor: Any) -> int:
-        """After a text that :meth:`held_prefix` opened: the rows the held UPDATE matched,
+    def held_rows(self, conn: Any, cursor: Any, matched: Callable[[int], None]) -> None:
+        """After a text that :meth:`held_prefix` opened: ``matched`` with the rows the held
+        UPDATE matched (before any error of the project's statement is raised), then
         ``cursor`` left on the project's statement's result."""
         raise NotImplementedError
 

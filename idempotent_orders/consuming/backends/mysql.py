@@ -41,7 +41,7 @@ block's as ever; where the ORM writes instead
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,11 +289,13 @@ class MySQLTexts(Texts):
             raw.close()
         return text.decode() if isinstance(text, bytes) else str(text)
 
-    def held_rows(self, conn: Any, cursor: Any) -> int:
-        rows = int(cursor.rowcount)  # matched: Django's connection counts found rows
+    def held_rows(self, conn: Any, cursor: Any, matched: Callable[[int], None]) -> None:
+        # The UPDATE's result first (Django's connection counts found rows, not changed
+        # ones): mysqlclient raises the project's statement's error at nextset(), and
+        # InnoDB undoes only that statement, so the count must be taken before.
+        matched(int(cursor.rowcount))
         with conn.wrap_database_errors:
             vendor(conn).skip_results(cursor, 1)
-        return rows
 
 
 def _closed(conn: Any, block: Block) -> None:

@@ -40,7 +40,7 @@ an isolation level or read-only mode: the driver's own ``BEGIN`` says so.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -214,11 +214,13 @@ class PostgreSQLTexts(Texts):
         counted = f"WITH moved AS ({update} RETURNING 1) SELECT count(*) FROM moved"
         return str(conn.ops.compose_sql(counted, params))
 
-    def held_rows(self, conn: Any, cursor: Any) -> int:
+    def held_rows(self, conn: Any, cursor: Any, matched: Callable[[int], None]) -> None:
+        # psycopg read every result at execute(): an error of the project's statement was
+        # raised there (and aborted the transaction, so nothing of it commits).
         with conn.wrap_database_errors:
             row = cursor.fetchone()
+            matched(int(row[0]) if row else 0)
             cursor.nextset()
-        return int(row[0]) if row else 0
 
     def queue(
         self,
