@@ -48,6 +48,23 @@ def _receiver(receiver: Callable[..., Any]) -> Iterator[None]:
         post_save.disconnect(sender=Order, dispatch_uid="test-held-update")
 
 
+@contextmanager
+def _moved_before_save(moving: bool = True) -> Iterator[list[int]]:
+    """The project's own ``pre_save`` receiver moves the order on (a new version) in the
+    message's transaction, once; yields the rows each move updated."""
+    moves: list[int] = []
+
+    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
+        if moving and not moves:
+            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
+
+    pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-move")
+    try:
+        yield moves
+    finally:
+        pre_save.disconnect(sender=Order, dispatch_uid="test-held-move")
+
+
 def _quiet(sender: Any, **kwargs: Any) -> None:
     """A receiver that sends nothing."""
 
@@ -172,11 +189,6 @@ def test_an_order_the_projects_code_moved_before_save_rolls_back_and_decides_aga
     held UPDATE matches no row, the attempt rolls back with that write, and the road applies
     the message on the order as it is."""
     seen: list[Any] = []
-    moves: list[int] = []
-
-    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
-        if not moves:
-            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
 
     def receiver(sender: Any, instance: Any, **kwargs: Any) -> None:
         if reads:
@@ -186,12 +198,8 @@ def test_an_order_the_projects_code_moved_before_save_rolls_back_and_decides_aga
     with _config(fulfil):
         assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
         message = payment(order)
-        pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-move")
-        try:
-            with _receiver(receiver):
-                assert consume_message(message, consumer="payments") is Outcome.APPLIED
-        finally:
-            pre_save.disconnect(sender=Order, dispatch_uid="test-held-move")
+        with _moved_before_save() as moves, _receiver(receiver):
+            assert consume_message(message, consumer="payments") is Outcome.APPLIED
     assert moves == [1]
     if reads:
         assert seen == [(OrderStatus.PENDING_PAYMENT, 1), (OrderStatus.PAID, 1)]
@@ -252,25 +260,15 @@ def test_in_a_callers_transaction_the_held_update_ends_with_the_savepoint(
     """Inside the project's own transaction the held UPDATE goes in the text that releases
     the message's savepoint; one that matched no row is rolled back to the savepoint, the
     road decides again, and the caller's transaction goes on to commit its own writes."""
-    moves: list[int] = []
-
-    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
-        if moved and not moves:
-            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
-
     order, other = make_order(), make_order()
     message = payment(order)
     with _config(True):
         assert consume_message(payment(make_order()), consumer="payments") is Outcome.APPLIED
-        pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-nested")
-        try:
-            with _receiver(_quiet), transaction.atomic():
-                Order.objects.filter(pk=other.pk).update(currency="EUR")  # the caller's own
-                with round_trips(texts := []) as trips:
-                    assert consume_message(message, consumer="payments") is Outcome.APPLIED
-                    counted = trips()
-        finally:
-            pre_save.disconnect(sender=Order, dispatch_uid="test-held-nested")
+        with _moved_before_save(moved) as moves, _receiver(_quiet), transaction.atomic():
+            Order.objects.filter(pk=other.pk).update(currency="EUR")  # the caller's own
+            with round_trips(texts := []) as trips:
+                assert consume_message(message, consumer="payments") is Outcome.APPLIED
+                counted = trips()
     assert moves == ([1] if moved else [])
     if not moved:
         assert counted == 2  # the savepoint, claim and read; the UPDATE, outbox row, release
@@ -285,12 +283,7 @@ def test_a_failed_statement_a_receiver_swallows_still_reports_the_order_moved(ma
     """The held UPDATE's rows are read before the error of the project's statement in the
     same text is raised: a receiver that swallows that error still leaves the order known
     to have moved, and the message is decided again instead of committed unapplied."""
-    moves: list[int] = []
     swallowed: list[str] = []
-
-    def move_on(sender: Any, instance: Any, **kwargs: Any) -> None:
-        if not moves:
-            moves.append(Order.objects.filter(pk=instance.pk).update(version=F("version") + 1))
 
     def failing(sender: Any, instance: Any, **kwargs: Any) -> None:
         try:
@@ -301,13 +294,8 @@ def test_a_failed_statement_a_receiver_swallows_still_reports_the_order_moved(ma
 
     order = make_order()
     message = payment(order)
-    with _config(True):
-        pre_save.connect(move_on, sender=Order, weak=False, dispatch_uid="test-held-swallowed")
-        try:
-            with _receiver(failing):
-                assert consume_message(message, consumer="payments") is Outcome.APPLIED
-        finally:
-            pre_save.disconnect(sender=Order, dispatch_uid="test-held-swallowed")
+    with _config(True), _moved_before_save() as moves, _receiver(failing):
+        assert consume_message(message, consumer="payments") is Outcome.APPLIED
     assert moves == [1]
     assert len(swallowed) == 2  # the attempt rolled back, and the one that applied
     _applied_once(order, message, 1, True)
