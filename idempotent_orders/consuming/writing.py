@@ -27,7 +27,9 @@ two texts (:func:`_in_two_texts`):
    follow-up's outbox row and ``COMMIT``: an order that moved since the read stops the
    text before ``COMMIT``, and the transaction rolls back. Where the model's ``save()``
    runs the project's code (:func:`~idempotent_orders.consuming.running.save_hooks`),
-   :func:`settle` calls it, and the follow-up's row and ``COMMIT`` go in one text.
+   :func:`settle` calls it, its UPDATE held for the next text
+   (:mod:`~idempotent_orders.consuming.held`), and the follow-up's row and ``COMMIT`` go
+   in one text.
 
 Inside a caller's transaction the same two texts open and end the message's savepoint
 instead (``SAVEPOINT`` at the head of the first, its release in place of ``COMMIT``:

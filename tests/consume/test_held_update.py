@@ -1,8 +1,9 @@
 """The save() road's UPDATE held back for the next text (PostgreSQL, MariaDB): ``save()`` is
-told the row was written, and its guarded UPDATE goes at the head of the project's next statement or
-of the road's last text. The project's code sees the row as written; an UPDATE that matched
-no row (another writer moved the order after the read) rolls the message back whole, and
-the road decides again, with no exception reaching the project's code."""
+told the row was written, and its guarded UPDATE goes at the head of the project's next
+statement or of the road's last text. The project's code sees the row as written; an
+UPDATE that matched no row (another writer moved the order after the read) rolls the
+message back whole, and the road decides again, with no exception reaching the project's
+code."""
 
 from __future__ import annotations
 
