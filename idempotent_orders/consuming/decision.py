@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import transaction
 from django.db.models import Model
 
 from idempotent_orders.consuming.envelope import Envelope
@@ -201,9 +201,13 @@ def consumed(
 
     Every path that decides a message (single, batch, parked release, the
     fulfilment step, ``@idempotent``) reports its outcome through here, once what
-    decided it is committed (:func:`when_committed`).
+    decided it is committed (``on_commit``: at once outside a transaction; inside a
+    caller's, when it commits, never for one rolled back, whose redelivery reports the
+    message again).
     """
-    when_committed(partial(_send, consumer, message_id, outcome, message_type, order_id, reason))
+    transaction.on_commit(
+        partial(_send, consumer, message_id, outcome, message_type, order_id, reason)
+    )
 
 
 def _send(
@@ -218,17 +222,6 @@ def _send(
         outcome=outcome,
         reason=reason,
     )
-
-
-def when_committed(report: Callable[[], Any]) -> None:
-    """Run ``report`` now, or, inside a caller's transaction (the message decided in its
-    savepoint), when that transaction commits: never for one rolled back, whose
-    redelivery reports the message again."""
-    conn = connections[DEFAULT_DB_ALIAS]
-    if conn.in_atomic_block:
-        conn.on_commit(report)
-    else:
-        report()
 
 
 #: The app's own receivers of ``message_consumed`` that only count, by ``dispatch_uid``:
@@ -256,7 +249,7 @@ def announce_many(consumer: str, reports: Sequence[tuple[Envelope, Outcome, str]
     counters = _counters_only()
     if counters is not None:
         counts = Counter(outcome for _, outcome, _ in reports)
-        when_committed(partial(_count, counters, consumer, counts))
+        transaction.on_commit(partial(_count, counters, consumer, counts))
         return
     for envelope, outcome, reason in reports:
         announce(consumer, envelope, outcome, reason)
@@ -297,7 +290,7 @@ def announce(consumer: str, envelope: Envelope, outcome: Outcome, reason: str) -
     count it without the signal, as :func:`announce_many` does)."""
     counters = _counters_only()
     if counters is not None:
-        when_committed(partial(_count, counters, consumer, {outcome: 1}))
+        transaction.on_commit(partial(_count, counters, consumer, {outcome: 1}))
         return
     consumed(
         consumer,
