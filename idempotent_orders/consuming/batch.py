@@ -16,7 +16,8 @@ would, in far fewer statements. In one transaction it
    Where the model's ``save()`` runs the project's code (an override, receivers,
    history packages), each transition is instead committed by the model's own
    ``save()`` when it is taken, in the message's savepoint, as the single path
-   commits it.
+   commits it; its UPDATE waits for the chunk's next text
+   (:class:`~idempotent_orders.consuming.held.HeldSaves`).
 
 After commit it releases parked successors and only then writes the fast-path
 keys, as the single path does.
@@ -65,6 +66,7 @@ from idempotent_orders.consuming.failures import (
     redelivered,
 )
 from idempotent_orders.consuming.graph import TransitionResult, TransitionStatus, state_field
+from idempotent_orders.consuming.held import HeldSaves
 from idempotent_orders.consuming.payments import Reservation, payment_id, record_spent, spend
 from idempotent_orders.consuming.running import (
     Ran,
@@ -387,9 +389,23 @@ def _decide_and_write(
         record_outcomes(claimed)
         return
     chunk = _Chunk(consumer, orders, live, user)
-    for item in live:
-        chunk.decide(item)
-    chunk.write(claimed)
+    holder = chunk.savepoints.holder
+    if holder is None:
+        for item in live:
+            chunk.decide(item)
+        chunk.write(claimed)
+        return
+    # The save() road: each save()'s UPDATE held for the next text (installed before any
+    # message's savepoint, so it sees each statement first), and settled before COMMIT.
+    wrappers = chunk.conn.execute_wrappers
+    wrappers.append(holder)
+    try:
+        for item in live:
+            chunk.decide(item)
+        chunk.write(claimed)
+        holder.settle()
+    finally:
+        wrappers.remove(holder)
 
 
 class _Chunk:
@@ -441,6 +457,9 @@ class _Chunk:
         #: The model's ``save()`` runs the project's code: each transition is committed
         #: by it when taken (:meth:`_save`), not by the chunk's one UPDATE.
         self.saves = bool(save_hooks(model))
+        if self.saves and self.user:
+            # Each save()'s UPDATE waits for the next text on the connection.
+            self.savepoints.holder = HeldSaves.arm(self.conn)
         #: Per order, its ``last_seq`` as the row holds it (moved on in memory by a
         #: message without a transition, it is written by the next save() or the UPDATE).
         self.held_seq = {pk: o.last_seq for pk, o in orders.items()}
@@ -522,7 +541,8 @@ class _Chunk:
         path does (:func:`~idempotent_orders.consuming.running.commit`): its override and
         receivers run now, in the message's savepoint. The row then holds every field of
         the order as the chunk left it in memory, so nothing of it is left to the UPDATE."""
-        if not commit(order, ran, version, {"last_seq": self.held_seq[order.pk]}):
+        conditions = {"last_seq": self.held_seq[order.pk]}
+        if not commit(order, ran, version, conditions, self.savepoints.holder):
             # The chunk holds the order's lock: the row is as the chunk left it.
             raise Conflict(f"order {order.pk} changed under the batch's lock")
         self.changed.pop(order.pk, None)

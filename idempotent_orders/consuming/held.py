@@ -22,17 +22,26 @@ message back like any lost race, and the road reads and decides again. The proje
 code after ``save()`` (an override's tail, ``post_save`` receivers) then ran in a
 transaction that was rolled back, as it does when any later statement of a transaction
 fails; the exception never reaches it.
+
+A batch chunk on the save() road holds each message's ``save()`` UPDATE the same way
+(:class:`HeldSaves`), several at a time: they go together with the chunk's next
+statement, placed around the ``SAVEPOINT`` of the message whose code sends it, or in one
+text before the chunk commits.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from idempotent_orders.consuming.backends import backend
 from idempotent_orders.models import send_update
 from idempotent_orders.prepared import watched
 from idempotent_orders.vendors import vendor
 
-__all__ = ["HeldUpdate"]
+#: A held UPDATE: its statement and arguments.
+Held = tuple[str, list[Any]]
+
+__all__ = ["HeldSaves", "HeldUpdate", "MovedUnderChunk"]
 
 
 class HeldUpdate:
@@ -115,6 +124,172 @@ class HeldUpdate:
             text = text.replace("%", "%%")
         done = execute(f"{text}; {sql}", params, many, context)
         self.texts.held_rows(self.conn, cursor, self._matched)
+        return done
+
+    def _matched(self, rows: int) -> None:
+        if rows != 1:
+            self.moved = True
+
+
+class MovedUnderChunk(Exception):
+    """A batch chunk's held UPDATE matched no row, or its answer was lost with an error of
+    the statement it travelled with: the chunk rolls back whole and its messages go one
+    by one (:func:`~idempotent_orders.consuming.batch.consume_batch`)."""
+
+
+class HeldSaves:
+    """The guarded UPDATEs of a batch chunk's ``save()``\\s, held for the next text.
+
+    On the batch's save() road each transition is committed by the model's own
+    ``save()`` in the message's savepoint (:func:`~idempotent_orders.consuming.savepoints.guarded`),
+    taken at the first statement the message's code sends. Sent at once, each UPDATE is
+    a round trip, and the savepoint's with it. Held, the UPDATEs of one message after
+    another go at the head of the next statement on the connection, in the order they
+    were sent, so a chunk whose receivers send nothing sends its saves with its first
+    write:
+
+    - outside a message's code (the chunk's writes), every UPDATE held;
+    - where a message's code takes its savepoint, the UPDATEs of the messages before it
+      ahead of the ``SAVEPOINT``, its own after it (:meth:`around`), so a message that
+      raises rolls back its own and no other's;
+    - within a message's code past its savepoint, its own.
+
+    The chunk holds its orders' locks, so only the project's own code can have moved an
+    order behind a held UPDATE. An UPDATE that matched no row, or whose answer was lost
+    with an error of the statement it went with, marks the chunk; :meth:`settle` then
+    raises :class:`MovedUnderChunk` before the chunk commits.
+    """
+
+    def __init__(self, conn: Any, texts: Any) -> None:
+        self.conn = conn
+        self.texts = texts
+        self.database = vendor(conn)
+        #: Held UPDATEs of the messages whose code ran to its end.
+        self.done: list[Held] = []
+        #: Held UPDATEs of the message whose code runs now.
+        self.current: list[Held] = []
+        #: The running message's savepoint (``savepoints._Savepoint``), or None.
+        self.step: Any = None
+        self.moved = False
+
+    @classmethod
+    def arm(cls, conn: Any) -> HeldSaves | None:
+        """One for a chunk on ``conn``, or None where each UPDATE goes at once: the
+        backend's texts cannot carry it, the connection takes one statement a text, or
+        something must see every statement as it is sent."""
+        texts = backend(conn).texts()
+        if (
+            not getattr(texts, "holds_save_update", False)
+            or watched(conn)
+            or not vendor(conn).several_statements(conn)
+        ):
+            return None
+        return cls(conn, texts)
+
+    def hold(self, conn: Any, sql: str, params: list[Any]) -> bool:
+        """Keep ``sql`` (a guarded UPDATE of one row) for the next text; False (the caller
+        sends it) where it is not the chunk's connection."""
+        if conn is not self.conn or conn.needs_rollback:
+            return False
+        self.current.append((sql, list(params)))
+        return True
+
+    def begin(self, step: Any) -> None:
+        """A message's code starts (``step``: its savepoint, taken at its first statement)."""
+        self.step = step
+
+    def end(self, ran: bool) -> None:
+        """The message's code ended: ``ran`` to its end (what it holds goes with the next
+        text), or it raised (what it held was never sent, or went after its savepoint,
+        which is rolled back)."""
+        if ran:
+            self.done += self.current
+        self.current = []
+        self.step = None
+
+    def around(self) -> tuple[list[Held], list[Held]]:
+        """For the text that takes the running message's savepoint: what goes before the
+        ``SAVEPOINT`` (the earlier messages') and after it (this message's)."""
+        before, after = self.done, self.current
+        self.done, self.current = [], []
+        return before, after
+
+    def prefix(self, held: list[Held], escape: bool) -> list[str]:
+        """The statements of ``held`` as texts that return the rows each matched."""
+        texts = [self.texts.held_prefix(self.conn, sql, p, stop=True) for sql, p in held]
+        return [t.replace("%", "%%") for t in texts] if escape else texts
+
+    def read(self, cursor: Any, count: int) -> None:
+        """Read the rows matched by ``count`` held UPDATEs from the cursor's result on. An
+        error of a later statement in the text is raised after the count before it was
+        read (MariaDB raises each at the step to its result); an UPDATE whose count was
+        not read counts as lost."""
+        for n in range(count):
+            try:
+                self.texts.held_rows(self.conn, cursor, self._matched)
+            except Exception:
+                if n + 1 < count:
+                    self.lost()
+                raise
+
+    def send_alone(self, held: list[Held]) -> None:
+        """Send ``held`` one statement a round trip (a cursor that takes one statement)."""
+        for sql, params in held:
+            if send_update(self.conn, sql, params) != 1:
+                self.moved = True
+
+    def failed(self, exc: BaseException) -> None:
+        """The text that carried held UPDATEs raised ``exc`` before their rows were read."""
+        if self.texts.held_unanswered(exc):
+            self.moved = True
+
+    def lost(self) -> None:
+        """A held UPDATE's rows were not read."""
+        self.moved = True
+
+    def settle(self) -> None:
+        """Before the chunk commits: send what is still held, in one text; raise
+        :class:`MovedUnderChunk` when an UPDATE matched no row."""
+        held, self.done = self.done + self.current, []
+        self.current = []
+        if len(held) > 1:
+            with self.conn.cursor() as cursor:
+                try:
+                    cursor.execute("; ".join(self.prefix(held, escape=False)))
+                except Exception as exc:
+                    self.failed(exc)
+                    if not self.moved:
+                        raise
+                else:
+                    self.read(cursor.cursor, len(held))
+        else:
+            self.send_alone(held)
+        if self.moved:
+            raise MovedUnderChunk("an order changed under the batch's lock before its save()")
+
+    def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        """The execute wrapper, installed for the chunk before any message's savepoint."""
+        if not self.done and not self.current:
+            return execute(sql, params, many, context)
+        step = self.step
+        if step is not None and step.sid is None and not step.taking:
+            return execute(sql, params, many, context)  # the savepoint's text places them
+        if step is not None and step.taking:  # the SAVEPOINT itself: the earlier ones first
+            held, self.done = self.done, []
+        else:
+            held, self.done = self.done + self.current, []
+            self.current = []
+        cursor = context["cursor"].cursor
+        if many or not isinstance(sql, str) or not self.database.takes_several(cursor):
+            self.send_alone(held)
+            return execute(sql, params, many, context)
+        text = "; ".join([*self.prefix(held, params is not None), sql])
+        try:
+            done = execute(text, params, many, context)
+        except Exception as exc:
+            self.failed(exc)
+            raise
+        self.read(cursor, len(held))
         return done
 
     def _matched(self, rows: int) -> None:

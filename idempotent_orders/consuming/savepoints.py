@@ -31,6 +31,10 @@ class Savepoints:
         #: Savepoints whose message's code ran to its end, not released yet.
         self.unreleased: list[str] = []
         self.taken = 0
+        #: The chunk's held ``save()`` UPDATEs
+        #: (:class:`~idempotent_orders.consuming.held.HeldSaves`), placed around a
+        #: savepoint's ``SAVEPOINT`` when it is taken; None: each is sent at once.
+        self.holder: Any = None
 
     def texts(self) -> tuple[str, list[str]]:
         """A new savepoint's name, and the statements that take it (the unreleased ones
@@ -80,6 +84,7 @@ class _Savepoint:
             return execute(sql, params, many, context)
         points = self.savepoints
         cursor = context["cursor"].cursor
+        holder = points.holder
         if (
             points.several
             and not many
@@ -87,15 +92,35 @@ class _Savepoint:
             and points.database.takes_several(cursor)
         ):
             self.sid, texts = points.texts()
-            done = execute("; ".join([*texts, sql]), params, many, context)
+            if holder is None:
+                done = execute("; ".join([*texts, sql]), params, many, context)
+                with points.connection.wrap_database_errors:
+                    points.database.skip_results(cursor, len(texts))
+                return done
+            # The held save() UPDATEs: the earlier messages' before the SAVEPOINT, this
+            # message's after it (rolled back with it if its code raises).
+            before, after = holder.around()
+            escape = params is not None
+            text = [*holder.prefix(before, escape), *texts, *holder.prefix(after, escape), sql]
+            try:
+                done = execute("; ".join(text), params, many, context)
+            except Exception as exc:
+                if before or after:
+                    holder.failed(exc)
+                raise
+            holder.read(cursor, len(before))
             with points.connection.wrap_database_errors:
                 points.database.skip_results(cursor, len(texts))
+            holder.read(cursor, len(after))
             return done
         self.taking = True  # the SAVEPOINT statement itself passes through here
         try:
             self.sid = points.take()
         finally:
             self.taking = False
+        if holder is not None:  # this message's own held UPDATEs, after its SAVEPOINT
+            _, after = holder.around()
+            holder.send_alone(after)
         return execute(sql, params, many, context)
 
 
@@ -118,6 +143,9 @@ def guarded(order: AbstractOrder, step: Callable[[], T], savepoints: Savepoints)
     version: int = order.version
     savepoint = _Savepoint(savepoints)
     callbacks = len(connection.run_on_commit)
+    holder = savepoints.holder
+    if holder is not None:
+        holder.begin(savepoint)
     # ``connection.execute_wrapper(savepoint)``, without a generator per message.
     wrappers = connection.execute_wrappers
     wrappers.append(savepoint)
@@ -127,9 +155,13 @@ def guarded(order: AbstractOrder, step: Callable[[], T], savepoints: Savepoints)
         finally:
             wrappers.pop()
     except TRANSIENT:
+        if holder is not None:
+            holder.end(ran=False)
         restore(order, before, version)
         raise
     except Exception as exc:
+        if holder is not None:
+            holder.end(ran=False)  # what it held: unsent, or rolled back with its savepoint
         restore(order, before, version)
         # As atomic() does: the flag a failed query set is lowered first (the rollback is
         # itself a query), and the transaction goes on from the savepoint.
@@ -138,6 +170,8 @@ def guarded(order: AbstractOrder, step: Callable[[], T], savepoints: Savepoints)
             connection.savepoint_rollback(savepoint.sid)
         del connection.run_on_commit[callbacks:]
         return exc
+    if holder is not None:
+        holder.end(ran=True)
     if savepoint.sid is not None:
         savepoints.release(savepoint.sid)
     return done

@@ -216,9 +216,17 @@ class Texts:
         the end."""
         raise NotImplementedError
 
-    def held_prefix(self, conn: Any, update: str, params: list[Any]) -> str:
+    def held_prefix(self, conn: Any, update: str, params: list[Any], stop: bool = False) -> str:
         """The held ``update`` with its ``params`` written in as literals: the head of the
-        text of the project's next statement."""
+        text of the project's next statement. ``stop``: where the database runs a text's
+        statements until the first error and raises it at once, an UPDATE that matched no
+        row stops the text with an error (:meth:`held_unanswered` tells it)."""
+        raise NotImplementedError
+
+    def held_unanswered(self, exc: BaseException) -> bool:
+        """A text that carried held UPDATEs (made with ``stop``) raised ``exc`` before
+        their rows were read: whether one of them may have matched no row (else each ran
+        and matched, and the error is a later statement's)."""
         raise NotImplementedError
 
     def held_rows(self, conn: Any, cursor: Any, matched: Callable[[int], None]) -> None:

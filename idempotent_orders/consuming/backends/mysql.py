@@ -281,13 +281,19 @@ class MySQLTexts(Texts):
 
     holds_save_update = True
 
-    def held_prefix(self, conn: Any, update: str, params: list[Any]) -> str:
+    def held_prefix(self, conn: Any, update: str, params: list[Any], stop: bool = False) -> str:
+        # mysqlclient reads each result at the step to it: the rows are counted
+        # (:meth:`held_rows`) before a later statement's error is raised, so no stop.
         raw = conn.connection.cursor()
         try:
             text = raw.mogrify(update, params)
         finally:
             raw.close()
         return text.decode() if isinstance(text, bytes) else str(text)
+
+    def held_unanswered(self, exc: BaseException) -> bool:
+        # execute() raises only the text's first statement's error: a held UPDATE's.
+        return True
 
     def held_rows(self, conn: Any, cursor: Any, matched: Callable[[int], None]) -> None:
         # The UPDATE's result first (Django's connection counts found rows, not changed

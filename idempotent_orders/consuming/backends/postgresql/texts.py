@@ -210,9 +210,17 @@ class PostgreSQLTexts(Texts):
 
     holds_save_update = True
 
-    def held_prefix(self, conn: Any, update: str, params: list[Any]) -> str:
-        counted = f"WITH moved AS ({update} RETURNING 1) SELECT count(*) FROM moved"
+    def held_prefix(self, conn: Any, update: str, params: list[Any], stop: bool = False) -> str:
+        if stop:  # psycopg raises a text's first error at execute(), before any row is read
+            counted = _stopping(update)
+        else:
+            counted = f"WITH moved AS ({update} RETURNING 1) SELECT count(*) FROM moved"
         return str(conn.ops.compose_sql(counted, params))
+
+    def held_unanswered(self, exc: BaseException) -> bool:
+        # The server ran the text up to its first error: one that is not a stopped UPDATE's
+        # came after every held UPDATE before it had matched.
+        return getattr(exc.__cause__, "sqlstate", None) == _MOVED
 
     def held_rows(self, conn: Any, cursor: Any, matched: Callable[[int], None]) -> None:
         # psycopg read every result at execute(): an error of the project's statement was
