@@ -3,6 +3,7 @@ text of the first statement their receivers send."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from unittest import mock
 
 import pytest
@@ -40,3 +41,33 @@ def test_the_update_goes_in_the_text_of_the_first_statement_after_it(make_order)
     for order in (held, at_once):
         assert order.history.count() == 2  # created, then paid
         assert Order.objects.get(pk=order.pk).version == 1
+
+
+def test_a_chunks_updates_go_in_the_texts_of_its_history_rows(make_order) -> None:
+    """``consume_batch`` on the same model: each message's first statement (a history row)
+    carries the earlier messages' UPDATEs before its ``SAVEPOINT`` and its own after it,
+    one round trip a message fewer than each UPDATE with its savepoint; each order's
+    history holds its creation and its payment."""
+    from idempotent_orders.consuming.batch import consume_batch
+    from idempotent_orders.consuming.held import HeldSaves
+
+    assert consume_batch([payment(make_order())], consumer="payments") == [Outcome.APPLIED]
+    trips: list[int] = []
+    texts: list[str] = []
+    for holding in (True, False):
+        orders = [make_order() for _ in range(4)]
+        unheld = mock.patch.object(HeldSaves, "arm", classmethod(lambda cls, *a: None))
+        with nullcontext() if holding else unheld, round_trips(texts) as count:
+            outcomes = consume_batch([payment(o) for o in orders], consumer="payments")
+            trips.append(count())
+        assert outcomes == [Outcome.APPLIED] * 4
+        for order in orders:
+            assert order.history.count() == 2  # created, then paid
+            assert Order.objects.get(pk=order.pk).version == 1
+        if holding:
+            table = connection.ops.quote_name(Order._meta.db_table)
+            carrying = [t for t in texts if f"UPDATE {table} SET " in t]
+            assert sum(t.count(f"UPDATE {table} SET ") for t in carrying) == 4
+            assert all("INSERT INTO " in t for t in carrying), carrying
+    held_trips, at_once_trips = trips
+    assert held_trips == at_once_trips - 4, trips
