@@ -510,6 +510,9 @@ class _Chunk:
         ran = call_transition(order, verdict.transition, verdict.kwargs, fields=verdict.values)
         if self.saves:
             self._save(order, ran, version)
+            # The next message of the chunk meets the order as a read would give it back,
+            # as on the single path, which reads it again.
+            as_read(order, [self.state_attname, *ran.values])
             return self._ran(order, verdict, env, ran, version)
         if ran.saved:
             # A receiver saved the order in this transaction: the row holds its version.

@@ -200,6 +200,56 @@ def test_a_chunk_of_bodies_ends_as_the_direct_calls(
         assert Payment.objects.filter(order__in=batch.values()).count() == 7
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+def test_on_the_save_road_a_chunk_ends_as_the_direct_calls(
+    stream: str, message_types: None, stages: None, signals: Signals, heard: Heard
+) -> None:
+    """The same streams with a ``post_save`` receiver on the model that reads its order
+    back through the ORM: every transition is a ``save()``, whose UPDATE the chunk holds
+    for its next text (on PostgreSQL and MariaDB), here the receiver's read. The three
+    roads end alike, and each read saw the row as that ``save()`` wrote it: the same
+    states as the direct calls, the same states and versions on the two roads."""
+    from django.db.models.signals import post_save
+
+    from idempotent_orders.consuming.graph import state_field
+    from idempotent_orders.consuming.running import road
+
+    model, steps = STREAMS[stream]
+    column = state_field(model).attname
+    read: dict[Any, list[tuple[Any, int]]] = {}
+
+    def read_back(sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
+        if not created:
+            row = model.objects.filter(pk=instance.pk).values_list(column, "version").get()
+            read.setdefault(instance.pk, []).append(row)
+
+    post_save.connect(read_back, sender=model, weak=False, dispatch_uid="diff-save-road")
+    try:
+        assert road(model, steps[0][1])[0] == "save"
+        test_a_chunk_of_bodies_ends_as_the_direct_calls(
+            stream, message_types, stages, signals, heard
+        )
+    finally:
+        post_save.disconnect(sender=model, dispatch_uid="diff-save-road")
+    # The orders of the three roads were made in that order, each road's letters sorted.
+    letters = sorted({step[0] for step in steps})
+    by_road = [sorted(pk for pk in read if pk in pks) for pks in _road_pks(model, len(letters))]
+    assert any(by_road), read
+    oracle, single, batch = ([read[pk] for pk in pks] for pks in by_road)
+    assert batch == single
+    assert [[state for state, _ in seen] for seen in batch] == [
+        [state for state, _ in seen] for seen in oracle
+    ]
+
+
+def _road_pks(model: type[Any], per_road: int) -> list[list[Any]]:
+    """The primary keys of the last three roads' orders, oldest road first."""
+    pks = list(model.objects.order_by("-pk").values_list("pk", flat=True)[: per_road * 3])
+    pks.reverse()
+    return [pks[i * per_road : (i + 1) * per_road] for i in range(3)]
+
+
 class _Deadlock(Exception):
     sqlstate = "40P01"
 
