@@ -267,6 +267,29 @@ def test_consumer_state_machine(transactional_db: None) -> None:
     run_state_machine_as_test(Consumer)
 
 
+@pytest.mark.races
+def test_consumer_state_machine_on_the_save_road(transactional_db: None) -> None:
+    """The same with a ``post_save`` receiver on Order: every transition is the model's own
+    ``save()``, its UPDATE held for the next text where the database takes it. The receiver
+    reads the order back on every other order (its statement carries the held UPDATEs and
+    takes the message's savepoint in a batch) and sends nothing on the rest."""
+    from django.db.models.signals import post_save
+
+    from idempotent_orders.consuming.running import road
+
+    def receiver(sender: Any, instance: Order, created: bool, **kwargs: Any) -> None:
+        if not created and instance.pk % 2 == 0:
+            row = Order.objects.values_list("status", "version").get(pk=instance.pk)
+            assert row == (instance.status, instance.version), row
+
+    post_save.connect(receiver, sender=Order, weak=False, dispatch_uid="prop-save-road")
+    try:
+        assert road(Order, "pay")[0] == "save"
+        run_state_machine_as_test(Consumer)
+    finally:
+        post_save.disconnect(sender=Order, dispatch_uid="prop-save-road")
+
+
 def test_batch_redelivered_after_dying_before_release_releases(transactional_db: None) -> None:
     """A batch whose worker died after its commit, before the release, is delivered again.
 
