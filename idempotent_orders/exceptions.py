@@ -37,6 +37,14 @@ class UnknownTransition(IdempotentOrdersError):
     default_code = "unknown-transition"
 
 
+class TransactionAborted(IdempotentOrdersError):
+    """The message's transaction was aborted by a database error that the project's code
+    caught (a receiver, a body, a ``save()`` override): nothing of the message can commit,
+    and it is kept as failed instead of being reported applied."""
+
+    default_code = "transaction-aborted"
+
+
 class OrderChanged(Exception):
     """The guarded ``save()`` of a transition found the order changed since it was read.
 

@@ -76,6 +76,7 @@ from idempotent_orders.consuming.running import (
     keeps_parked_flag,
     runs_user_code,
     save_hooks,
+    still_committable,
     transition_heard,
     transition_starting,
     transitions_written,
@@ -394,6 +395,8 @@ def _decide_and_write(
         for item in live:
             chunk.decide(item)
         chunk.write(claimed)
+        if user:
+            still_committable(chunk.conn)
         return
     # The save() road: each save()'s UPDATE held for the next text (installed before any
     # message's savepoint, so it sees each statement first), and settled before COMMIT.
@@ -404,6 +407,7 @@ def _decide_and_write(
             chunk.decide(item)
         chunk.write(claimed)
         holder.settle()
+        still_committable(chunk.conn)
     finally:
         wrappers.remove(holder)
 

@@ -38,9 +38,10 @@ from idempotent_orders.consuming.graph import (
     edge,
     state_field,
 )
-from idempotent_orders.exceptions import OrderChanged, TransitionNotSaved
+from idempotent_orders.exceptions import OrderChanged, TransactionAborted, TransitionNotSaved
 from idempotent_orders.models import SAVE_GUARD, SAVE_HOLD
 from idempotent_orders.signals import order_transitioned
+from idempotent_orders.vendors import vendor
 
 
 def written_values(model: type[Model], fields: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -585,6 +586,19 @@ def call_transition(
         elif value != before.get(attname, _DEFERRED):
             values[attname] = value
     return Ran(name, source, field.get_state(instance), values, returned, error, saved)
+
+
+def still_committable(conn: Any) -> None:
+    """After the project's code ran in the message's transaction, before it commits: raise
+    :class:`~idempotent_orders.exceptions.TransactionAborted` where a database error
+    aborted that transaction and the project's code caught it (PostgreSQL then answers
+    ``COMMIT`` with a silent rollback: the message would be reported applied, and its
+    redelivery taken for a duplicate, with nothing written)."""
+    if vendor(conn).aborted(conn):
+        raise TransactionAborted(
+            "a database error aborted the message's transaction and the project's code "
+            "caught it (a receiver, a body or a save() override): nothing was written"
+        )
 
 
 def commit(

@@ -83,6 +83,7 @@ from idempotent_orders.consuming.running import (
     guarded_update_sql,
     keeps_parked_flag,
     save_hooks,
+    still_committable,
     transition_written,
 )
 from idempotent_orders.consuming.sql import build, compiled_read, handed_over, read_order
@@ -375,6 +376,7 @@ def settle(
         handed = last(order, ran) if last is not None and ran.error is None else None
         if held is not None and not held.settle():
             raise Conflict  # the held UPDATE matched no row: the order moved since the read
+        still_committable(connections[order._state.db or DEFAULT_DB_ALIAS])
     finally:
         if held is not None:
             held.close()

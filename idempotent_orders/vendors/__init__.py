@@ -92,6 +92,11 @@ class Vendor:
         in turn (``cursor.nextset()``)."""
         return False
 
+    def aborted(self, conn: BaseDatabaseWrapper) -> bool:
+        """Whether the transaction open on ``conn`` can no longer commit: an error aborted
+        it and the code that met the error caught it (its ``COMMIT`` would roll back)."""
+        return False
+
     def takes_several(self, cursor: Any) -> bool:
         """Whether the driver's ``cursor`` (``CursorWrapper.cursor``) may send a text of
         several statements, given :meth:`several_statements` of its connection."""

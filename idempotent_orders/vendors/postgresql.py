@@ -20,6 +20,8 @@ _LOST_SQLSTATE_PREFIXES = ("08", "57P01", "57P02", "57P03")
 #: SQLSTATEs of a transaction rolled back to break a race: a serialization failure, a
 #: deadlock.
 _ROLLED_BACK_SQLSTATES = {"40001", "40P01"}
+#: libpq's transaction status of a transaction an error aborted (``PQTRANS_INERROR``).
+_INERROR = 3
 
 
 class PostgreSQL(Vendor):
@@ -58,6 +60,16 @@ class PostgreSQL(Vendor):
 
         conn.ensure_connection()
         return issubclass(conn.connection.cursor_factory, psycopg.ClientCursor)
+
+    def aborted(self, conn: BaseDatabaseWrapper) -> bool:
+        # Any error aborts the whole transaction, and the server answers its COMMIT with
+        # a ROLLBACK the driver does not raise.
+        raw = conn.connection
+        if raw is None:
+            return False
+        pgconn = getattr(raw, "pgconn", None)  # psycopg 3; psycopg2 asks the connection
+        status = pgconn.transaction_status if pgconn is not None else raw.get_transaction_status()
+        return bool(status == _INERROR)
 
     def takes_several(self, cursor: Any) -> bool:
         # A server-side (named) cursor declares its one query.
