@@ -44,25 +44,102 @@ Held = tuple[str, list[Any]]
 __all__ = ["HeldSaves", "HeldUpdate", "MovedUnderChunk"]
 
 
-class HeldUpdate:
-    """The guarded UPDATE of one ``save()`` on the road's connection, held for the next text.
+class _Holder:
+    """What both holders share: the held UPDATEs put at the head of the project's next
+    statement (:meth:`carry`), their rows read back, and what a failed text tells."""
 
-    Handed to the model's ``_do_update`` (through the instance, as its guard is:
-    :data:`~idempotent_orders.models.SAVE_HOLD`): :meth:`hold` keeps the statement and
-    installs this object as the connection's execute wrapper until the statement goes
-    out.
-    """
+    #: Whether the held UPDATEs stop their text with an error when they match no row
+    #: (``Texts.held_prefix(stop=...)``).
+    stops = False
 
     def __init__(self, conn: Any, texts: Any) -> None:
         self.conn = conn
         self.texts = texts
         self.database = vendor(conn)
+        #: A held UPDATE matched no row (the order moved since the read), or its answer
+        #: was lost with the text's error: what was written with it rolls back.
+        self.moved = False
+        #: The error the database answered a held UPDATE with, where the project's code
+        #: that sent its text may have swallowed it: raised again before the commit.
+        self.refused: BaseException | None = None
+
+    def carry(
+        self, execute: Any, sql: Any, params: Any, many: bool, context: Any, held: list[Held]
+    ) -> Any:
+        """Run the project's statement ``sql`` with ``held`` at the head of its text (sent
+        alone first where its cursor takes one statement a text); its cursor is left on
+        the project's statement's result."""
+        if not held:
+            return execute(sql, params, many, context)
+        cursor = context["cursor"].cursor
+        if many or not isinstance(sql, str) or not self.database.takes_several(cursor):
+            self.send_alone(held)
+            return execute(sql, params, many, context)
+        text = "; ".join([*self.prefix(held, params is not None), sql])
+        try:
+            done = execute(text, params, many, context)
+        except Exception as exc:
+            self.failed(exc)
+            raise
+        self.read(cursor, len(held))
+        return done
+
+    def prefix(self, held: list[Held], escape: bool) -> list[str]:
+        """The statements of ``held`` as texts that return the rows each matched
+        (``escape``: the driver reads the text for its own arguments)."""
+        stop = self.stops
+        texts = [self.texts.held_prefix(self.conn, sql, p, stop=stop) for sql, p in held]
+        return [t.replace("%", "%%") for t in texts] if escape else texts
+
+    def read(self, cursor: Any, count: int) -> None:
+        """Read the rows matched by ``count`` held UPDATEs from the cursor's result on. An
+        error of a later statement in the text is raised after the count before it was
+        read (MariaDB raises each at the step to its result); an UPDATE whose count was
+        not read counts as lost."""
+        for n in range(count):
+            try:
+                self.texts.held_rows(self.conn, cursor, self._matched)
+            except Exception:
+                if n + 1 < count:
+                    self.lost()
+                raise
+
+    def send_alone(self, held: list[Held]) -> None:
+        """Send ``held`` one statement a round trip (a cursor that takes one statement)."""
+        for sql, params in held:
+            if send_update(self.conn, sql, params) != 1:
+                self.moved = True
+
+    def failed(self, exc: BaseException) -> None:
+        """The text that carried held UPDATEs raised ``exc`` before their rows were read."""
+        if self.texts.held_unanswered(exc):
+            self.moved = True
+            self.refused = exc
+
+    def lost(self) -> None:
+        """A held UPDATE's rows were not read."""
+        self.moved = True
+
+    def _matched(self, rows: int) -> None:
+        if rows != 1:
+            self.moved = True
+
+
+class HeldUpdate(_Holder):
+    """The guarded UPDATE of one ``save()`` on the road's connection, held for the next text.
+
+    Handed to the model's ``_do_update`` (through the instance, as its guard is:
+    :data:`~idempotent_orders.models.SAVE_HOLD`): :meth:`hold` keeps the statement and
+    installs this object as the connection's execute wrapper until the statement goes
+    out. Its UPDATE counts the rows it matched without stopping its text, so the
+    project's statement never raises for it.
+    """
+
+    def __init__(self, conn: Any, texts: Any) -> None:
+        super().__init__(conn, texts)
         #: The held UPDATE and its arguments (None: nothing held).
         self.sql: str | None = None
         self.params: list[Any] = []
-        #: A statement sent before the last text found the order moved (the UPDATE matched
-        #: no row): the message rolls back.
-        self.moved = False
 
     @classmethod
     def arm(cls, conn: Any, texts: Any) -> HeldUpdate | None:
@@ -82,7 +159,7 @@ class HeldUpdate:
         conn.execute_wrappers.append(self)
         return True
 
-    def take(self) -> tuple[str, list[Any]] | None:
+    def take(self) -> Held | None:
         """The UPDATE still held, for the last text to carry (no longer held)."""
         return self._release()
 
@@ -90,15 +167,15 @@ class HeldUpdate:
         """Send the UPDATE still held on its own (nothing went after it); False when the
         order moved, by then or now."""
         held = self._release()
-        if held is not None and not send_update(self.conn, *held):
-            self.moved = True
+        if held is not None:
+            self.send_alone([held])
         return not self.moved
 
     def close(self) -> None:
         """Drop what is held (the block is rolling back) and the execute wrapper."""
         self._release()
 
-    def _release(self) -> tuple[str, list[Any]] | None:
+    def _release(self) -> Held | None:
         if self.sql is None:
             return None
         held = (self.sql, self.params)
@@ -112,23 +189,7 @@ class HeldUpdate:
         """The execute wrapper: the held UPDATE goes in the text of the project's statement
         (on its own first where the cursor takes one statement a text)."""
         held = self._release()
-        if held is None:
-            return execute(sql, params, many, context)
-        cursor = context["cursor"].cursor
-        if many or not isinstance(sql, str) or not self.database.takes_several(cursor):
-            if not send_update(self.conn, *held):
-                self.moved = True
-            return execute(sql, params, many, context)
-        text = self.texts.held_prefix(self.conn, *held)
-        if params is not None:  # the driver reads the text for its own arguments
-            text = text.replace("%", "%%")
-        done = execute(f"{text}; {sql}", params, many, context)
-        self.texts.held_rows(self.conn, cursor, self._matched)
-        return done
-
-    def _matched(self, rows: int) -> None:
-        if rows != 1:
-            self.moved = True
+        return self.carry(execute, sql, params, many, context, [] if held is None else [held])
 
 
 class MovedUnderChunk(Exception):
@@ -137,7 +198,7 @@ class MovedUnderChunk(Exception):
     by one (:func:`~idempotent_orders.consuming.batch.consume_batch`)."""
 
 
-class HeldSaves:
+class HeldSaves(_Holder):
     """The guarded UPDATEs of a batch chunk's ``save()``\\s, held for the next text.
 
     On the batch's save() road each transition is committed by the model's own
@@ -160,17 +221,16 @@ class HeldSaves:
     raises :class:`MovedUnderChunk` before the chunk commits.
     """
 
+    stops = True  # psycopg raises a text's first error at execute(), before any row is read
+
     def __init__(self, conn: Any, texts: Any) -> None:
-        self.conn = conn
-        self.texts = texts
-        self.database = vendor(conn)
+        super().__init__(conn, texts)
         #: Held UPDATEs of the messages whose code ran to its end.
         self.done: list[Held] = []
         #: Held UPDATEs of the message whose code runs now.
         self.current: list[Held] = []
         #: The running message's savepoint (``savepoints._Savepoint``), or None.
         self.step: Any = None
-        self.moved = False
 
     @classmethod
     def arm(cls, conn: Any) -> HeldSaves | None:
@@ -214,39 +274,6 @@ class HeldSaves:
         self.done, self.current = [], []
         return before, after
 
-    def prefix(self, held: list[Held], escape: bool) -> list[str]:
-        """The statements of ``held`` as texts that return the rows each matched."""
-        texts = [self.texts.held_prefix(self.conn, sql, p, stop=True) for sql, p in held]
-        return [t.replace("%", "%%") for t in texts] if escape else texts
-
-    def read(self, cursor: Any, count: int) -> None:
-        """Read the rows matched by ``count`` held UPDATEs from the cursor's result on. An
-        error of a later statement in the text is raised after the count before it was
-        read (MariaDB raises each at the step to its result); an UPDATE whose count was
-        not read counts as lost."""
-        for n in range(count):
-            try:
-                self.texts.held_rows(self.conn, cursor, self._matched)
-            except Exception:
-                if n + 1 < count:
-                    self.lost()
-                raise
-
-    def send_alone(self, held: list[Held]) -> None:
-        """Send ``held`` one statement a round trip (a cursor that takes one statement)."""
-        for sql, params in held:
-            if send_update(self.conn, sql, params) != 1:
-                self.moved = True
-
-    def failed(self, exc: BaseException) -> None:
-        """The text that carried held UPDATEs raised ``exc`` before their rows were read."""
-        if self.texts.held_unanswered(exc):
-            self.moved = True
-
-    def lost(self) -> None:
-        """A held UPDATE's rows were not read."""
-        self.moved = True
-
     def settle(self) -> None:
         """Before the chunk commits: send what is still held, in one text; raise
         :class:`MovedUnderChunk` when an UPDATE matched no row."""
@@ -279,19 +306,4 @@ class HeldSaves:
         else:
             held, self.done = self.done + self.current, []
             self.current = []
-        cursor = context["cursor"].cursor
-        if many or not isinstance(sql, str) or not self.database.takes_several(cursor):
-            self.send_alone(held)
-            return execute(sql, params, many, context)
-        text = "; ".join([*self.prefix(held, params is not None), sql])
-        try:
-            done = execute(text, params, many, context)
-        except Exception as exc:
-            self.failed(exc)
-            raise
-        self.read(cursor, len(held))
-        return done
-
-    def _matched(self, rows: int) -> None:
-        if rows != 1:
-            self.moved = True
+        return self.carry(execute, sql, params, many, context, held)

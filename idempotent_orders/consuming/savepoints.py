@@ -109,8 +109,13 @@ class _Savepoint:
                     holder.failed(exc)
                 raise
             holder.read(cursor, len(before))
-            with points.connection.wrap_database_errors:
-                points.database.skip_results(cursor, len(texts))
+            try:
+                with points.connection.wrap_database_errors:
+                    points.database.skip_results(cursor, len(texts))
+            except Exception as exc:
+                if after:  # raised at the step to this message's first UPDATE: its own
+                    holder.failed(exc)
+                raise
             holder.read(cursor, len(after))
             return done
         self.taking = True  # the SAVEPOINT statement itself passes through here

@@ -375,7 +375,10 @@ def settle(
             raise Conflict
         handed = last(order, ran) if last is not None and ran.error is None else None
         if held is not None and not held.settle():
-            raise Conflict  # the held UPDATE matched no row: the order moved since the read
+            # The held UPDATE matched no row (the order moved since the read: decide again),
+            # or the database refused it in the text of a statement whose error the
+            # project's code swallowed: raised as its save() would have raised it.
+            raise held.refused or Conflict()
         still_committable(connections[order._state.db or DEFAULT_DB_ALIAS])
     finally:
         if held is not None:
@@ -532,7 +535,7 @@ def _queue_and_commit(
     if handed is None:
         return None
     if held is not None and held.moved:
-        raise Conflict
+        raise held.refused or Conflict()
     update = None if held is None else held.take()
     queued_id = texts.queue(conn, block, dict(handed[1].fields), update)
     if queued_id is not None:  # None: the message was queued already

@@ -132,3 +132,43 @@ def test_an_order_the_projects_code_moved_under_the_chunk_sends_it_one_by_one(
     # The move rolled back with the chunk: each order holds its one transition.
     assert [_row(o) for o in orders] == [(OrderStatus.PAID, 1, f"pay-{o.pk}") for o in orders]
     assert ProcessedMessage.objects.filter(outcome=Outcome.APPLIED).count() == 3
+
+
+def test_a_held_update_the_database_refuses_fails_its_message_alone(make_order) -> None:
+    """The second message's held UPDATE is refused (a value too long for its column) in
+    the text of its receiver's read, and the receiver swallows the error: that message is
+    kept as failed with the database's error and its order is not written; the others
+    apply once."""
+    from django.db import DatabaseError
+
+    orders = [make_order() for _ in range(3)]
+    swallowed: list[str] = []
+
+    def too_long(sender: Any, instance: Order, **kwargs: Any) -> None:
+        if instance.pk == orders[1].pk:
+            instance.business_key = "k" * 500
+
+    def swallowing(sender: Any, instance: Order, **kwargs: Any) -> None:
+        try:
+            Order.objects.filter(pk=instance.pk).exists()
+        except DatabaseError as exc:
+            swallowed.append(type(exc).__name__)
+
+    pre_save.connect(too_long, sender=Order, weak=False, dispatch_uid="test-held-saves-long")
+    try:
+        with _receiver(post_save, swallowing):
+            outcomes = consume_batch([payment(o) for o in orders], consumer="payments")
+    finally:
+        pre_save.disconnect(sender=Order, dispatch_uid="test-held-saves-long")
+    assert swallowed
+    assert outcomes == [Outcome.APPLIED, Outcome.FAILED, Outcome.APPLIED]
+    assert [_row(o)[:2] for o in orders] == [
+        (OrderStatus.PAID, 1),
+        (OrderStatus.PENDING_PAYMENT, 0),
+        (OrderStatus.PAID, 1),
+    ]
+    failed = ProcessedMessage.objects.get(order_id=orders[1].pk)
+    # PostgreSQL aborted the transaction at the refusal, which the receiver caught;
+    # MariaDB answered the UPDATE alone with the error, which is kept.
+    reason = "TransactionAborted" if connection.vendor == "postgresql" else "DataError"
+    assert reason in failed.error, failed.error

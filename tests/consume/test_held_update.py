@@ -18,9 +18,11 @@ from django.db.models import F
 from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext, override_settings
 
+from idempotent_orders.consuming.failures import MessageFailed
 from idempotent_orders.consuming.running import road
 from idempotent_orders.consuming.single import consume_message
 from idempotent_orders.models import (
+    InboxStatus,
     Order,
     OrderStatus,
     OutboxMessage,
@@ -300,3 +302,38 @@ def test_a_failed_statement_a_receiver_swallows_still_reports_the_order_moved(ma
     assert moves == [1]
     assert len(swallowed) == 2  # the attempt rolled back, and the one that applied
     _applied_once(order, message, 1, True)
+
+
+def test_a_held_update_the_database_refuses_is_never_committed_unapplied(make_order) -> None:
+    """The held UPDATE itself fails (a value too long for its column) in the text of a
+    receiver's statement, and the receiver swallows the error: the message is never
+    recorded as applied over an order that was not written. It is kept as failed with
+    the database's error, as a ``save()`` the database refuses is."""
+    swallowed: list[str] = []
+
+    def too_long(sender: Any, instance: Any, **kwargs: Any) -> None:
+        instance.business_key = "k" * 500  # wider than the column: the UPDATE is refused
+
+    def swallowing(sender: Any, instance: Any, **kwargs: Any) -> None:
+        try:
+            Order.objects.filter(pk=instance.pk).exists()
+        except DatabaseError as exc:
+            swallowed.append(type(exc).__name__)
+
+    order = make_order()
+    message = payment(order)
+    pre_save.connect(too_long, sender=Order, weak=False, dispatch_uid="test-held-too-long")
+    try:
+        with _config(True), _receiver(swallowing), pytest.raises(MessageFailed):
+            consume_message(message, consumer="payments")
+    finally:
+        pre_save.disconnect(sender=Order, dispatch_uid="test-held-too-long")
+    assert swallowed  # the receiver's statement carried the refused UPDATE
+    row = Order.objects.get(pk=order.pk)
+    assert (row.status, row.version) == (OrderStatus.PENDING_PAYMENT, 0)
+    # Kept as failed with the database's error, for the operator and the redelivery.
+    inbox = ProcessedMessage.objects.get(message_id=message["message_id"])
+    assert inbox.status == InboxStatus.FAILED
+    assert inbox.outcome != Outcome.APPLIED
+    assert "Error(" in inbox.error
+    assert not SpentPayment.objects.filter(order_id=order.pk).exists()
