@@ -71,6 +71,9 @@ _TEMPLATE_OPTIONS = frozenset(
 #: routes or of a task's options at run time reaches its messages after at most this long).
 TEMPLATE_TTL = 1.0
 
+#: The key of the app's settings' verdict in a cache of templates (no (task, options) pair).
+_SETTINGS = "settings"
+
 #: The task id of the one ``apply_async`` a template is taken from (never published).
 _TEMPLATE_ID = "idempotent-orders-outbox-template-id"
 
@@ -126,18 +129,34 @@ class _TemplateSender:
         app = current_app._get_current_object()  # type: ignore[attr-defined]
         self.app = app
         self.maxsize = app.amqp.argsrepr_maxsize
-        self.usable = self._app_allows(app)
+        self.usable = self._app_allows(app, cache)
 
     @staticmethod
-    def _app_allows(app: Any) -> bool:
+    def _settings_allow(app: Any) -> bool:
+        """What the app's settings say (eager mode, sent events, the protocol)."""
+        conf = app.conf
+        eager_or_events = conf.task_always_eager or conf.task_send_sent_event
+        return not eager_or_events and conf.task_protocol == 2
+
+    @classmethod
+    def _app_allows(cls, app: Any, cache: dict[Any, Any] | None = None) -> bool:
         from celery import Celery, signals
         from celery.app.routes import MapRoute
 
-        if app.conf.task_always_eager or app.conf.task_send_sent_event:
+        # Each read of Celery's settings walks its layers (about 15 us): with ``cache`` (the
+        # publisher thread's) they are read once per :data:`TEMPLATE_TTL`, as the templates
+        # are taken; a receiver or a patched method is looked for every batch.
+        now = time.monotonic()
+        kept = None if cache is None else cache.get(_SETTINGS)
+        if kept is not None and kept[0] > now and kept[1] is app:
+            allowed = kept[2]
+        else:
+            allowed = cls._settings_allow(app)
+            if cache is not None:
+                cache[_SETTINGS] = (now + TEMPLATE_TTL, app, allowed)
+        if not allowed:
             return False
         if type(app).send_task is not Celery.send_task or "send_task" in vars(app):
-            return False
-        if app.conf.task_protocol != 2:
             return False
         publish_signals = (signals.before_task_publish, signals.after_task_publish)
         if any(signal.receivers for signal in (*publish_signals, signals.task_sent)):
@@ -243,6 +262,8 @@ class _TemplateSender:
 
 
 def _options_key(options: Any) -> str:
+    if options == {}:  # most rows: what json.dumps gives, without an encoder made each time
+        return "{}"
     return json.dumps(options, sort_keys=True, default=str)
 
 

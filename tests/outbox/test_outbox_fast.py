@@ -229,6 +229,47 @@ def test_the_publisher_threads_kept_template_is_reused_yet_a_patched_task_wins(
     assert not _TemplateSender(recorder, cache).send(row({}))
 
 
+def test_the_publisher_thread_reads_the_apps_settings_once_a_template_ttl(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eager mode switched on at run time: a batch without the thread's cache sees it at
+    once, the publisher thread's next batches once its reading is :data:`TEMPLATE_TTL`
+    old, as for the templates."""
+    from idempotent_orders.outbox import sender
+
+    clock = [1000.0]
+    monkeypatch.setattr(sender.time, "monotonic", lambda: clock[0])
+    read: list[bool] = []
+    settings_allow = _TemplateSender._settings_allow
+
+    def counting(app: Any) -> bool:
+        read.append(settings_allow(app))
+        return read[-1]
+
+    monkeypatch.setattr(_TemplateSender, "_settings_allow", staticmethod(counting))
+    cache: dict[Any, Any] = {}
+    assert _TemplateSender(recorder, cache).send(row({}))
+    before = current_app.conf.task_always_eager
+    current_app.conf.task_always_eager = True
+    try:
+        assert _TemplateSender(recorder, cache).send(row({}))  # the thread's reading, kept
+        assert not _TemplateSender(recorder).send(row({}))  # no cache: read now
+        clock[0] += sender.TEMPLATE_TTL
+        assert not _TemplateSender(recorder, cache).send(row({}))  # read again
+    finally:
+        current_app.conf.task_always_eager = before
+    assert read == [True, False, False]
+
+
+@pytest.mark.parametrize("options", [{}, {"queue": "q", "priority": 3}])
+def test_the_options_key_is_the_options_as_sorted_json(options: dict[str, Any]) -> None:
+    import json
+
+    from idempotent_orders.outbox.sender import _options_key
+
+    assert _options_key(options) == json.dumps(options, sort_keys=True, default=str)
+
+
 def test_a_task_not_registered_here_publishes_what_send_task_publishes(
     recorder: Recorder,
 ) -> None:
