@@ -74,6 +74,9 @@ TEMPLATE_TTL = 1.0
 #: The key of the app's settings' verdict in a cache of templates (no (task, options) pair).
 _SETTINGS = "settings"
 
+#: The clock a kept template's and settings' lifetime is read on (tests stand in their own).
+_monotonic = time.monotonic
+
 #: The task id of the one ``apply_async`` a template is taken from (never published).
 _TEMPLATE_ID = "idempotent-orders-outbox-template-id"
 
@@ -146,7 +149,7 @@ class _TemplateSender:
         # Each read of Celery's settings walks its layers (about 15 us): with ``cache`` (the
         # publisher thread's) they are read once per :data:`TEMPLATE_TTL`, as the templates
         # are taken; a receiver or a patched method is looked for every batch.
-        now = time.monotonic()
+        now = _monotonic()
         kept = None if cache is None else cache.get(_SETTINGS)
         if kept is not None and kept[0] > now and kept[1] is app:
             allowed = kept[2]
@@ -199,7 +202,7 @@ class _TemplateSender:
 
     def _kept(self, key: tuple[str, str], row: OutboxMessage) -> _Template | None:
         """The template of ``key``: from the cache while fresh, else taken now."""
-        now = time.monotonic()
+        now = _monotonic()
         if self.cache is not None:
             hit = self.cache.get(key)
             if hit is not None and hit[0] > now and self._task_allows(row):

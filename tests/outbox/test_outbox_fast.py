@@ -238,7 +238,7 @@ def test_the_publisher_thread_reads_the_apps_settings_once_a_template_ttl(
     from idempotent_orders.outbox import sender
 
     clock = [1000.0]
-    monkeypatch.setattr(sender.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sender, "_monotonic", lambda: clock[0])
     read: list[bool] = []
     settings_allow = _TemplateSender._settings_allow
 
