@@ -4,7 +4,9 @@ The default configuration (every setting that bears on consuming at its default;
 ones left otherwise are printed) on the app's Order, and on the demo's ShopOrder
 (transition bodies) in a child process (``python -m bench.consumer --shop``, its own
 database: the order model is fixed when the settings load). Every operation is timed
-one by one too: p50/p95/p99 latencies beside each rate.
+one by one too: p50/p95/p99 latencies beside each rate, and the CPU a message. Two
+baselines run in the same rounds: a raw psycopg transaction with the same writes, and
+the project's own code by hand (the ORM, the model's transition and ``save()``).
 """
 
 from __future__ import annotations
